@@ -1,0 +1,31 @@
+//! Constants of the v1beta1 contract, as the kubelet defines them (protocol.md §2).
+
+/// The only API version the kubelet accepts in `RegisterRequest.version`.
+pub const VERSION: &str = "v1beta1";
+
+/// The kubelet's device-plugins folder on Linux.
+pub const DEVICE_PLUGIN_PATH: &str = "/var/lib/kubelet/device-plugins/";
+
+/// File name of the kubelet's registration socket inside [`DEVICE_PLUGIN_PATH`].
+pub const KUBELET_SOCKET_NAME: &str = "kubelet.sock";
+
+/// The health string that counts as healthy. Any other string, including empty, is unhealthy.
+pub const HEALTHY: &str = "Healthy";
+
+/// The health string for an unhealthy device.
+pub const UNHEALTHY: &str = "Unhealthy";
+
+/// How long the kubelet waits for PreStartContainer, in seconds.
+pub const PRE_START_CONTAINER_TIMEOUT_SECS: u64 = 30;
+
+/// How long the kubelet waits when dialling a plugin back during Register, in seconds.
+pub const DIAL_TIMEOUT_SECS: u64 = 10;
+
+/// How long the kubelet keeps a disconnected resource before removing it, in seconds (5 min).
+pub const ENDPOINT_STOP_GRACE_SECS: u64 = 300;
+
+/// The default largest message a grpc-go client (the kubelet) accepts: 4 MiB.
+pub const MAX_RECV_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
+/// The kubelet's checkpoint file in the device-plugins folder; it survives a kubelet restart.
+pub const CHECKPOINT_FILE_NAME: &str = "kubelet_internal_checkpoint";

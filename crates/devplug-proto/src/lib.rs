@@ -1,0 +1,19 @@
+//! The kubelet device plugin API, v1beta1: the wire contract devplug speaks.
+//!
+//! - [`v1beta1`]: prost messages and tonic clients/servers generated from `proto/v1beta1/api.proto`
+//!   (committed; `tests/bootstrap.rs` regenerates and diffs it).
+//! - [`constants`]: the kubelet's constants (API version, paths, health strings).
+//! - [`resource_name`]: the kubelet's check on extended resource names, so that plugins and the
+//!   simulator reject the same names the kubelet does.
+//!
+//! Field names, numbers and the package name come from `../shared/protocol.md` §1 and are pinned by
+//! `tests/wire.rs`.
+
+pub mod constants;
+pub mod resource_name;
+
+/// Generated code for package `v1beta1`.
+#[allow(missing_docs, clippy::all, clippy::pedantic, clippy::unwrap_used, clippy::expect_used)]
+pub mod v1beta1 {
+    include!("gen/v1beta1.rs");
+}

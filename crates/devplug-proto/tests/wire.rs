@@ -1,0 +1,252 @@
+//! Pins the wire contract from protocol.md §1: package and service names, full gRPC method
+//! paths, and the encoded bytes of messages, computed by hand from the field numbers.
+
+use devplug_proto::v1beta1 as pb;
+use prost::Message;
+use std::collections::HashMap;
+
+const GENERATED: &str = include_str!("../src/gen/v1beta1.rs");
+
+/// Bytes of a length-delimited field: tag (field << 3 | 2), length, payload.
+fn ld(field: u8, payload: &[u8]) -> Vec<u8> {
+    assert!(payload.len() < 128, "single-byte lengths only in these tests");
+    let mut out = vec![(field << 3) | 2, payload.len() as u8];
+    out.extend_from_slice(payload);
+    out
+}
+
+/// Bytes of a varint field with a small value.
+fn varint(field: u8, value: u8) -> Vec<u8> {
+    assert!(value < 128);
+    vec![field << 3, value]
+}
+
+#[test]
+fn method_paths_match_the_kubelet() {
+    let paths = [
+        "/v1beta1.Registration/Register",
+        "/v1beta1.DevicePlugin/GetDevicePluginOptions",
+        "/v1beta1.DevicePlugin/ListAndWatch",
+        "/v1beta1.DevicePlugin/GetPreferredAllocation",
+        "/v1beta1.DevicePlugin/Allocate",
+        "/v1beta1.DevicePlugin/PreStartContainer",
+    ];
+    for path in paths {
+        // Each path appears once in the client (the request path) and once in the server (the route).
+        let count = GENERATED.matches(&format!("\"{path}\"")).count();
+        assert_eq!(count, 2, "{path} should be a client path and a server route");
+    }
+    use tonic::server::NamedService;
+    assert_eq!(
+        <pb::device_plugin_server::DevicePluginServer<Unimplemented> as NamedService>::NAME,
+        "v1beta1.DevicePlugin"
+    );
+    assert_eq!(
+        <pb::registration_server::RegistrationServer<Unimplemented> as NamedService>::NAME,
+        "v1beta1.Registration"
+    );
+}
+
+#[test]
+fn descriptor_has_exact_names_and_numbers() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../proto");
+    let fds = protox::compile(["v1beta1/api.proto"], [root]).unwrap();
+    let file = &fds.file[0];
+    assert_eq!(file.package(), "v1beta1");
+    let field = |msg: &str, name: &str| -> i32 {
+        let m = file.message_type.iter().find(|m| m.name() == msg).unwrap();
+        m.field.iter().find(|f| f.name() == name).unwrap().number()
+    };
+    let expected = [
+        ("DevicePluginOptions", "pre_start_required", 1),
+        ("DevicePluginOptions", "get_preferred_allocation_available", 2),
+        ("RegisterRequest", "version", 1),
+        ("RegisterRequest", "endpoint", 2),
+        ("RegisterRequest", "resource_name", 3),
+        ("RegisterRequest", "options", 4),
+        ("ListAndWatchResponse", "devices", 1),
+        ("TopologyInfo", "nodes", 1),
+        ("NUMANode", "ID", 1),
+        ("Device", "ID", 1),
+        ("Device", "health", 2),
+        ("Device", "topology", 3),
+        ("PreStartContainerRequest", "devices_ids", 1),
+        ("PreferredAllocationRequest", "container_requests", 1),
+        ("ContainerPreferredAllocationRequest", "available_deviceIDs", 1),
+        ("ContainerPreferredAllocationRequest", "must_include_deviceIDs", 2),
+        ("ContainerPreferredAllocationRequest", "allocation_size", 3),
+        ("PreferredAllocationResponse", "container_responses", 1),
+        ("ContainerPreferredAllocationResponse", "deviceIDs", 1),
+        ("AllocateRequest", "container_requests", 1),
+        ("ContainerAllocateRequest", "devices_ids", 1),
+        ("AllocateResponse", "container_responses", 1),
+        ("ContainerAllocateResponse", "envs", 1),
+        ("ContainerAllocateResponse", "mounts", 2),
+        ("ContainerAllocateResponse", "devices", 3),
+        ("ContainerAllocateResponse", "annotations", 4),
+        ("ContainerAllocateResponse", "cdi_devices", 5),
+        ("Mount", "container_path", 1),
+        ("Mount", "host_path", 2),
+        ("Mount", "read_only", 3),
+        ("DeviceSpec", "container_path", 1),
+        ("DeviceSpec", "host_path", 2),
+        ("DeviceSpec", "permissions", 3),
+        ("CDIDevice", "name", 1),
+    ];
+    for (msg, name, number) in expected {
+        assert_eq!(field(msg, name), number, "{msg}.{name}");
+    }
+    let services: Vec<(&str, Vec<&str>)> = file
+        .service
+        .iter()
+        .map(|s| (s.name(), s.method.iter().map(|m| m.name()).collect()))
+        .collect();
+    assert_eq!(
+        services,
+        vec![
+            ("Registration", vec!["Register"]),
+            (
+                "DevicePlugin",
+                vec![
+                    "GetDevicePluginOptions",
+                    "ListAndWatch",
+                    "GetPreferredAllocation",
+                    "Allocate",
+                    "PreStartContainer"
+                ]
+            ),
+        ]
+    );
+}
+
+#[test]
+fn device_with_topology_encodes_by_hand() {
+    let device = pb::Device {
+        id: "gpu-0".into(),
+        health: "Healthy".into(),
+        topology: Some(pb::TopologyInfo {
+            nodes: vec![pb::NumaNode { id: 1 }],
+        }),
+    };
+    let numa = varint(1, 1); // NUMANode.ID = 1
+    let topology = ld(1, &numa); // TopologyInfo.nodes
+    let expected = [ld(1, b"gpu-0"), ld(2, b"Healthy"), ld(3, &topology)].concat();
+    assert_eq!(device.encode_to_vec(), expected);
+    assert_eq!(
+        expected,
+        b"\x0a\x05gpu-0\x12\x07Healthy\x1a\x04\x0a\x02\x08\x01".to_vec()
+    );
+}
+
+#[test]
+fn container_allocate_response_encodes_by_hand() {
+    let resp = pb::ContainerAllocateResponse {
+        envs: HashMap::from([("K".to_owned(), "V".to_owned())]),
+        mounts: vec![pb::Mount {
+            container_path: "/c".into(),
+            host_path: "/h".into(),
+            read_only: true,
+        }],
+        devices: vec![pb::DeviceSpec {
+            container_path: "/dev/x".into(),
+            host_path: "/dev/y".into(),
+            permissions: "rw".into(),
+        }],
+        annotations: HashMap::from([("a".to_owned(), "b".to_owned())]),
+        cdi_devices: vec![pb::CdiDevice {
+            name: "v.com/c=n".into(),
+        }],
+    };
+    let map_entry = |k: &[u8], v: &[u8]| [ld(1, k), ld(2, v)].concat();
+    let mount = [ld(1, b"/c"), ld(2, b"/h"), varint(3, 1)].concat();
+    let spec = [ld(1, b"/dev/x"), ld(2, b"/dev/y"), ld(3, b"rw")].concat();
+    let cdi = ld(1, b"v.com/c=n");
+    let expected = [
+        ld(1, &map_entry(b"K", b"V")),
+        ld(2, &mount),
+        ld(3, &spec),
+        ld(4, &map_entry(b"a", b"b")),
+        ld(5, &cdi),
+    ]
+    .concat();
+    assert_eq!(resp.encode_to_vec(), expected);
+    assert_eq!(&expected[..8], b"\x0a\x06\x0a\x01K\x12\x01V");
+}
+
+#[test]
+fn register_and_preference_requests_encode_by_hand() {
+    let req = pb::RegisterRequest {
+        version: "v1beta1".into(),
+        endpoint: "x.sock".into(),
+        resource_name: "a.com/b".into(),
+        options: Some(pb::DevicePluginOptions {
+            pre_start_required: false,
+            get_preferred_allocation_available: true,
+        }),
+    };
+    let expected = [
+        ld(1, b"v1beta1"),
+        ld(2, b"x.sock"),
+        ld(3, b"a.com/b"),
+        ld(4, &varint(2, 1)),
+    ]
+    .concat();
+    assert_eq!(req.encode_to_vec(), expected);
+
+    let pref = pb::ContainerPreferredAllocationRequest {
+        available_device_i_ds: vec!["a".into(), "b".into()],
+        must_include_device_i_ds: vec!["a".into()],
+        allocation_size: 2,
+    };
+    let expected = [ld(1, b"a"), ld(1, b"b"), ld(2, b"a"), varint(3, 2)].concat();
+    assert_eq!(pref.encode_to_vec(), expected);
+}
+
+/// A server type for reading `NamedService::NAME`; never served.
+struct Unimplemented;
+
+#[tonic::async_trait]
+impl pb::registration_server::Registration for Unimplemented {
+    async fn register(
+        &self,
+        _: tonic::Request<pb::RegisterRequest>,
+    ) -> Result<tonic::Response<pb::Empty>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test"))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::device_plugin_server::DevicePlugin for Unimplemented {
+    async fn get_device_plugin_options(
+        &self,
+        _: tonic::Request<pb::Empty>,
+    ) -> Result<tonic::Response<pb::DevicePluginOptions>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test"))
+    }
+    type ListAndWatchStream =
+        tokio_stream::Empty<Result<pb::ListAndWatchResponse, tonic::Status>>;
+    async fn list_and_watch(
+        &self,
+        _: tonic::Request<pb::Empty>,
+    ) -> Result<tonic::Response<Self::ListAndWatchStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test"))
+    }
+    async fn get_preferred_allocation(
+        &self,
+        _: tonic::Request<pb::PreferredAllocationRequest>,
+    ) -> Result<tonic::Response<pb::PreferredAllocationResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test"))
+    }
+    async fn allocate(
+        &self,
+        _: tonic::Request<pb::AllocateRequest>,
+    ) -> Result<tonic::Response<pb::AllocateResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test"))
+    }
+    async fn pre_start_container(
+        &self,
+        _: tonic::Request<pb::PreStartContainerRequest>,
+    ) -> Result<tonic::Response<pb::PreStartContainerResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test"))
+    }
+}
