@@ -3,6 +3,7 @@
 //! - [`v1beta1`]: prost messages and tonic clients/servers generated from `proto/v1beta1/api.proto`
 //!   (committed; `tests/bootstrap.rs` regenerates and diffs it).
 //! - [`constants`]: the kubelet's constants (API version, paths, health strings).
+//! - [`uds`]: gRPC channels over Unix sockets with the kubelet's `:authority`.
 //! - [`resource_name`]: the kubelet's check on extended resource names, so that plugins and the
 //!   simulator reject the same names the kubelet does.
 //!
@@ -11,6 +12,7 @@
 
 pub mod constants;
 pub mod resource_name;
+pub mod uds;
 
 /// Generated code for package `v1beta1`.
 #[allow(missing_docs, clippy::all, clippy::pedantic, clippy::unwrap_used, clippy::expect_used)]

@@ -1,0 +1,229 @@
+//! The device model: a device's id, health and NUMA nodes, and the list a backend publishes.
+
+use devplug_proto::constants::{HEALTHY, MAX_RECV_MESSAGE_BYTES, UNHEALTHY};
+use devplug_proto::v1beta1 as pb;
+use prost::Message;
+use std::collections::HashMap;
+use std::fmt;
+
+/// Whether a device can be given to a container, and if not, why.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Health {
+    /// The device works; the kubelet counts it as allocatable.
+    #[default]
+    Healthy,
+    /// The device does not work. The reason is for people (logs, metrics, the inspector);
+    /// the kubelet only sees `"Unhealthy"`.
+    Unhealthy {
+        /// Why the device is unhealthy, e.g. `"XID 79"` or `"node /dev/ttyUSB0 vanished"`.
+        reason: String,
+    },
+}
+
+impl Health {
+    /// An unhealthy state with a reason.
+    pub fn unhealthy(reason: impl Into<String>) -> Self {
+        Health::Unhealthy {
+            reason: reason.into(),
+        }
+    }
+
+    /// True for [`Health::Healthy`].
+    pub fn is_healthy(&self) -> bool {
+        matches!(self, Health::Healthy)
+    }
+
+    /// The string the kubelet expects: exactly `"Healthy"` or `"Unhealthy"`.
+    pub fn as_wire(&self) -> &'static str {
+        if self.is_healthy() {
+            HEALTHY
+        } else {
+            UNHEALTHY
+        }
+    }
+}
+
+impl fmt::Display for Health {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Health::Healthy => f.write_str(HEALTHY),
+            Health::Unhealthy { reason } if reason.is_empty() => f.write_str(UNHEALTHY),
+            Health::Unhealthy { reason } => write!(f, "{UNHEALTHY} ({reason})"),
+        }
+    }
+}
+
+/// One schedulable device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Device {
+    /// Unique id within the resource (the kubelet documents at most 63 characters).
+    pub id: String,
+    /// Current health.
+    pub health: Health,
+    /// NUMA nodes the device is attached to; empty means no NUMA preference.
+    pub numa_nodes: Vec<i64>,
+}
+
+impl Device {
+    /// A healthy device with no NUMA affinity.
+    pub fn new(id: impl Into<String>) -> Self {
+        Device {
+            id: id.into(),
+            health: Health::Healthy,
+            numa_nodes: Vec::new(),
+        }
+    }
+
+    /// The same device attached to the given NUMA nodes.
+    pub fn with_numa_nodes(mut self, nodes: impl IntoIterator<Item = i64>) -> Self {
+        self.numa_nodes = nodes.into_iter().collect();
+        self
+    }
+
+    /// The same device with another health.
+    pub fn with_health(mut self, health: Health) -> Self {
+        self.health = health;
+        self
+    }
+
+    fn to_wire(&self) -> pb::Device {
+        pb::Device {
+            id: self.id.clone(),
+            health: self.health.as_wire().to_owned(),
+            topology: (!self.numa_nodes.is_empty()).then(|| pb::TopologyInfo {
+                nodes: self.numa_nodes.iter().map(|&id| pb::NumaNode { id }).collect(),
+            }),
+        }
+    }
+}
+
+/// The whole device list of one resource, as a backend publishes it. Each published list
+/// replaces the previous one, exactly as each ListAndWatch message does at the kubelet.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeviceList {
+    devices: Vec<Device>,
+    index: HashMap<String, usize>,
+}
+
+impl DeviceList {
+    /// A list of `devices` in the given order. If an id repeats, the last entry wins.
+    pub fn new(devices: impl IntoIterator<Item = Device>) -> Self {
+        let mut list = DeviceList::default();
+        for device in devices {
+            match list.index.get(&device.id) {
+                Some(&i) => list.devices[i] = device,
+                None => {
+                    list.index.insert(device.id.clone(), list.devices.len());
+                    list.devices.push(device);
+                }
+            }
+        }
+        list
+    }
+
+    /// The devices, in the backend's order.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// The device with this id.
+    pub fn get(&self, id: &str) -> Option<&Device> {
+        self.index.get(id).map(|&i| &self.devices[i])
+    }
+
+    /// Number of devices.
+    pub fn len(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// True when there are no devices.
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty()
+    }
+
+    /// Number of healthy devices (the kubelet's allocatable).
+    pub fn healthy_count(&self) -> usize {
+        self.devices.iter().filter(|d| d.health.is_healthy()).count()
+    }
+
+    /// Sets one device's health; returns true if it changed.
+    pub fn set_health(&mut self, id: &str, health: Health) -> bool {
+        match self.index.get(id) {
+            Some(&i) if self.devices[i].health != health => {
+                self.devices[i].health = health;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The ListAndWatch message for this list, refused if the kubelet could not receive it.
+    pub fn to_wire(&self) -> Result<pb::ListAndWatchResponse, ListTooLarge> {
+        let msg = pb::ListAndWatchResponse {
+            devices: self.devices.iter().map(Device::to_wire).collect(),
+        };
+        let bytes = msg.encoded_len();
+        if bytes > MAX_RECV_MESSAGE_BYTES {
+            return Err(ListTooLarge {
+                devices: self.devices.len(),
+                bytes,
+                fit: self.devices.len() * MAX_RECV_MESSAGE_BYTES / bytes,
+            });
+        }
+        Ok(msg)
+    }
+}
+
+/// A device list whose ListAndWatch message is over the kubelet's 4 MiB receive limit.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the device list of {devices} devices encodes to {bytes} bytes, over the kubelet's 4 MiB \
+     message limit; about {fit} devices of this size fit (use shorter ids, fewer shares, or split \
+     the resource)"
+)]
+pub struct ListTooLarge {
+    /// Devices in the list.
+    pub devices: usize,
+    /// Encoded size of the ListAndWatch message.
+    pub bytes: usize,
+    /// About how many devices of the same average size would fit.
+    pub fit: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_form_uses_exact_health_strings_and_topology() {
+        let list = DeviceList::new([
+            Device::new("a").with_numa_nodes([0]),
+            Device::new("b").with_health(Health::unhealthy("gone")),
+        ]);
+        let wire = list.to_wire().unwrap();
+        assert_eq!(wire.devices[0].health, "Healthy");
+        assert_eq!(wire.devices[0].topology.as_ref().unwrap().nodes[0].id, 0);
+        assert_eq!(wire.devices[1].health, "Unhealthy");
+        assert!(wire.devices[1].topology.is_none());
+        assert_eq!(list.healthy_count(), 1);
+    }
+
+    #[test]
+    fn repeated_ids_keep_the_last_entry() {
+        let list = DeviceList::new([Device::new("a"), Device::new("a").with_numa_nodes([1])]);
+        assert_eq!(list.len(), 1);
+        assert_eq!(list.get("a").unwrap().numa_nodes, vec![1]);
+    }
+
+    #[test]
+    fn oversized_list_is_refused_with_how_many_fit() {
+        // 36-character ids cost 36 + 13 bytes each: ~85,000 fit in 4 MiB (DESIGN.md §9).
+        let ids = (0..100_000).map(|i| Device::new(format!("{i:036}")));
+        let err = DeviceList::new(ids).to_wire().unwrap_err();
+        assert!(err.bytes > MAX_RECV_MESSAGE_BYTES);
+        assert!((84_000..86_000).contains(&err.fit), "{err}");
+        assert!(err.to_string().contains("devices of this size fit"));
+        let ids = (0..50_000).map(|i| Device::new(format!("{i:036}")));
+        assert!(DeviceList::new(ids).to_wire().is_ok());
+    }
+}

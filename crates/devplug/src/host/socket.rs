@@ -1,0 +1,155 @@
+//! The plugin's Unix socket: a per-instance name, owner-only creation, removal of our own stale
+//! files, and telling whether the file we bound is still the one at the path.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::io;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio::net::{UnixListener, UnixStream};
+
+/// Which file is at a path: device, inode and change time (an inode number alone can be reused
+/// at once after a delete).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FileIdentity {
+    dev: u64,
+    ino: u64,
+    ctime: i64,
+    ctime_nsec: i64,
+}
+
+impl FileIdentity {
+    /// The identity of the file at `path`, if there is one.
+    pub(crate) fn of(path: &Path) -> Option<FileIdentity> {
+        let meta = std::fs::symlink_metadata(path).ok()?;
+        Some(FileIdentity {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            ctime: meta.ctime(),
+            ctime_nsec: meta.ctime_nsec(),
+        })
+    }
+}
+
+/// The file-name prefix of every socket this resource's instances create.
+pub(crate) fn name_prefix(resource: &str) -> String {
+    let slug: String = resource
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("devplug-{slug}-")
+}
+
+/// A socket file name unique to this process instance, so that two instances of one plugin
+/// (a rolling update with surge) never delete each other's socket.
+pub(crate) fn instance_name(resource: &str) -> String {
+    let mut hasher = RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.write(resource.as_bytes());
+    format!("{}{:08x}.sock", name_prefix(resource), hasher.finish() as u32)
+}
+
+/// Removes sockets of earlier instances of this resource that nobody serves any more (a crashed
+/// process leaves its file behind). A live socket, such as a second running instance's, is kept.
+pub(crate) async fn remove_stale(dir: &Path, resource: &str, keep: &Path) {
+    let prefix = name_prefix(resource);
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with(&prefix) || !name.ends_with(".sock") || path == keep {
+            continue;
+        }
+        let probe = tokio::time::timeout(Duration::from_millis(200), UnixStream::connect(&path));
+        if let Ok(Err(err)) = probe.await {
+            if err.kind() == io::ErrorKind::ConnectionRefused {
+                match std::fs::remove_file(&path) {
+                    Ok(()) => tracing::info!(path = %path.display(), "removed a stale socket of an earlier instance"),
+                    Err(err) => tracing::debug!(path = %path.display(), %err, "could not remove a stale socket"),
+                }
+            }
+        }
+    }
+}
+
+/// Binds a listener at `path`, readable and writable by its owner only. The socket is bound under
+/// a hidden temporary name, restricted, then renamed into place, so it is never reachable with
+/// wider permissions.
+pub(crate) fn bind_owner_only(path: &Path) -> io::Result<(UnixListener, FileIdentity)> {
+    let tmp = temp_path(path);
+    let _ = std::fs::remove_file(&tmp);
+    let listener = std::os::unix::net::UnixListener::bind(&tmp)?;
+    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(err) = placed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(err);
+    }
+    listener.set_nonblocking(true)?;
+    let identity = FileIdentity::of(path)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "socket vanished after bind"))?;
+    Ok((UnixListener::from_std(listener)?, identity))
+}
+
+/// Removes the socket at `path` only if it is still the file we bound.
+pub(crate) fn remove_if_ours(path: &Path, identity: FileIdentity) {
+    if FileIdentity::of(path) == Some(identity) {
+        if let Err(err) = std::fs::remove_file(path) {
+            tracing::debug!(path = %path.display(), %err, "could not remove our socket");
+        }
+    }
+}
+
+fn temp_path(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".{name}.tmp"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_per_instance_and_safe() {
+        let a = instance_name("Example.com/NPU");
+        assert!(a.starts_with("devplug-example.com_npu-"), "{a}");
+        assert!(a.ends_with(".sock"));
+        assert!(!a.contains('/'));
+    }
+
+    #[tokio::test]
+    async fn binds_owner_only_and_removes_only_dead_sockets() {
+        let dir = tempfile::tempdir().unwrap();
+        let live = dir.path().join(instance_name("a.com/x"));
+        let (_listener, id) = bind_owner_only(&live).unwrap();
+        let mode = std::fs::metadata(&live).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert_eq!(FileIdentity::of(&live), Some(id));
+
+        let dead = dir.path().join("devplug-a.com_x-deadbeef.sock");
+        drop(std::os::unix::net::UnixListener::bind(&dead).unwrap());
+        let other = dir.path().join("devplug-b.com_x-deadbeef.sock");
+        drop(std::os::unix::net::UnixListener::bind(&other).unwrap());
+        let me = dir.path().join("devplug-a.com_x-00000000.sock");
+        remove_stale(dir.path(), "a.com/x", &me).await;
+        assert!(live.exists(), "a live instance's socket is kept");
+        assert!(!dead.exists(), "a dead socket of ours is removed");
+        assert!(other.exists(), "another resource's socket is not ours");
+
+        remove_if_ours(&live, id);
+        assert!(!live.exists());
+    }
+}

@@ -1,0 +1,101 @@
+//! What a resource is doing right now (socket, registration, open streams), published on a watch
+//! channel so that tests, readiness probes and metrics read it without asking the resource task.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// The state of one resource's connection with the kubelet.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResourceStatus {
+    /// The socket currently served, if one is bound.
+    pub socket: Option<PathBuf>,
+    /// Registered with the current kubelet.
+    pub registered: bool,
+    /// Successful registrations since the resource started.
+    pub registrations: u64,
+    /// Open ListAndWatch streams.
+    pub streams: usize,
+    /// The last registration error, cleared on success.
+    pub last_error: Option<String>,
+}
+
+impl ResourceStatus {
+    /// Ready: registered, and the kubelet is streaming the device list.
+    pub fn is_ready(&self) -> bool {
+        self.registered && self.streams > 0
+    }
+}
+
+/// Shared handle to a resource's status, plus the signal that the kubelet dropped its stream.
+///
+/// Streams are tagged with the registration attempt that was current when they opened, so that
+/// a stream dropped by an old kubelet is not mistaken for the new kubelet going quiet.
+#[derive(Clone)]
+pub(crate) struct StatusCell {
+    tx: Arc<watch::Sender<ResourceStatus>>,
+    attempt: Arc<AtomicU64>,
+    lost: Arc<watch::Sender<u64>>,
+}
+
+impl StatusCell {
+    pub(crate) fn new() -> Self {
+        StatusCell {
+            tx: Arc::new(watch::Sender::new(ResourceStatus::default())),
+            attempt: Arc::new(AtomicU64::new(0)),
+            lost: Arc::new(watch::Sender::new(0)),
+        }
+    }
+
+    pub(crate) fn subscribe(&self) -> watch::Receiver<ResourceStatus> {
+        self.tx.subscribe()
+    }
+
+    pub(crate) fn update(&self, f: impl FnOnce(&mut ResourceStatus)) {
+        self.tx.send_modify(f);
+    }
+
+    /// Counts an open stream until the guard drops. A stream that ends while its socket is still
+    /// served (the client left, not us) is reported as lost.
+    pub(crate) fn stream_opened(&self, stop: CancellationToken) -> StreamGuard {
+        self.update(|s| s.streams += 1);
+        StreamGuard {
+            cell: self.clone(),
+            stop,
+            attempt: self.attempt.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Starts a new registration attempt; streams opened from now on belong to it.
+    pub(crate) fn next_attempt(&self) {
+        self.attempt.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Receives the attempt number of every stream a client dropped while we still served it.
+    pub(crate) fn lost_streams(&self) -> watch::Receiver<u64> {
+        self.lost.subscribe()
+    }
+
+    /// True if a lost stream of `attempt` belongs to the current registration.
+    pub(crate) fn is_current(&self, attempt: u64) -> bool {
+        attempt == self.attempt.load(Ordering::SeqCst)
+    }
+}
+
+/// Keeps a stream counted while alive.
+pub(crate) struct StreamGuard {
+    cell: StatusCell,
+    stop: CancellationToken,
+    attempt: u64,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.cell.update(|s| s.streams = s.streams.saturating_sub(1));
+        if !self.stop.is_cancelled() {
+            self.cell.lost.send_replace(self.attempt);
+        }
+    }
+}

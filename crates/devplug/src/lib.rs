@@ -1,0 +1,26 @@
+//! devplug: Kubernetes device plugins as a small Rust trait.
+//!
+//! A vendor writes a [`Backend`]: the device list on a [`tokio::sync::watch`] channel, and an
+//! allocate function. The [`Host`] does the rest of the kubelet's device plugin API v1beta1:
+//! sockets, registration, ListAndWatch streaming, re-registration after kubelet restarts, and
+//! clean shutdown.
+//!
+//! - [`device`]: devices, health and the published list.
+//! - [`edits`]: what an allocation does to a container.
+//! - [`backend`]: the trait a vendor implements.
+//! - [`host`]: the kubelet lifecycle.
+
+pub mod backend;
+pub mod device;
+pub mod edits;
+pub mod host;
+mod signal;
+
+pub use backend::{AllocateError, Backend, Options, PreStartError, PreferenceRequest};
+pub use device::{Device, DeviceList, Health, ListTooLarge};
+pub use edits::{ContainerEdits, DeviceNode, Mount};
+pub use host::{Host, HostError, ResourceStatus};
+pub use signal::shutdown_signal;
+
+/// The kubelet's device-plugins folder on Linux.
+pub const DEFAULT_KUBELET_DIR: &str = devplug_proto::constants::DEVICE_PLUGIN_PATH;
