@@ -91,7 +91,11 @@ impl Device {
             id: self.id.clone(),
             health: self.health.as_wire().to_owned(),
             topology: (!self.numa_nodes.is_empty()).then(|| pb::TopologyInfo {
-                nodes: self.numa_nodes.iter().map(|&id| pb::NumaNode { id }).collect(),
+                nodes: self
+                    .numa_nodes
+                    .iter()
+                    .map(|&id| pb::NumaNode { id })
+                    .collect(),
             }),
         }
     }
@@ -143,7 +147,10 @@ impl DeviceList {
 
     /// Number of healthy devices (the kubelet's allocatable).
     pub fn healthy_count(&self) -> usize {
-        self.devices.iter().filter(|d| d.health.is_healthy()).count()
+        self.devices
+            .iter()
+            .filter(|d| d.health.is_healthy())
+            .count()
     }
 
     /// Sets one device's health; returns true if it changed.

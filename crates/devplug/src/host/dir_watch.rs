@@ -49,11 +49,7 @@ pub(crate) fn watch(
                     return;
                 }
                 Some(Ok(ev)) => match ev.name {
-                    Some(name)
-                        if ev
-                            .mask
-                            .intersects(EventMask::CREATE | EventMask::MOVED_TO) =>
-                    {
+                    Some(name) if ev.mask.intersects(EventMask::CREATE | EventMask::MOVED_TO) => {
                         DirEvent::Created(name)
                     }
                     Some(name) => DirEvent::Removed(name),

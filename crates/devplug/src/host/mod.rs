@@ -18,8 +18,8 @@ mod status;
 pub use status::ResourceStatus;
 
 use crate::backend::Backend;
-use dir_watch::DirEvent;
 use devplug_proto::resource_name::{self, InvalidResourceName};
+use dir_watch::DirEvent;
 use resource::ResourceTask;
 use status::StatusCell;
 use std::collections::BTreeMap;

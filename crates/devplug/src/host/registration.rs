@@ -6,7 +6,9 @@
 use crate::backend::Options;
 use devplug_proto::constants::VERSION;
 use devplug_proto::uds;
-use devplug_proto::v1beta1::{registration_client::RegistrationClient, DevicePluginOptions, RegisterRequest};
+use devplug_proto::v1beta1::{
+    registration_client::RegistrationClient, DevicePluginOptions, RegisterRequest,
+};
 use std::path::Path;
 use std::time::Duration;
 

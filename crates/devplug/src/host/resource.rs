@@ -53,7 +53,10 @@ impl Served {
     async fn stop(self) {
         self.stop.cancel();
         let mut task = self.task;
-        if tokio::time::timeout(Duration::from_secs(1), &mut task).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(1), &mut task)
+            .await
+            .is_err()
+        {
             task.abort();
         }
         socket::remove_if_ours(&self.path, self.identity);
@@ -148,7 +151,6 @@ impl ResourceTask {
             }
 
             // 3. Sleep until something happens.
-            let our_name = self.socket_name.as_str();
             tokio::select! {
                 _ = self.stop.cancelled() => break,
                 _ = sleep_until(retry_at.unwrap_or_else(far_future)), if retry_at.is_some() => {
@@ -163,13 +165,10 @@ impl ResourceTask {
                     }
                 }
                 event = self.events.recv() => match event {
-                    Ok(DirEvent::Created(name)) if name == KUBELET_SOCKET_NAME => {
-                        // A new kubelet.sock: register now, whatever backoff was running.
-                        retry_at = None;
-                    }
-                    Ok(DirEvent::Removed(name)) if name == our_name => {}
-                    Ok(DirEvent::Rescan) | Err(broadcast::error::RecvError::Lagged(_)) => {}
-                    Ok(_) => continue,
+                    // A new kubelet.sock: register now, whatever backoff was running.
+                    Ok(DirEvent::Created(name)) if name == KUBELET_SOCKET_NAME => retry_at = None,
+                    // Anything else in the folder (our socket deleted, events lost): check again.
+                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
                     Err(broadcast::error::RecvError::Closed) => {
                         tracing::warn!(resource = %self.resource, "folder watch ended; kubelet restarts will not be noticed");
                         self.stop.cancelled().await;

@@ -39,10 +39,7 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
 
     type ListAndWatchStream = ListStream;
 
-    async fn list_and_watch(
-        &self,
-        _: Request<pb::Empty>,
-    ) -> Result<Response<ListStream>, Status> {
+    async fn list_and_watch(&self, _: Request<pb::Empty>) -> Result<Response<ListStream>, Status> {
         let mut devices = self.backend.devices();
         let (tx, rx) = mpsc::channel(1);
         let stop = self.stop.clone();
@@ -200,7 +197,9 @@ fn clean_preference(question: &PreferenceRequest<'_>, answer: Vec<String>) -> Ve
     let mut seen = HashSet::new();
     let mut out = Vec::with_capacity(limit);
     let must = question.must_include.iter().cloned();
-    let rest = answer.into_iter().filter(|id| available.contains(id.as_str()));
+    let rest = answer
+        .into_iter()
+        .filter(|id| available.contains(id.as_str()));
     for id in must.chain(rest) {
         if out.len() == limit {
             break;

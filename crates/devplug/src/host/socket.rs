@@ -53,7 +53,11 @@ pub(crate) fn instance_name(resource: &str) -> String {
     let mut hasher = RandomState::new().build_hasher();
     hasher.write_u32(std::process::id());
     hasher.write(resource.as_bytes());
-    format!("{}{:08x}.sock", name_prefix(resource), hasher.finish() as u32)
+    format!(
+        "{}{:08x}.sock",
+        name_prefix(resource),
+        hasher.finish() as u32
+    )
 }
 
 /// Removes sockets of earlier instances of this resource that nobody serves any more (a crashed
@@ -74,8 +78,12 @@ pub(crate) async fn remove_stale(dir: &Path, resource: &str, keep: &Path) {
         if let Ok(Err(err)) = probe.await {
             if err.kind() == io::ErrorKind::ConnectionRefused {
                 match std::fs::remove_file(&path) {
-                    Ok(()) => tracing::info!(path = %path.display(), "removed a stale socket of an earlier instance"),
-                    Err(err) => tracing::debug!(path = %path.display(), %err, "could not remove a stale socket"),
+                    Ok(()) => {
+                        tracing::info!(path = %path.display(), "removed a stale socket of an earlier instance")
+                    }
+                    Err(err) => {
+                        tracing::debug!(path = %path.display(), %err, "could not remove a stale socket")
+                    }
                 }
             }
         }

@@ -93,7 +93,8 @@ pub(crate) struct StreamGuard {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        self.cell.update(|s| s.streams = s.streams.saturating_sub(1));
+        self.cell
+            .update(|s| s.streams = s.streams.saturating_sub(1));
         if !self.stop.is_cancelled() {
             self.cell.lost.send_replace(self.attempt);
         }

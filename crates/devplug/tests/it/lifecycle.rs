@@ -1,0 +1,239 @@
+//! Registration, streaming, kubelet restarts, ordering of start-up, removal and shutdown.
+
+use crate::support::{kubelet, wait_capacity, TestBackend, WAIT};
+use devplug::{Device, Health, Host};
+use std::time::Duration;
+
+const GRACE: Duration = Duration::from_secs(300);
+
+#[tokio::test]
+async fn registers_and_streams_the_first_list() {
+    let (dir, kubelet) = kubelet(GRACE).await;
+    let host = Host::new(dir.path()).unwrap();
+    let mut status = host.add("example.com/npu", TestBackend::new(8)).unwrap();
+    wait_capacity(&kubelet, "example.com/npu", (8, 8)).await;
+
+    let regs = kubelet.read(|n| n.registrations().to_vec());
+    assert_eq!(regs.len(), 1);
+    assert!(regs[0].endpoint.starts_with("devplug-example.com_npu-"));
+    assert!(dir.path().join(&regs[0].endpoint).exists());
+    status.wait_for(|s| s.is_ready()).await.unwrap();
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn health_changes_reach_the_kubelet_and_recover() {
+    let (dir, kubelet) = kubelet(GRACE).await;
+    let host = Host::new(dir.path()).unwrap();
+    let backend = TestBackend::new(4);
+    host.add("example.com/npu", backend.clone()).unwrap();
+    wait_capacity(&kubelet, "example.com/npu", (4, 4)).await;
+
+    backend.set_health("dev-2", Health::unhealthy("overheated"));
+    wait_capacity(&kubelet, "example.com/npu", (4, 3)).await;
+    let healthy =
+        kubelet.read(|n| n.resource("example.com/npu").unwrap().devices()["dev-2"].healthy);
+    assert!(!healthy);
+
+    backend.set_health("dev-2", Health::Healthy);
+    wait_capacity(&kubelet, "example.com/npu", (4, 4)).await;
+
+    // A new device list replaces the old one entirely, with topology.
+    backend.publish(vec![Device::new("x").with_numa_nodes([1])]);
+    wait_capacity(&kubelet, "example.com/npu", (1, 1)).await;
+    let numa = kubelet.read(|n| {
+        n.resource("example.com/npu").unwrap().devices()["x"]
+            .numa_nodes
+            .clone()
+    });
+    assert_eq!(numa, vec![1]);
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn two_resources_in_one_process() {
+    let (dir, kubelet) = kubelet(GRACE).await;
+    let host = Host::new(dir.path()).unwrap();
+    host.add("example.com/a", TestBackend::new(2)).unwrap();
+    host.add("example.com/b", TestBackend::new(3)).unwrap();
+    wait_capacity(&kubelet, "example.com/a", (2, 2)).await;
+    wait_capacity(&kubelet, "example.com/b", (3, 3)).await;
+    let sockets = kubelet.read(|n| {
+        [
+            n.resource("example.com/a").unwrap().socket().cloned(),
+            n.resource("example.com/b").unwrap().socket().cloned(),
+        ]
+    });
+    assert_ne!(sockets[0], sockets[1], "each resource has its own socket");
+    assert!(host.is_ready());
+
+    // The same resource twice is refused; a bad name is refused with the kubelet's rule.
+    assert!(host.add("example.com/a", TestBackend::new(1)).is_err());
+    let err = host
+        .add("npu", TestBackend::new(1))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("\"npu\"") && err.contains("vendor.example/device"),
+        "{err}"
+    );
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn twenty_kubelet_restarts_each_followed_by_registration() {
+    let (dir, mut kubelet) = kubelet(GRACE).await;
+    let host = Host::new(dir.path()).unwrap();
+    host.add("example.com/npu", TestBackend::new(3)).unwrap();
+    wait_capacity(&kubelet, "example.com/npu", (3, 3)).await;
+    let fds_before = open_fds();
+
+    for round in 1..=20u64 {
+        kubelet.restart().await.unwrap();
+        assert_eq!(
+            kubelet.read(|n| n.capacity("example.com/npu")),
+            (0, 0),
+            "round {round}: checkpoint restores no devices"
+        );
+        kubelet
+            .wait_for(WAIT, |n| {
+                let r = n.resource("example.com/npu")?;
+                (r.is_connected()
+                    && r.capacity() == 3
+                    && n.registration_count("example.com/npu") as u64 == round + 1)
+                    .then_some(())
+            })
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: not registered again"));
+    }
+    // Exactly one registration per kubelet: no duplicates, none missed.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(
+        kubelet.read(|n| n.registration_count("example.com/npu")),
+        21
+    );
+    let sockets: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(
+        sockets.len(),
+        2,
+        "only kubelet.sock and our socket remain: {sockets:?}"
+    );
+    let fds_after = open_fds();
+    assert!(
+        fds_after <= fds_before + 4,
+        "fds leaked: {fds_before} -> {fds_after}"
+    );
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn plugin_started_before_the_kubelet_waits_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = Host::new(dir.path()).unwrap();
+    let status = host.add("example.com/npu", TestBackend::new(2)).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!status.borrow().registered);
+    assert!(
+        status.borrow().socket.as_ref().unwrap().exists(),
+        "serving before the kubelet exists"
+    );
+
+    let kubelet = kubelet_sim::Kubelet::start(dir.path()).await.unwrap();
+    // The simulated kubelet wipes the folder on start, as the real one does: we rebind and register.
+    wait_capacity(&kubelet, "example.com/npu", (2, 2)).await;
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn removing_a_resource_disconnects_it_and_the_grace_period_forgets_it() {
+    let (dir, kubelet) = kubelet(Duration::from_millis(300)).await;
+    let host = Host::new(dir.path()).unwrap();
+    host.add("example.com/a", TestBackend::new(2)).unwrap();
+    host.add("example.com/b", TestBackend::new(1)).unwrap();
+    wait_capacity(&kubelet, "example.com/a", (2, 2)).await;
+    wait_capacity(&kubelet, "example.com/b", (1, 1)).await;
+    let socket_a = kubelet.read(|n| {
+        n.resource("example.com/a")
+            .unwrap()
+            .socket()
+            .cloned()
+            .unwrap()
+    });
+
+    assert!(host.remove("example.com/a").await);
+    assert!(!socket_a.exists(), "our socket is removed");
+    // The kubelet marks the devices unhealthy, then forgets the resource after the grace period.
+    wait_capacity(&kubelet, "example.com/a", (2, 0)).await;
+    kubelet
+        .wait_for(WAIT, |n| {
+            n.resource("example.com/a").is_none().then_some(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        kubelet.read(|n| n.capacity("example.com/b")),
+        (1, 1),
+        "the other resource is untouched"
+    );
+    assert_eq!(host.resources(), vec!["example.com/b".to_owned()]);
+
+    host.shutdown().await;
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("kubelet.sock")]);
+}
+
+#[tokio::test]
+async fn an_oversized_list_is_not_sent_and_the_stream_stays_open() {
+    let (dir, kubelet) = kubelet(GRACE).await;
+    let host = Host::new(dir.path()).unwrap();
+    let backend = TestBackend::new(2);
+    host.add("example.com/npu", backend.clone()).unwrap();
+    wait_capacity(&kubelet, "example.com/npu", (2, 2)).await;
+
+    let huge = (0..100_000)
+        .map(|i| Device::new(format!("{i:040}")))
+        .collect();
+    backend.publish(huge);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        kubelet.read(|n| n.capacity("example.com/npu")),
+        (2, 2),
+        "the kubelet keeps the last list it could receive"
+    );
+    backend.publish(vec![Device::new("a"), Device::new("b"), Device::new("c")]);
+    wait_capacity(&kubelet, "example.com/npu", (3, 3)).await;
+    assert!(kubelet.read(|n| n.resource("example.com/npu").unwrap().is_connected()));
+    host.shutdown().await;
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn readiness_follows_registration() {
+    let (dir, mut kubelet) = kubelet(GRACE).await;
+    let host = Host::new(dir.path()).unwrap();
+    let mut status = host.add("example.com/npu", TestBackend::new(1)).unwrap();
+    status.wait_for(|s| s.is_ready()).await.unwrap();
+    kubelet.restart().await.unwrap();
+    // After the restart the status goes not-ready, then ready again with a second registration.
+    tokio::time::timeout(
+        WAIT,
+        status.wait_for(|s| s.registrations == 2 && s.is_ready()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    host.shutdown().await;
+}

@@ -1,0 +1,8 @@
+//! Integration tests: real plugin hosts against the kubelet simulator, over real Unix sockets in
+//! temp folders. One test binary (`mod`s below) to keep linking cheap.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
+mod allocation;
+mod lifecycle;
+mod support;
