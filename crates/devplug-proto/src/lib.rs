@@ -15,7 +15,13 @@ pub mod resource_name;
 pub mod uds;
 
 /// Generated code for package `v1beta1`.
-#[allow(missing_docs, clippy::all, clippy::pedantic, clippy::unwrap_used, clippy::expect_used)]
+#[allow(
+    missing_docs,
+    clippy::all,
+    clippy::pedantic,
+    clippy::unwrap_used,
+    clippy::expect_used
+)]
 pub mod v1beta1 {
     include!("gen/v1beta1.rs");
 }

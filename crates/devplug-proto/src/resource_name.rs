@@ -166,7 +166,10 @@ mod tests {
         assert!(validate(&format!("{prefix}/x")).is_err() == (prefix.len() > 244));
         let label = "a".repeat(60);
         let prefix = [label.as_str(); 5].join(".");
-        assert!(validate(&format!("{prefix}/x")).unwrap_err().reason.contains("244"));
+        assert!(validate(&format!("{prefix}/x"))
+            .unwrap_err()
+            .reason
+            .contains("244"));
     }
 
     #[test]

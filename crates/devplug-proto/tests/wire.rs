@@ -9,7 +9,10 @@ const GENERATED: &str = include_str!("../src/gen/v1beta1.rs");
 
 /// Bytes of a length-delimited field: tag (field << 3 | 2), length, payload.
 fn ld(field: u8, payload: &[u8]) -> Vec<u8> {
-    assert!(payload.len() < 128, "single-byte lengths only in these tests");
+    assert!(
+        payload.len() < 128,
+        "single-byte lengths only in these tests"
+    );
     let mut out = vec![(field << 3) | 2, payload.len() as u8];
     out.extend_from_slice(payload);
     out
@@ -34,7 +37,10 @@ fn method_paths_match_the_kubelet() {
     for path in paths {
         // Each path appears once in the client (the request path) and once in the server (the route).
         let count = GENERATED.matches(&format!("\"{path}\"")).count();
-        assert_eq!(count, 2, "{path} should be a client path and a server route");
+        assert_eq!(
+            count, 2,
+            "{path} should be a client path and a server route"
+        );
     }
     use tonic::server::NamedService;
     assert_eq!(
@@ -59,7 +65,11 @@ fn descriptor_has_exact_names_and_numbers() {
     };
     let expected = [
         ("DevicePluginOptions", "pre_start_required", 1),
-        ("DevicePluginOptions", "get_preferred_allocation_available", 2),
+        (
+            "DevicePluginOptions",
+            "get_preferred_allocation_available",
+            2,
+        ),
         ("RegisterRequest", "version", 1),
         ("RegisterRequest", "endpoint", 2),
         ("RegisterRequest", "resource_name", 3),
@@ -72,8 +82,16 @@ fn descriptor_has_exact_names_and_numbers() {
         ("Device", "topology", 3),
         ("PreStartContainerRequest", "devices_ids", 1),
         ("PreferredAllocationRequest", "container_requests", 1),
-        ("ContainerPreferredAllocationRequest", "available_deviceIDs", 1),
-        ("ContainerPreferredAllocationRequest", "must_include_deviceIDs", 2),
+        (
+            "ContainerPreferredAllocationRequest",
+            "available_deviceIDs",
+            1,
+        ),
+        (
+            "ContainerPreferredAllocationRequest",
+            "must_include_deviceIDs",
+            2,
+        ),
         ("ContainerPreferredAllocationRequest", "allocation_size", 3),
         ("PreferredAllocationResponse", "container_responses", 1),
         ("ContainerPreferredAllocationResponse", "deviceIDs", 1),
@@ -223,8 +241,7 @@ impl pb::device_plugin_server::DevicePlugin for Unimplemented {
     ) -> Result<tonic::Response<pb::DevicePluginOptions>, tonic::Status> {
         Err(tonic::Status::unimplemented("test"))
     }
-    type ListAndWatchStream =
-        tokio_stream::Empty<Result<pb::ListAndWatchResponse, tonic::Status>>;
+    type ListAndWatchStream = tokio_stream::Empty<Result<pb::ListAndWatchResponse, tonic::Status>>;
     async fn list_and_watch(
         &self,
         _: tonic::Request<pb::Empty>,

@@ -1,0 +1,199 @@
+//! The config file: which resources to serve and with which backend. YAML, unknown fields are
+//! errors, and every error names the resource and the field.
+//!
+//! ```yaml
+//! resources:
+//!   - name: example.com/npu
+//!     virtual:
+//!       count: 64
+//!       env: DUMMY_VISIBLE_DEVICES
+//! ```
+
+use devplug::Backend;
+use devplug_backends::{SettingsError, VirtualBackend, VirtualSettings};
+use devplug_proto::resource_name;
+use serde::Deserialize;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The whole config file.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The resources to serve, each on its own socket.
+    pub resources: Vec<ResourceConfig>,
+}
+
+/// One resource and its backend. Exactly one backend key must be set.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourceConfig {
+    /// Extended resource name, e.g. `example.com/npu`.
+    pub name: String,
+    /// Software-only devices.
+    #[serde(rename = "virtual")]
+    pub virtual_devices: Option<VirtualSettings>,
+}
+
+/// Why a config file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid YAML of the expected shape.
+    #[error("config file {path} is not valid: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message, with line and column.
+        message: String,
+    },
+    /// A resource's settings cannot work.
+    #[error("config file {path}: resources[{index}] ({name}): {problem}")]
+    Resource {
+        /// The file.
+        path: PathBuf,
+        /// Position in the `resources` list.
+        index: usize,
+        /// The resource name as written.
+        name: String,
+        /// The field and what to do.
+        problem: String,
+    },
+}
+
+impl Config {
+    /// Reads, parses and validates the file at `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::parse(&text, path)
+    }
+
+    /// Parses and validates `text`; `path` is only used in messages.
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let config: Config = serde_saphyr::from_str(text).map_err(|err| ConfigError::Parse {
+            path: path.to_owned(),
+            message: err.to_string().trim_start_matches("error: ").to_owned(),
+        })?;
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), ConfigError> {
+        let mut seen = HashSet::new();
+        for (index, resource) in self.resources.iter().enumerate() {
+            let fail = |problem: String| ConfigError::Resource {
+                path: path.to_owned(),
+                index,
+                name: resource.name.clone(),
+                problem,
+            };
+            resource_name::validate(&resource.name).map_err(|e| fail(format!("name: {e}")))?;
+            if !seen.insert(resource.name.as_str()) {
+                return Err(fail(
+                    "name: this resource is listed twice; each resource needs one entry".into(),
+                ));
+            }
+            resource.settings_check().map_err(fail)?;
+        }
+        if self.resources.is_empty() {
+            return Err(ConfigError::Parse {
+                path: path.to_owned(),
+                message: "resources: the list is empty; add at least one resource".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl ResourceConfig {
+    /// Which backend keys are set.
+    fn backend_keys(&self) -> Vec<&'static str> {
+        let mut keys = Vec::new();
+        if self.virtual_devices.is_some() {
+            keys.push("virtual");
+        }
+        keys
+    }
+
+    fn settings_check(&self) -> Result<(), String> {
+        let keys = self.backend_keys();
+        match keys.as_slice() {
+            [] => Err("no backend: add exactly one of `virtual`".into()),
+            [_] => self
+                .build()
+                .map(|_| ())
+                .map_err(|(key, e)| format!("{key}.{e}")),
+            many => Err(format!(
+                "{} backends ({}): a resource has exactly one",
+                many.len(),
+                many.join(", ")
+            )),
+        }
+    }
+
+    /// Builds the configured backend. Errors name the backend key and the field.
+    pub fn build(&self) -> Result<Arc<dyn Backend>, (&'static str, SettingsError)> {
+        if let Some(settings) = &self.virtual_devices {
+            let backend = VirtualBackend::new(settings).map_err(|e| ("virtual", e))?;
+            return Ok(Arc::new(backend));
+        }
+        Err((
+            "backend",
+            SettingsError::new("", "no backend configured for this resource"),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, String> {
+        Config::parse(text, Path::new("test.yaml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_documented_shape_parses() {
+        let config = parse(
+            "resources:\n  - name: example.com/npu\n    virtual:\n      count: 64\n      env: DUMMY_VISIBLE_DEVICES\n",
+        )
+        .unwrap();
+        let settings = config.resources[0].virtual_devices.as_ref().unwrap();
+        assert_eq!(settings.count, 64);
+        assert_eq!(settings.env, "DUMMY_VISIBLE_DEVICES");
+    }
+
+    #[test]
+    fn errors_name_the_resource_and_field() {
+        let cases = [
+            ("resources:\n  - name: example.com/npu\n    virtual: { cout: 3 }\n", "cout"),
+            ("resources:\n  - name: example.com/npu\n    virtual: { count: 0 }\n", "resources[0] (example.com/npu): virtual.count: must be between 1"),
+            ("resources:\n  - name: npu\n    virtual: { count: 1 }\n", "resources[0] (npu): name: invalid resource name"),
+            ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/x\n    virtual: { count: 1 }\n", "resources[1] (a.com/x): name: this resource is listed twice"),
+            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend"),
+            ("resources:\n  - name: a.com/x\n    virtual: { count: 1, env: 'A-B' }\n", "virtual.env"),
+            ("resource: []\n", "resource"),
+            ("resources: []\n", "the list is empty"),
+            ("resources:\n  - name: a.com/x\n    virtual: { count: many }\n", "count"),
+        ];
+        for (text, needle) in cases {
+            let err = parse(text).unwrap_err();
+            assert!(
+                err.contains(needle),
+                "{text:?}: {err:?} should contain {needle:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! `devplug demo`: a virtual NPU plugin and a simulated kubelet in a temp folder, walking through
+//! registration, node capacity, an allocation, a device turning unhealthy, a kubelet restart and
+//! shutdown. Needs no cluster and no root; exits 0.
+
+use anyhow::Context;
+use devplug::{Health, Host, ResourceStatus};
+use devplug_backends::{VirtualBackend, VirtualSettings};
+use kubelet_sim::{Kubelet, NodeState};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+const RESOURCE: &str = "dummy.com/npu";
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Runs the demo, printing each step.
+pub async fn demo() -> anyhow::Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("devplug-demo-")
+        .tempdir()
+        .context("cannot create a temp folder")?;
+    println!("devplug demo: a virtual NPU plugin on a simulated kubelet (no cluster, no root)");
+    println!("device-plugins folder: {}\n", dir.path().display());
+
+    step(1, "the kubelet starts and serves kubelet.sock");
+    let mut kubelet = Kubelet::start(dir.path()).await?;
+
+    step(2, &format!("devplug serves {RESOURCE}: 8 virtual devices"));
+    let settings = VirtualSettings {
+        env: "DUMMY_VISIBLE_DEVICES".into(),
+        id_prefix: "npu-".into(),
+        ..VirtualSettings::new(8)
+    };
+    let backend = Arc::new(VirtualBackend::new(&settings)?);
+    let started = Instant::now();
+    let host = Host::new(dir.path())?;
+    let mut status = host.add_shared(RESOURCE, backend.clone())?;
+    wait_registered(&mut status, 1).await?;
+    let endpoint = kubelet.read(|n| {
+        n.registrations()
+            .last()
+            .map(|r| r.endpoint.clone())
+            .unwrap_or_default()
+    });
+    detail(&format!(
+        "registered as {endpoint} in {}",
+        ms(started.elapsed())
+    ));
+    show_capacity(&kubelet, (8, 8)).await?;
+
+    step(3, &format!("pod \"demo\" asks for {RESOURCE}: 2"));
+    let allocation = kubelet.allocate("demo", "main", RESOURCE, 2).await?;
+    detail(&format!(
+        "the kubelet picked {}",
+        allocation.device_ids.join(", ")
+    ));
+    for (key, value) in &allocation.response.envs {
+        detail(&format!("container env: {key}={value}"));
+    }
+
+    step(4, "npu-7 turns unhealthy (simulated overheating)");
+    let changed = Instant::now();
+    backend.set_health("npu-7", Health::unhealthy("simulated overheating"));
+    show_capacity(&kubelet, (8, 7)).await?;
+    detail(&format!(
+        "seen by the kubelet after {}",
+        ms(changed.elapsed())
+    ));
+
+    step(
+        5,
+        "the kubelet restarts: every socket in the folder is deleted, a new kubelet.sock is served",
+    );
+    let restarted = Instant::now();
+    kubelet.restart().await?;
+    let (capacity, allocatable) = kubelet.read(|n| n.capacity(RESOURCE));
+    detail(&format!(
+        "right after the restart: capacity {capacity}, allocatable {allocatable}"
+    ));
+    wait_registered(&mut status, 2).await?;
+    show_capacity(&kubelet, (8, 7)).await?;
+    detail(&format!(
+        "devplug noticed, bound a fresh socket and registered again in {}",
+        ms(restarted.elapsed())
+    ));
+    let kept = kubelet.read(|n| n.allocation("demo", "main", RESOURCE).is_some());
+    detail(&format!(
+        "pod \"demo\" keeps its devices across the restart: {}",
+        if kept { "yes" } else { "no" }
+    ));
+
+    step(6, "npu-7 recovers");
+    backend.set_health("npu-7", Health::Healthy);
+    show_capacity(&kubelet, (8, 8)).await?;
+
+    step(
+        7,
+        "devplug shuts down as on SIGTERM: streams end, sockets are removed",
+    );
+    host.shutdown().await;
+    show_capacity(&kubelet, (8, 0)).await?;
+    detail("the kubelet keeps the resource for its 5-minute grace period, then forgets it");
+    kubelet.stop().await;
+    println!("\ndone.");
+    Ok(())
+}
+
+fn step(n: u32, text: &str) {
+    println!("[{n}] {text}");
+}
+
+fn detail(text: &str) {
+    println!("    {text}");
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
+async fn wait_registered(
+    status: &mut watch::Receiver<ResourceStatus>,
+    registrations: u64,
+) -> anyhow::Result<()> {
+    tokio::time::timeout(
+        WAIT,
+        status.wait_for(|s| s.registrations >= registrations && s.is_ready()),
+    )
+    .await
+    .context("the plugin did not register in time")?
+    .context("the plugin stopped")?;
+    Ok(())
+}
+
+async fn show_capacity(kubelet: &Kubelet, want: (usize, usize)) -> anyhow::Result<()> {
+    kubelet
+        .wait_for(WAIT, |n: &NodeState| {
+            (n.capacity(RESOURCE) == want).then_some(())
+        })
+        .await
+        .with_context(|| format!("the kubelet never showed capacity/allocatable {want:?}"))?;
+    detail(&format!(
+        "node status: {RESOURCE} capacity {}, allocatable {}",
+        want.0, want.1
+    ));
+    Ok(())
+}

@@ -1,0 +1,69 @@
+//! The `devplug` command: `run` serves device plugins from a config file; `demo` shows the whole
+//! lifecycle on the embedded kubelet simulator, with no cluster and no root.
+
+mod config;
+mod demo;
+mod logging;
+mod run;
+
+use clap::{Parser, Subcommand};
+use logging::LogFormat;
+use std::process::ExitCode;
+
+/// Kubernetes device plugins: virtual devices, device files and host device nodes, served to the
+/// kubelet over the device plugin API v1beta1.
+#[derive(Debug, Parser)]
+#[command(name = "devplug", version, propagate_version = true)]
+struct Cli {
+    /// Log format.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value = "text",
+        env = "DEVPLUG_LOG_FORMAT"
+    )]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve every resource in a config file to the kubelet until SIGTERM.
+    Run(run::RunArgs),
+    /// Show a virtual plugin's whole life on a simulated kubelet (no cluster, no root).
+    Demo,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("error: cannot start the async runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = match cli.command {
+        Command::Run(args) => {
+            logging::init(cli.log_format, "info");
+            runtime.block_on(run::run(args))
+        }
+        Command::Demo => {
+            logging::init(cli.log_format, "warn");
+            runtime.block_on(demo::demo())
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
