@@ -1,0 +1,153 @@
+//! Benchmarks of devplug through the kubelet simulator, printed as a table for
+//! `docs/benchmarks.md`. Run with `cargo build --release -p devplug-cli && cargo run --release -p devplug-bench`.
+//! Figures depend on the machine; this is not a test and asserts nothing.
+
+mod measure;
+
+use anyhow::Context;
+use devplug::{Health, Host};
+use devplug_backends::{VirtualBackend, VirtualSettings};
+use devplug_proto::uds;
+use devplug_proto::v1beta1::{self as pb, device_plugin_client::DevicePluginClient};
+use kubelet_sim::Kubelet;
+use measure::{percentiles, Sample};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const WAIT: Duration = Duration::from_secs(10);
+const RESOURCE: &str = "bench.example/dev";
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    println!("| measurement | n | p50 | p99 | max |");
+    println!("|---|---|---|---|---|");
+    round_trips().await?;
+    device_changes().await?;
+    restarts().await?;
+    start_to_registered().await?;
+    measure::process_figures().await?;
+    Ok(())
+}
+
+async fn setup(count: usize) -> anyhow::Result<(tempfile::TempDir, Kubelet, Host, Arc<VirtualBackend>)> {
+    let dir = tempfile::tempdir()?;
+    let kubelet = Kubelet::start(dir.path()).await?;
+    let host = Host::new(dir.path())?;
+    let backend = Arc::new(VirtualBackend::new(&VirtualSettings::new(count))?);
+    host.add_shared(RESOURCE, backend.clone())?;
+    kubelet
+        .wait_for(WAIT, |n| (n.capacity(RESOURCE).0 == count).then_some(()))
+        .await?;
+    Ok((dir, kubelet, host, backend))
+}
+
+/// Allocate of 2 devices vs an (almost) empty RPC, GetDevicePluginOptions, on the same socket.
+async fn round_trips() -> anyhow::Result<()> {
+    let (_dir, kubelet, host, _backend) = setup(1000).await?;
+    let socket = kubelet
+        .read(|n| n.resource(RESOURCE).and_then(|r| r.socket().cloned()))
+        .context("no socket")?;
+    let mut client = DevicePluginClient::new(uds::connect(&socket, WAIT).await?);
+    let n = 5000;
+    let mut empty = Vec::with_capacity(n);
+    let mut allocate = Vec::with_capacity(n);
+    for i in 0..(n + 500) {
+        let t = Instant::now();
+        client.get_device_plugin_options(pb::Empty {}).await?;
+        let e = t.elapsed();
+        let request = pb::AllocateRequest {
+            container_requests: vec![pb::ContainerAllocateRequest {
+                devices_ids: vec![format!("virtual-{}", i % 999), format!("virtual-{}", i % 999 + 1)],
+            }],
+        };
+        let t = Instant::now();
+        client.allocate(request).await?;
+        let a = t.elapsed();
+        if i >= 500 {
+            empty.push(e);
+            allocate.push(a);
+        }
+    }
+    print_row("empty gRPC round trip (GetDevicePluginOptions), same socket", &mut empty);
+    print_row("Allocate round trip, 2 of 1,000 devices", &mut allocate);
+    let ratio = percentiles(&mut allocate).p50.as_secs_f64() / percentiles(&mut empty).p50.as_secs_f64();
+    println!("| Allocate p50 / empty p50 | | {ratio:.2}x | | |");
+    host.shutdown().await;
+    Ok(())
+}
+
+/// A health change in the backend until the simulated kubelet has it.
+async fn device_changes() -> anyhow::Result<()> {
+    let (_dir, kubelet, host, backend) = setup(1000).await?;
+    let mut samples = Vec::new();
+    for i in 0..1000 {
+        let healthy = i % 2 == 1;
+        let health = if healthy { Health::Healthy } else { Health::unhealthy("bench") };
+        let t = Instant::now();
+        backend.set_health("virtual-7", health);
+        kubelet
+            .wait_for(WAIT, |n| {
+                let d = n.resource(RESOURCE)?.devices().get("virtual-7")?;
+                (d.healthy == healthy).then_some(())
+            })
+            .await?;
+        samples.push(t.elapsed());
+    }
+    print_row("device health change → seen by the kubelet (1,000 devices)", &mut samples);
+    host.shutdown().await;
+    Ok(())
+}
+
+/// A simulated kubelet restart (all sockets deleted, new kubelet.sock) until registered again.
+async fn restarts() -> anyhow::Result<()> {
+    let (_dir, mut kubelet, host, _backend) = setup(1000).await?;
+    let mut samples = Vec::new();
+    for round in 0..200usize {
+        kubelet.restart().await?;
+        let served = Instant::now();
+        let at = kubelet
+            .wait_for(WAIT, |n| {
+                (n.registration_count(RESOURCE) == round + 2).then(|| n.registrations().last().map(|r| r.at))?
+            })
+            .await?;
+        samples.push(at.saturating_duration_since(served));
+    }
+    print_row("kubelet restart (new kubelet.sock served) → registered again", &mut samples);
+    host.shutdown().await;
+    Ok(())
+}
+
+/// Host::new + add until the kubelet accepted the registration.
+async fn start_to_registered() -> anyhow::Result<()> {
+    let mut samples = Vec::new();
+    for _ in 0..100 {
+        let dir = tempfile::tempdir()?;
+        let kubelet = Kubelet::start(dir.path()).await?;
+        let backend = VirtualBackend::new(&VirtualSettings::new(1000))?;
+        let t = Instant::now();
+        let host = Host::new(dir.path())?;
+        host.add(RESOURCE, backend)?;
+        let at = kubelet
+            .wait_for(WAIT, |n| n.registrations().first().map(|r| r.at))
+            .await?;
+        samples.push(at.saturating_duration_since(t));
+        host.shutdown().await;
+        kubelet.stop().await;
+    }
+    print_row("start (Host::new + add) → registered, in process", &mut samples);
+    Ok(())
+}
+
+fn print_row(what: &str, samples: &mut [Duration]) {
+    let Sample { p50, p99, max, n } = percentiles(samples);
+    println!("| {what} | {n} | {} | {} | {} |", fmt(p50), fmt(p99), fmt(max));
+}
+
+fn fmt(d: Duration) -> String {
+    let us = d.as_secs_f64() * 1e6;
+    if us < 1000.0 {
+        format!("{us:.0} µs")
+    } else {
+        format!("{:.2} ms", us / 1000.0)
+    }
+}
