@@ -1,0 +1,77 @@
+{{/*
+Chart name, truncated to 63 characters (the DNS label limit).
+*/}}
+{{- define "devplug.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full name: the release name, plus the chart name unless the release name already has it.
+*/}}
+{{- define "devplug.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Chart label value: name-version.
+*/}}
+{{- define "devplug.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Labels on every object.
+*/}}
+{{- define "devplug.labels" -}}
+helm.sh/chart: {{ include "devplug.chart" . }}
+{{ include "devplug.selectorLabels" . }}
+app.kubernetes.io/component: device-plugin
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+Selector labels (immutable once the DaemonSet exists).
+*/}}
+{{- define "devplug.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "devplug.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Service account name.
+*/}}
+{{- define "devplug.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "devplug.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+Container image: repository:tag, the tag defaulting to the chart's appVersion.
+*/}}
+{{- define "devplug.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+Host folders under the kubelet's root dir.
+*/}}
+{{- define "devplug.devicePluginsDir" -}}
+{{- printf "%s/device-plugins" (trimSuffix "/" .Values.kubeletDir) }}
+{{- end }}
+
+{{- define "devplug.pluginsRegistryDir" -}}
+{{- printf "%s/plugins_registry" (trimSuffix "/" .Values.kubeletDir) }}
+{{- end }}
