@@ -29,7 +29,9 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn setup(count: usize) -> anyhow::Result<(tempfile::TempDir, Kubelet, Host, Arc<VirtualBackend>)> {
+async fn setup(
+    count: usize,
+) -> anyhow::Result<(tempfile::TempDir, Kubelet, Host, Arc<VirtualBackend>)> {
     let dir = tempfile::tempdir()?;
     let kubelet = Kubelet::start(dir.path()).await?;
     let host = Host::new(dir.path())?;
@@ -57,7 +59,10 @@ async fn round_trips() -> anyhow::Result<()> {
         let e = t.elapsed();
         let request = pb::AllocateRequest {
             container_requests: vec![pb::ContainerAllocateRequest {
-                devices_ids: vec![format!("virtual-{}", i % 999), format!("virtual-{}", i % 999 + 1)],
+                devices_ids: vec![
+                    format!("virtual-{}", i % 999),
+                    format!("virtual-{}", i % 999 + 1),
+                ],
             }],
         };
         let t = Instant::now();
@@ -68,9 +73,13 @@ async fn round_trips() -> anyhow::Result<()> {
             allocate.push(a);
         }
     }
-    print_row("empty gRPC round trip (GetDevicePluginOptions), same socket", &mut empty);
+    print_row(
+        "empty gRPC round trip (GetDevicePluginOptions), same socket",
+        &mut empty,
+    );
     print_row("Allocate round trip, 2 of 1,000 devices", &mut allocate);
-    let ratio = percentiles(&mut allocate).p50.as_secs_f64() / percentiles(&mut empty).p50.as_secs_f64();
+    let ratio =
+        percentiles(&mut allocate).p50.as_secs_f64() / percentiles(&mut empty).p50.as_secs_f64();
     println!("| Allocate p50 / empty p50 | | {ratio:.2}x | | |");
     host.shutdown().await;
     Ok(())
@@ -82,7 +91,11 @@ async fn device_changes() -> anyhow::Result<()> {
     let mut samples = Vec::new();
     for i in 0..1000 {
         let healthy = i % 2 == 1;
-        let health = if healthy { Health::Healthy } else { Health::unhealthy("bench") };
+        let health = if healthy {
+            Health::Healthy
+        } else {
+            Health::unhealthy("bench")
+        };
         let t = Instant::now();
         backend.set_health("virtual-7", health);
         kubelet
@@ -93,7 +106,10 @@ async fn device_changes() -> anyhow::Result<()> {
             .await?;
         samples.push(t.elapsed());
     }
-    print_row("device health change → seen by the kubelet (1,000 devices)", &mut samples);
+    print_row(
+        "device health change → seen by the kubelet (1,000 devices)",
+        &mut samples,
+    );
     host.shutdown().await;
     Ok(())
 }
@@ -107,12 +123,16 @@ async fn restarts() -> anyhow::Result<()> {
         let served = Instant::now();
         let at = kubelet
             .wait_for(WAIT, |n| {
-                (n.registration_count(RESOURCE) == round + 2).then(|| n.registrations().last().map(|r| r.at))?
+                (n.registration_count(RESOURCE) == round + 2)
+                    .then(|| n.registrations().last().map(|r| r.at))?
             })
             .await?;
         samples.push(at.saturating_duration_since(served));
     }
-    print_row("kubelet restart (new kubelet.sock served) → registered again", &mut samples);
+    print_row(
+        "kubelet restart (new kubelet.sock served) → registered again",
+        &mut samples,
+    );
     host.shutdown().await;
     Ok(())
 }
@@ -134,13 +154,21 @@ async fn start_to_registered() -> anyhow::Result<()> {
         host.shutdown().await;
         kubelet.stop().await;
     }
-    print_row("start (Host::new + add) → registered, in process", &mut samples);
+    print_row(
+        "start (Host::new + add) → registered, in process",
+        &mut samples,
+    );
     Ok(())
 }
 
 fn print_row(what: &str, samples: &mut [Duration]) {
     let Sample { p50, p99, max, n } = percentiles(samples);
-    println!("| {what} | {n} | {} | {} | {} |", fmt(p50), fmt(p99), fmt(max));
+    println!(
+        "| {what} | {n} | {} | {} | {} |",
+        fmt(p50),
+        fmt(p99),
+        fmt(max)
+    );
 }
 
 fn fmt(d: Duration) -> String {

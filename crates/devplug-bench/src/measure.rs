@@ -92,7 +92,9 @@ pub async fn process_figures() -> anyhow::Result<()> {
     let registered = started.elapsed();
     for i in 0..300 {
         let resource = format!("bench.example/{}", ["a", "b", "c"][i % 3]);
-        kubelet.allocate(&format!("pod-{i}"), "main", &resource, 2).await?;
+        kubelet
+            .allocate(&format!("pod-{i}"), "main", &resource, 2)
+            .await?;
         kubelet.remove_pod(&format!("pod-{i}"));
     }
     let ticks_before = cpu_ticks(pid).unwrap_or(0);
@@ -100,17 +102,28 @@ pub async fn process_figures() -> anyhow::Result<()> {
     let idle_ticks = cpu_ticks(pid).unwrap_or(0).saturating_sub(ticks_before);
     let hwm = status_field(pid, "VmHWM:").unwrap_or(0);
     let rss = status_field(pid, "VmRSS:").unwrap_or(0);
-    let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+    let _ = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
     let _ = child.wait();
     let size = std::fs::metadata(&bin)?.len();
 
     println!();
     println!("| `devplug run`, 3 resources × 1,000 devices | value |");
     println!("|---|---|");
-    println!("| process start → all 3 registered (release binary, incl. exec) | {:.1} ms |", registered.as_secs_f64() * 1e3);
-    println!("| peak RSS (VmHWM) after registration + 300 allocations | {:.1} MiB |", hwm as f64 / 1024.0);
+    println!(
+        "| process start → all 3 registered (release binary, incl. exec) | {:.1} ms |",
+        registered.as_secs_f64() * 1e3
+    );
+    println!(
+        "| peak RSS (VmHWM) after registration + 300 allocations | {:.1} MiB |",
+        hwm as f64 / 1024.0
+    );
     println!("| RSS at rest | {:.1} MiB |", rss as f64 / 1024.0);
     println!("| CPU used while idle for 5 s | {idle_ticks} clock ticks (1 tick = 10 ms) |");
-    println!("| release binary size | {:.2} MiB |", size as f64 / (1024.0 * 1024.0));
+    println!(
+        "| release binary size | {:.2} MiB |",
+        size as f64 / (1024.0 * 1024.0)
+    );
     Ok(())
 }
