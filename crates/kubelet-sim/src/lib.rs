@@ -233,6 +233,25 @@ impl Kubelet {
         allocation::pre_start(&self.shared, pod, container, resource).await
     }
 
+    /// Drops the plugin connection of `resource` without restarting, as when the kubelet's
+    /// ListAndWatch fails: devices turn unhealthy, the grace period starts, and the kubelet does
+    /// not dial again (the plugin has to register again). Returns false if not connected.
+    pub fn disconnect(&self, resource: &str) -> bool {
+        let generation = self.shared.read(|node| {
+            let r = node.resource(resource)?;
+            let endpoint = r.endpoint.as_ref()?;
+            endpoint.stop.cancel();
+            Some(r.generation)
+        });
+        match generation {
+            Some(generation) => {
+                registration::disconnect(&self.shared, resource, generation);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Removes a terminated pod; its devices become free.
     pub fn remove_pod(&self, pod: &str) -> bool {
         self.shared.modify(|node| node.pods.remove(pod).is_some())

@@ -124,6 +124,12 @@ impl ResourceState {
     pub fn updates(&self) -> u64 {
         self.updates
     }
+
+    /// How many times a plugin connected for this resource (registrations and restarts). A
+    /// stream that was never interrupted keeps this number.
+    pub fn connections(&self) -> u64 {
+        self.generation
+    }
 }
 
 /// A device as the kubelet records it.

@@ -1,9 +1,10 @@
 //! What a resource is doing right now (socket, registration, open streams), published on a watch
 //! channel so that tests, readiness probes and metrics read it without asking the resource task.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -31,12 +32,15 @@ impl ResourceStatus {
 
 /// Shared handle to a resource's status, plus the signal that the kubelet dropped its stream.
 ///
-/// Streams are tagged with the registration attempt that was current when they opened, so that
-/// a stream dropped by an old kubelet is not mistaken for the new kubelet going quiet.
+/// Streams are tagged with the registration attempt that was current when they opened. Only
+/// when the last stream of the current attempt closes is the kubelet taken to have gone quiet:
+/// a stream dropped by an old kubelet, or an inspector leaving while the kubelet still streams,
+/// is not.
 #[derive(Clone)]
 pub(crate) struct StatusCell {
     tx: Arc<watch::Sender<ResourceStatus>>,
     attempt: Arc<AtomicU64>,
+    open_by_attempt: Arc<Mutex<BTreeMap<u64, usize>>>,
     lost: Arc<watch::Sender<u64>>,
 }
 
@@ -45,6 +49,7 @@ impl StatusCell {
         StatusCell {
             tx: Arc::new(watch::Sender::new(ResourceStatus::default())),
             attempt: Arc::new(AtomicU64::new(0)),
+            open_by_attempt: Arc::default(),
             lost: Arc::new(watch::Sender::new(0)),
         }
     }
@@ -61,10 +66,12 @@ impl StatusCell {
     /// served (the client left, not us) is reported as lost.
     pub(crate) fn stream_opened(&self, stop: CancellationToken) -> StreamGuard {
         self.update(|s| s.streams += 1);
+        let attempt = self.attempt.load(Ordering::SeqCst);
+        *self.open_streams().entry(attempt).or_default() += 1;
         StreamGuard {
             cell: self.clone(),
             stop,
-            attempt: self.attempt.load(Ordering::SeqCst),
+            attempt,
         }
     }
 
@@ -76,6 +83,12 @@ impl StatusCell {
     /// Receives the attempt number of every stream a client dropped while we still served it.
     pub(crate) fn lost_streams(&self) -> watch::Receiver<u64> {
         self.lost.subscribe()
+    }
+
+    fn open_streams(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, usize>> {
+        self.open_by_attempt
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// True if a lost stream of `attempt` belongs to the current registration.
@@ -95,7 +108,17 @@ impl Drop for StreamGuard {
     fn drop(&mut self) {
         self.cell
             .update(|s| s.streams = s.streams.saturating_sub(1));
-        if !self.stop.is_cancelled() {
+        let last_of_attempt = {
+            let mut open = self.cell.open_streams();
+            let count = open.entry(self.attempt).or_default();
+            *count = count.saturating_sub(1);
+            let last = *count == 0;
+            if last {
+                open.remove(&self.attempt);
+            }
+            last
+        };
+        if last_of_attempt && !self.stop.is_cancelled() {
             self.cell.lost.send_replace(self.attempt);
         }
     }

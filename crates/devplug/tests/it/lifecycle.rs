@@ -237,3 +237,71 @@ async fn readiness_follows_registration() {
     .unwrap();
     host.shutdown().await;
 }
+
+#[tokio::test]
+async fn garbage_vanishing_clients_and_parallel_streams_do_not_hurt() {
+    use devplug_proto::v1beta1::{device_plugin_client::DevicePluginClient, Empty};
+    use tokio::io::AsyncWriteExt;
+
+    let (dir, kubelet) = kubelet(GRACE).await;
+    let host = Host::new(dir.path()).unwrap();
+    let backend = TestBackend::new(3);
+    let mut status = host.add("example.com/npu", backend.clone()).unwrap();
+    wait_capacity(&kubelet, "example.com/npu", (3, 3)).await;
+    let socket = status.borrow().socket.clone().unwrap();
+
+    // Garbage bytes, then a hang-up.
+    let mut raw = tokio::net::UnixStream::connect(&socket).await.unwrap();
+    raw.write_all(b"GET / HTTP/1.1\r\n\r\n\x00\xff garbage")
+        .await
+        .unwrap();
+    drop(raw);
+
+    // A second ListAndWatch stream (an inspector) sees the list too, then vanishes mid-stream.
+    let channel = devplug_proto::uds::connect(&socket, WAIT).await.unwrap();
+    let mut client = DevicePluginClient::new(channel);
+    let mut stream = client.list_and_watch(Empty {}).await.unwrap().into_inner();
+    assert_eq!(stream.message().await.unwrap().unwrap().devices.len(), 3);
+    status.wait_for(|s| s.streams == 2).await.unwrap();
+    backend.set_health("dev-0", Health::unhealthy("x"));
+    let second = stream.message().await.unwrap().unwrap();
+    assert_eq!(second.devices[0].health, "Unhealthy");
+    drop(stream);
+    drop(client);
+    status.wait_for(|s| s.streams == 1).await.unwrap();
+
+    // The kubelet's stream was never interrupted and still gets updates.
+    wait_capacity(&kubelet, "example.com/npu", (3, 2)).await;
+    backend.set_health("dev-0", Health::Healthy);
+    wait_capacity(&kubelet, "example.com/npu", (3, 3)).await;
+    let connections = kubelet.read(|n| n.resource("example.com/npu").unwrap().connections());
+    assert_eq!(connections, 1);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(
+        kubelet.read(|n| n.registration_count("example.com/npu")),
+        1,
+        "an inspector leaving is not a kubelet leaving"
+    );
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_dropped_stream_without_restart_leads_to_registering_again() {
+    let (dir, kubelet) = kubelet(GRACE).await;
+    let host = Host::new(dir.path()).unwrap();
+    host.add("example.com/npu", TestBackend::new(2)).unwrap();
+    wait_capacity(&kubelet, "example.com/npu", (2, 2)).await;
+
+    assert!(kubelet.disconnect("example.com/npu"));
+    assert_eq!(kubelet.read(|n| n.capacity("example.com/npu")), (2, 0));
+    // The kubelet never dials back by itself; the plugin registers again after a short delay.
+    kubelet
+        .wait_for(WAIT, |n| {
+            (n.registration_count("example.com/npu") == 2
+                && n.capacity("example.com/npu") == (2, 2))
+                .then_some(())
+        })
+        .await
+        .unwrap();
+    host.shutdown().await;
+}
