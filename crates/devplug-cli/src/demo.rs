@@ -3,7 +3,7 @@
 //! shutdown. Needs no cluster and no root; exits 0.
 
 use anyhow::Context;
-use devplug::{Health, Host, ResourceStatus};
+use devplug::{Health, Host, ResourceSettings, ResourceStatus};
 use devplug_backends::{VirtualBackend, VirtualSettings};
 use kubelet_sim::{Kubelet, NodeState};
 use std::sync::Arc;
@@ -12,6 +12,8 @@ use tokio::sync::watch;
 
 const RESOURCE: &str = "dummy.com/npu";
 const WAIT: Duration = Duration::from_secs(10);
+/// Shorter than the default 5 s, to keep the demo brisk.
+const HOLD_DOWN: Duration = Duration::from_secs(1);
 
 /// Runs the demo, printing each step.
 pub async fn demo() -> anyhow::Result<()> {
@@ -34,7 +36,10 @@ pub async fn demo() -> anyhow::Result<()> {
     let backend = Arc::new(VirtualBackend::new(&settings)?);
     let started = Instant::now();
     let host = Host::new(dir.path())?;
-    let mut status = host.add_shared(RESOURCE, backend.clone())?;
+    let settings = ResourceSettings {
+        health_hold_down: HOLD_DOWN,
+    };
+    let mut status = host.add_with(RESOURCE, backend.clone(), settings)?;
     wait_registered(&mut status, 1).await?;
     let endpoint = kubelet.read(|n| {
         n.registrations()
@@ -90,8 +95,14 @@ pub async fn demo() -> anyhow::Result<()> {
     ));
 
     step(6, "npu-7 recovers");
+    let recovered = Instant::now();
     backend.set_health("npu-7", Health::Healthy);
     show_capacity(&kubelet, (8, 8)).await?;
+    detail(&format!(
+        "healthy again for the kubelet after {} (a {} s hold-down, so a flapping device does not churn)",
+        ms(recovered.elapsed()),
+        HOLD_DOWN.as_secs()
+    ));
 
     step(
         7,

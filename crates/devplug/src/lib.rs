@@ -8,18 +8,22 @@
 //! - [`device`]: devices, health and the published list.
 //! - [`edits`]: what an allocation does to a container.
 //! - [`backend`]: the trait a vendor implements.
+//! - [`health`]: health that recovers, after a hold-down.
 //! - [`host`]: the kubelet lifecycle.
 
 pub mod backend;
 pub mod device;
 pub mod edits;
+pub mod health;
 pub mod host;
 mod signal;
 
 pub use backend::{AllocateError, Backend, Options, PreStartError, PreferenceRequest};
 pub use device::{Device, DeviceList, Health, ListTooLarge};
 pub use edits::{ContainerEdits, DeviceNode, Mount};
-pub use host::{Host, HostError, ResourceStatus};
+pub use host::{
+    Host, HostError, ResourceSettings, ResourceStatus, Updated, DEFAULT_HEALTH_HOLD_DOWN,
+};
 pub use signal::shutdown_signal;
 
 /// The kubelet's device-plugins folder on Linux.

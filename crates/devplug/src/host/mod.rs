@@ -2,6 +2,7 @@
 //! device-plugins folder, and keeps each registered across kubelet restarts.
 //!
 //! - `dir_watch`: inotify on the folder (kubelet.sock created, sockets deleted).
+//! - `feed`: the backend's list through the health hold-down to the kubelet; backend swaps.
 //! - `socket`: socket names, owner-only binding, stale-file cleanup.
 //! - `registration`: the `Register` call on kubelet.sock.
 //! - `resource`: one resource's serve-and-register loop.
@@ -9,6 +10,7 @@
 //! - `status`: what each resource is doing, for readiness, metrics and tests.
 
 mod dir_watch;
+mod feed;
 mod registration;
 mod resource;
 mod service;
@@ -17,16 +19,19 @@ mod status;
 
 pub use status::ResourceStatus;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Options};
+use crate::device::DeviceList;
 use devplug_proto::resource_name::{self, InvalidResourceName};
 use dir_watch::DirEvent;
+use feed::FeedControl;
 use resource::ResourceTask;
 use status::StatusCell;
 use std::collections::BTreeMap;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
-use tokio::sync::{broadcast, watch};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -36,6 +41,9 @@ pub enum HostError {
     /// The kubelet would refuse this resource name.
     #[error(transparent)]
     InvalidResourceName(#[from] InvalidResourceName),
+    /// The resource is not served by this host.
+    #[error("resource {0:?} is not served by this process")]
+    UnknownResource(String),
     /// The resource is already served by this host.
     #[error("resource {0:?} is already served by this process; each resource needs one backend")]
     DuplicateResource(String),
@@ -68,9 +76,63 @@ pub struct Host {
 }
 
 struct Running {
+    shared: Arc<ResourceShared>,
+    settings: ResourceSettings,
+    feed: mpsc::UnboundedSender<FeedControl>,
     status: StatusCell,
     stop: CancellationToken,
     task: JoinHandle<()>,
+}
+
+/// How the host treats one resource.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResourceSettings {
+    /// How long a device that came back must stay healthy before the kubelet is told.
+    pub health_hold_down: Duration,
+}
+
+/// The hold-down used by [`Host::add`]: long enough to ride out a flapping device, short enough
+/// that a recovered device is usable soon.
+pub const DEFAULT_HEALTH_HOLD_DOWN: Duration = Duration::from_secs(5);
+
+impl Default for ResourceSettings {
+    fn default() -> Self {
+        ResourceSettings {
+            health_hold_down: DEFAULT_HEALTH_HOLD_DOWN,
+        }
+    }
+}
+
+/// What [`Host::update`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Updated {
+    /// Swapped in place: same socket, streams untouched; the kubelet sees one new list.
+    InPlace,
+    /// The backend asks for other options, which the kubelet reads only at registration: the
+    /// resource was restarted and registered again.
+    Restarted,
+}
+
+/// What the socket's service and the resource loop share: the current backend and the list the
+/// kubelet sees.
+pub(crate) struct ResourceShared {
+    pub(crate) resource: Arc<str>,
+    backend: RwLock<Arc<dyn Backend>>,
+    pub(crate) devices: watch::Receiver<DeviceList>,
+}
+
+impl ResourceShared {
+    /// The current backend.
+    pub(crate) fn backend(&self) -> Arc<dyn Backend> {
+        self.backend
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn set_backend(&self, backend: Arc<dyn Backend>) {
+        *self.backend.write().unwrap_or_else(|e| e.into_inner()) = backend;
+    }
 }
 
 impl Host {
@@ -118,6 +180,16 @@ impl Host {
         resource: &str,
         backend: Arc<dyn Backend>,
     ) -> Result<watch::Receiver<ResourceStatus>, HostError> {
+        self.add_with(resource, backend, ResourceSettings::default())
+    }
+
+    /// Like [`Host::add`], with settings.
+    pub fn add_with(
+        &self,
+        resource: &str,
+        backend: Arc<dyn Backend>,
+        settings: ResourceSettings,
+    ) -> Result<watch::Receiver<ResourceStatus>, HostError> {
         resource_name::validate(resource)?;
         let mut resources = self.lock();
         if resources.contains_key(resource) {
@@ -125,9 +197,20 @@ impl Host {
         }
         let status = StatusCell::new();
         let stop = self.stop.child_token();
+        let name: Arc<str> = Arc::from(resource);
+        let (feed, devices) = feed::spawn(
+            name.clone(),
+            backend.devices(),
+            settings.health_hold_down,
+            stop.clone(),
+        );
+        let shared = Arc::new(ResourceShared {
+            resource: name,
+            backend: RwLock::new(backend),
+            devices,
+        });
         let task = ResourceTask {
-            resource: Arc::from(resource),
-            backend,
+            shared: shared.clone(),
             dir: self.dir.clone(),
             socket_name: socket::instance_name(resource),
             events: self.events.subscribe(),
@@ -136,8 +219,55 @@ impl Host {
         };
         let task = tokio::spawn(task.run());
         let receiver = status.subscribe();
-        resources.insert(resource.to_owned(), Running { status, stop, task });
+        let running = Running {
+            shared,
+            settings,
+            feed,
+            status,
+            stop,
+            task,
+        };
+        resources.insert(resource.to_owned(), running);
         Ok(receiver)
+    }
+
+    /// Replaces the backend and settings of a served resource. When the new backend asks for the
+    /// same [`Options`], the swap is in place: the socket and the kubelet's stream stay, and the
+    /// kubelet sees one new device list. Otherwise the resource is restarted and registers again,
+    /// because the kubelet reads options only at registration.
+    pub async fn update(
+        &self,
+        resource: &str,
+        backend: Arc<dyn Backend>,
+        settings: ResourceSettings,
+    ) -> Result<Updated, HostError> {
+        let in_place = {
+            let mut resources = self.lock();
+            let Some(running) = resources.get_mut(resource) else {
+                return Err(HostError::UnknownResource(resource.to_owned()));
+            };
+            let old_options: Options = running.shared.backend().options();
+            if old_options == backend.options() {
+                let source = backend.devices();
+                running.shared.set_backend(backend.clone());
+                let _ = running.feed.send(FeedControl::Source(source));
+                if running.settings != settings {
+                    let _ = running
+                        .feed
+                        .send(FeedControl::HoldDown(settings.health_hold_down));
+                    running.settings = settings;
+                }
+                true
+            } else {
+                false
+            }
+        };
+        if in_place {
+            return Ok(Updated::InPlace);
+        }
+        self.remove(resource).await;
+        self.add_with(resource, backend, settings)?;
+        Ok(Updated::Restarted)
     }
 
     /// Stops serving `resource`: ends its streams and removes its socket. The kubelet marks its

@@ -11,7 +11,7 @@ use super::registration::register;
 use super::service::PluginService;
 use super::socket::{self, FileIdentity};
 use super::status::StatusCell;
-use crate::backend::Backend;
+use super::ResourceShared;
 use devplug_proto::constants::KUBELET_SOCKET_NAME;
 use devplug_proto::v1beta1::device_plugin_server::DevicePluginServer;
 use std::path::{Path, PathBuf};
@@ -31,8 +31,7 @@ const STREAM_LOST_DELAY: Duration = Duration::from_secs(1);
 
 /// Everything one resource task needs.
 pub(crate) struct ResourceTask {
-    pub(crate) resource: Arc<str>,
-    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) shared: Arc<ResourceShared>,
     pub(crate) dir: PathBuf,
     pub(crate) socket_name: String,
     pub(crate) events: broadcast::Receiver<DirEvent>,
@@ -65,9 +64,10 @@ impl Served {
 
 impl ResourceTask {
     pub(crate) async fn run(mut self) {
+        let resource = self.shared.resource.clone();
         let socket_path = self.dir.join(&self.socket_name);
         let kubelet_socket = self.dir.join(KUBELET_SOCKET_NAME);
-        socket::remove_stale(&self.dir, &self.resource, &socket_path).await;
+        socket::remove_stale(&self.dir, &resource, &socket_path).await;
 
         let mut served: Option<Served> = None;
         // The kubelet.sock we registered with; None means "register when one is there".
@@ -85,7 +85,7 @@ impl ResourceTask {
                 .is_some_and(|s| FileIdentity::of(&s.path) == Some(s.identity));
             if !linked {
                 if let Some(old) = served.take() {
-                    tracing::info!(resource = %self.resource, "our socket was removed (kubelet restart?); binding a fresh one");
+                    tracing::info!(resource = %resource, "our socket was removed (kubelet restart?); binding a fresh one");
                     old.stop().await;
                 }
                 registered_with = None;
@@ -99,7 +99,7 @@ impl ResourceTask {
                         served = Some(s);
                     }
                     Err(err) => {
-                        tracing::error!(resource = %self.resource, path = %socket_path.display(), %err, "cannot bind the plugin socket");
+                        tracing::error!(resource = %resource, path = %socket_path.display(), %err, "cannot bind the plugin socket");
                         retry_at = Some(Instant::now() + backoff);
                         backoff = (backoff * 2).min(BACKOFF_MAX);
                     }
@@ -113,15 +113,15 @@ impl ResourceTask {
                 waiting_logged = false;
                 self.status.update(|s| s.registered = false);
                 self.status.next_attempt();
-                let options = self.backend.options();
-                let attempt = register(&kubelet_socket, &self.resource, &self.socket_name, options);
+                let options = self.shared.backend().options();
+                let attempt = register(&kubelet_socket, &resource, &self.socket_name, options);
                 let outcome = tokio::select! {
                     _ = self.stop.cancelled() => break,
                     outcome = attempt => outcome,
                 };
                 match outcome {
                     Ok(()) => {
-                        tracing::info!(resource = %self.resource, endpoint = %self.socket_name, "registered with the kubelet");
+                        tracing::info!(resource = %resource, endpoint = %self.socket_name, "registered with the kubelet");
                         registered_with = kubelet;
                         backoff = BACKOFF_START;
                         retry_at = None;
@@ -135,9 +135,9 @@ impl ResourceTask {
                     Err(err) => {
                         let message = err.to_string();
                         if last_error.as_deref() != Some(message.as_str()) {
-                            tracing::warn!(resource = %self.resource, error = %message, retry_in = ?backoff, "registration failed; retrying");
+                            tracing::warn!(resource = %resource, error = %message, retry_in = ?backoff, "registration failed; retrying");
                         } else {
-                            tracing::debug!(resource = %self.resource, error = %message, "registration failed again");
+                            tracing::debug!(resource = %resource, error = %message, "registration failed again");
                         }
                         self.status.update(|s| s.last_error = Some(message.clone()));
                         last_error = Some(message);
@@ -147,7 +147,7 @@ impl ResourceTask {
                 }
             } else if kubelet.is_none() && !waiting_logged {
                 waiting_logged = true;
-                tracing::info!(resource = %self.resource, path = %kubelet_socket.display(), "waiting for the kubelet socket");
+                tracing::info!(resource = %resource, path = %kubelet_socket.display(), "waiting for the kubelet socket");
             }
 
             // 3. Sleep until something happens.
@@ -159,7 +159,7 @@ impl ResourceTask {
                 changed = lost_streams.changed() => {
                     let attempt = *lost_streams.borrow_and_update();
                     if changed.is_ok() && self.status.is_current(attempt) && registered_with.is_some() {
-                        tracing::info!(resource = %self.resource, "the kubelet closed our device stream; registering again shortly");
+                        tracing::info!(resource = %resource, "the kubelet closed our device stream; registering again shortly");
                         registered_with = None;
                         retry_at = Some(Instant::now() + STREAM_LOST_DELAY);
                     }
@@ -170,7 +170,7 @@ impl ResourceTask {
                     // Anything else in the folder (our socket deleted, events lost): check again.
                     Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
                     Err(broadcast::error::RecvError::Closed) => {
-                        tracing::warn!(resource = %self.resource, "folder watch ended; kubelet restarts will not be noticed");
+                        tracing::warn!(resource = %resource, "folder watch ended; kubelet restarts will not be noticed");
                         self.stop.cancelled().await;
                         break;
                     }
@@ -185,7 +185,7 @@ impl ResourceTask {
             s.registered = false;
             s.socket = None;
         });
-        tracing::info!(resource = %self.resource, "stopped");
+        tracing::info!(resource = %resource, "stopped");
     }
 
     /// Binds a fresh socket and serves the DevicePlugin service on it.
@@ -193,13 +193,12 @@ impl ResourceTask {
         let (listener, identity) = socket::bind_owner_only(path)?;
         let stop = self.stop.child_token();
         let service = PluginService {
-            resource: self.resource.clone(),
-            backend: self.backend.clone(),
+            shared: self.shared.clone(),
             stop: stop.clone(),
             status: self.status.clone(),
         };
         let shutdown = stop.clone();
-        let resource = self.resource.clone();
+        let resource = self.shared.resource.clone();
         let task = tokio::spawn(async move {
             let served = tonic::transport::Server::builder()
                 .add_service(DevicePluginServer::new(service))

@@ -2,7 +2,8 @@
 //! list and answers allocation questions. Bad requests get a gRPC error, never a crash.
 
 use super::status::StatusCell;
-use crate::backend::{AllocateError, Backend, PreferenceRequest};
+use super::ResourceShared;
+use crate::backend::{AllocateError, PreferenceRequest};
 use devplug_proto::v1beta1 as pb;
 use std::collections::HashSet;
 use std::pin::Pin;
@@ -15,8 +16,7 @@ use tonic::{Request, Response, Status};
 
 /// One resource's DevicePlugin service, for one bound socket.
 pub(crate) struct PluginService {
-    pub(crate) resource: Arc<str>,
-    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) shared: Arc<ResourceShared>,
     /// Ends every ListAndWatch stream of this socket (socket re-bound, resource removed, shutdown).
     pub(crate) stop: CancellationToken,
     pub(crate) status: StatusCell,
@@ -30,7 +30,7 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
         &self,
         _: Request<pb::Empty>,
     ) -> Result<Response<pb::DevicePluginOptions>, Status> {
-        let options = self.backend.options();
+        let options = self.shared.backend().options();
         Ok(Response::new(pb::DevicePluginOptions {
             pre_start_required: options.pre_start_required,
             get_preferred_allocation_available: options.preferred_allocation,
@@ -40,10 +40,10 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
     type ListAndWatchStream = ListStream;
 
     async fn list_and_watch(&self, _: Request<pb::Empty>) -> Result<Response<ListStream>, Status> {
-        let mut devices = self.backend.devices();
+        let mut devices = self.shared.devices.clone();
         let (tx, rx) = mpsc::channel(1);
         let stop = self.stop.clone();
-        let resource = self.resource.clone();
+        let resource = self.shared.resource.clone();
         let open = self.status.stream_opened(self.stop.clone());
         tokio::spawn(async move {
             let _open = open;
@@ -98,7 +98,7 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
                     must_include: &req.must_include_device_i_ds,
                     size,
                 };
-                let answer = self.backend.preferred(&question);
+                let answer = self.shared.backend().preferred(&question);
                 pb::ContainerPreferredAllocationResponse {
                     device_i_ds: clean_preference(&question, answer),
                 }
@@ -117,14 +117,15 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
         if requests.is_empty() {
             return Err(Status::invalid_argument(format!(
                 "{}: the Allocate request has no container requests",
-                self.resource
+                self.shared.resource
             )));
         }
         let mut container_responses = Vec::with_capacity(requests.len());
+        let backend = self.shared.backend();
         for req in &requests {
             self.check_ids(&req.devices_ids)?;
-            let edits = self.backend.allocate(&req.devices_ids).map_err(|err| {
-                let message = format!("{}: {err}", self.resource);
+            let edits = backend.allocate(&req.devices_ids).map_err(|err| {
+                let message = format!("{}: {err}", self.shared.resource);
                 match err {
                     AllocateError::InvalidRequest(_) => Status::invalid_argument(message),
                     AllocateError::Failed(_) => Status::internal(message),
@@ -141,12 +142,13 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
         &self,
         request: Request<pb::PreStartContainerRequest>,
     ) -> Result<Response<pb::PreStartContainerResponse>, Status> {
-        if self.backend.options().pre_start_required {
+        let backend = self.shared.backend();
+        if backend.options().pre_start_required {
             let ids = request.into_inner().devices_ids;
-            self.backend
+            backend
                 .pre_start(&ids)
                 .await
-                .map_err(|err| Status::internal(format!("{}: {err}", self.resource)))?;
+                .map_err(|err| Status::internal(format!("{}: {err}", self.shared.resource)))?;
         }
         Ok(Response::new(pb::PreStartContainerResponse {}))
     }
@@ -155,8 +157,7 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
 impl PluginService {
     /// Rejects unknown and repeated ids, naming them.
     fn check_ids(&self, ids: &[String]) -> Result<(), Status> {
-        let devices = self.backend.devices();
-        let list = devices.borrow();
+        let list = self.shared.devices.borrow();
         let unknown: Vec<&str> = ids
             .iter()
             .filter(|id| list.get(id).is_none())
@@ -183,7 +184,7 @@ impl PluginService {
         }
         Err(Status::invalid_argument(format!(
             "{}: cannot allocate: {}",
-            self.resource,
+            self.shared.resource,
             problems.join("; ")
         )))
     }

@@ -1,7 +1,8 @@
 //! Registration, streaming, kubelet restarts, ordering of start-up, removal and shutdown.
 
-use crate::support::{kubelet, wait_capacity, TestBackend, WAIT};
-use devplug::{Device, Health, Host};
+use crate::support::{kubelet, no_hold_down, wait_capacity, TestBackend, WAIT};
+use devplug::{Device, Health, Host, ResourceSettings};
+use std::sync::Arc;
 use std::time::Duration;
 
 const GRACE: Duration = Duration::from_secs(300);
@@ -26,7 +27,8 @@ async fn health_changes_reach_the_kubelet_and_recover() {
     let (dir, kubelet) = kubelet(GRACE).await;
     let host = Host::new(dir.path()).unwrap();
     let backend = TestBackend::new(4);
-    host.add("example.com/npu", backend.clone()).unwrap();
+    host.add_with("example.com/npu", Arc::new(backend.clone()), no_hold_down())
+        .unwrap();
     wait_capacity(&kubelet, "example.com/npu", (4, 4)).await;
 
     backend.set_health("dev-2", Health::unhealthy("overheated"));
@@ -246,7 +248,9 @@ async fn garbage_vanishing_clients_and_parallel_streams_do_not_hurt() {
     let (dir, kubelet) = kubelet(GRACE).await;
     let host = Host::new(dir.path()).unwrap();
     let backend = TestBackend::new(3);
-    let mut status = host.add("example.com/npu", backend.clone()).unwrap();
+    let mut status = host
+        .add_with("example.com/npu", Arc::new(backend.clone()), no_hold_down())
+        .unwrap();
     wait_capacity(&kubelet, "example.com/npu", (3, 3)).await;
     let socket = status.borrow().socket.clone().unwrap();
 
@@ -303,5 +307,111 @@ async fn a_dropped_stream_without_restart_leads_to_registering_again() {
         })
         .await
         .unwrap();
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_recovered_device_waits_out_the_hold_down() {
+    let (dir, kubelet) = kubelet(GRACE).await;
+    let host = Host::new(dir.path()).unwrap();
+    let backend = TestBackend::new(2);
+    let settings = ResourceSettings {
+        health_hold_down: Duration::from_secs(2),
+    };
+    host.add_with("example.com/npu", Arc::new(backend.clone()), settings)
+        .unwrap();
+    wait_capacity(&kubelet, "example.com/npu", (2, 2)).await;
+
+    // Breaking is immediate.
+    backend.set_health("dev-0", Health::unhealthy("link down"));
+    wait_capacity(&kubelet, "example.com/npu", (2, 1)).await;
+    let updates = kubelet.read(|n| n.resource("example.com/npu").unwrap().updates());
+
+    // Flapping inside the hold-down sends nothing to the kubelet.
+    backend.set_health("dev-0", Health::Healthy);
+    backend.set_health("dev-0", Health::unhealthy("link down again"));
+    backend.set_health("dev-0", Health::Healthy);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        kubelet.read(|n| n.capacity("example.com/npu")),
+        (2, 1),
+        "still held down"
+    );
+    assert_eq!(
+        kubelet.read(|n| n.resource("example.com/npu").unwrap().updates()),
+        updates,
+        "no churn"
+    );
+
+    // Once the device has stayed healthy for the hold-down, the kubelet is told, once.
+    wait_capacity(&kubelet, "example.com/npu", (2, 2)).await;
+    assert_eq!(
+        kubelet.read(|n| n.resource("example.com/npu").unwrap().updates()),
+        updates + 1
+    );
+    host.shutdown().await;
+}
+
+#[tokio::test]
+async fn update_swaps_a_backend_in_place_or_restarts_when_options_change() {
+    let (dir, kubelet) = kubelet(GRACE).await;
+    let host = Host::new(dir.path()).unwrap();
+    host.add("example.com/npu", TestBackend::new(2)).unwrap();
+    wait_capacity(&kubelet, "example.com/npu", (2, 2)).await;
+
+    let same_options = Arc::new(TestBackend::new(5));
+    let done = host
+        .update("example.com/npu", same_options, ResourceSettings::default())
+        .await
+        .unwrap();
+    assert_eq!(done, devplug::Updated::InPlace);
+    wait_capacity(&kubelet, "example.com/npu", (5, 5)).await;
+    assert_eq!(
+        kubelet.read(|n| n.resource("example.com/npu").unwrap().connections()),
+        1,
+        "stream untouched"
+    );
+    let a = kubelet
+        .allocate("pod", "main", "example.com/npu", 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        a.env("TEST_DEVICES"),
+        Some("dev-0"),
+        "the new backend answers Allocate"
+    );
+
+    let options = devplug::Options {
+        preferred_allocation: true,
+        pre_start_required: false,
+    };
+    let other_options = Arc::new(TestBackend::new(3).with_options(options));
+    let done = host
+        .update(
+            "example.com/npu",
+            other_options,
+            ResourceSettings::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done, devplug::Updated::Restarted);
+    kubelet
+        .wait_for(WAIT, |n| {
+            let r = n.resource("example.com/npu")?;
+            (r.connections() == 2
+                && r.capacity() == 3
+                && r.options()?.get_preferred_allocation_available)
+                .then_some(())
+        })
+        .await
+        .unwrap();
+    assert!(host
+        .update(
+            "example.com/none",
+            Arc::new(TestBackend::new(1)),
+            ResourceSettings::default()
+        )
+        .await
+        .is_err());
     host.shutdown().await;
 }

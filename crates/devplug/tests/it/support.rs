@@ -74,6 +74,13 @@ impl Backend for TestBackend {
     }
 }
 
+/// Settings with no health hold-down, for tests that flip health back and forth.
+pub fn no_hold_down() -> devplug::ResourceSettings {
+    devplug::ResourceSettings {
+        health_hold_down: Duration::ZERO,
+    }
+}
+
 /// A started simulator in a fresh temp folder, with a short grace period.
 pub async fn kubelet(grace: Duration) -> (tempfile::TempDir, Kubelet) {
     let dir = tempfile::tempdir().unwrap();
