@@ -10,12 +10,17 @@
 //! ```
 
 use devplug::Backend;
-use devplug_backends::{SettingsError, VirtualBackend, VirtualSettings};
+use devplug_backends::{
+    FilesBackend, FilesSettings, SettingsError, VirtualBackend, VirtualSettings,
+};
 use devplug_proto::resource_name;
 use serde::Deserialize;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+/// The backend keys a resource can have, one of which it must.
+const BACKEND_KEYS: [&str; 2] = ["virtual", "files"];
 
 /// The whole config file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -34,6 +39,8 @@ pub struct ResourceConfig {
     /// Software-only devices.
     #[serde(rename = "virtual")]
     pub virtual_devices: Option<VirtualSettings>,
+    /// Each file in a watched folder is a device.
+    pub files: Option<FilesSettings>,
 }
 
 /// Why a config file cannot be used.
@@ -124,17 +131,20 @@ impl ResourceConfig {
         if self.virtual_devices.is_some() {
             keys.push("virtual");
         }
+        if self.files.is_some() {
+            keys.push("files");
+        }
         keys
     }
 
     fn settings_check(&self) -> Result<(), String> {
         let keys = self.backend_keys();
         match keys.as_slice() {
-            [] => Err("no backend: add exactly one of `virtual`".into()),
-            [_] => self
-                .build()
-                .map(|_| ())
-                .map_err(|(key, e)| format!("{key}.{e}")),
+            [] => Err(format!(
+                "no backend: add exactly one of {}",
+                BACKEND_KEYS.join(", ")
+            )),
+            [_] => self.check().map_err(|(key, e)| format!("{key}.{e}")),
             many => Err(format!(
                 "{} backends ({}): a resource has exactly one",
                 many.len(),
@@ -143,10 +153,26 @@ impl ResourceConfig {
         }
     }
 
-    /// Builds the configured backend. Errors name the backend key and the field.
+    /// Checks the backend's settings without starting anything.
+    fn check(&self) -> Result<(), (&'static str, SettingsError)> {
+        if let Some(settings) = &self.virtual_devices {
+            settings.validate().map_err(|e| ("virtual", e))?;
+        }
+        if let Some(settings) = &self.files {
+            settings.validate().map_err(|e| ("files", e))?;
+        }
+        Ok(())
+    }
+
+    /// Starts the configured backend (watchers included; needs a tokio runtime). Errors name the
+    /// backend key and the field.
     pub fn build(&self) -> Result<Arc<dyn Backend>, (&'static str, SettingsError)> {
         if let Some(settings) = &self.virtual_devices {
             let backend = VirtualBackend::new(settings).map_err(|e| ("virtual", e))?;
+            return Ok(Arc::new(backend));
+        }
+        if let Some(settings) = &self.files {
+            let backend = FilesBackend::start(settings).map_err(|e| ("files", e))?;
             return Ok(Arc::new(backend));
         }
         Err((
@@ -182,7 +208,10 @@ mod tests {
             ("resources:\n  - name: example.com/npu\n    virtual: { count: 0 }\n", "resources[0] (example.com/npu): virtual.count: must be between 1"),
             ("resources:\n  - name: npu\n    virtual: { count: 1 }\n", "resources[0] (npu): name: invalid resource name"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/x\n    virtual: { count: 1 }\n", "resources[1] (a.com/x): name: this resource is listed twice"),
-            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend"),
+            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files"),
+            ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    files: { dir: /x }\n", "2 backends (virtual, files)"),
+            ("resources:\n  - name: a.com/x\n    files: { dir: colas }\n", "resources[0] (a.com/x): files.dir: colas must be an absolute path"),
+            ("resources:\n  - name: a.com/x\n    files: { dir: /x, missing: sometimes }\n", "missing"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1, env: 'A-B' }\n", "virtual.env"),
             ("resource: []\n", "resource"),
             ("resources: []\n", "the list is empty"),

@@ -55,7 +55,7 @@ fn main() -> ExitCode {
             runtime.block_on(run::run(args))
         }
         Command::Demo => {
-            logging::init(cli.log_format, "warn");
+            logging::init(cli.log_format, "error");
             runtime.block_on(demo::demo())
         }
     };

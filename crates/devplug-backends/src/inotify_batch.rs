@@ -1,0 +1,54 @@
+//! inotify for backends: watch several folders and receive events in batches (everything that
+//! is ready at once), so that a burst of changes becomes one rescan and one published list.
+
+use inotify::{Event, EventStream, Inotify, WatchDescriptor, WatchMask};
+use std::ffi::OsString;
+use std::io;
+use std::path::Path;
+use tokio_stream::StreamExt;
+
+/// An inotify instance with its event stream.
+pub(crate) struct Batches {
+    stream: EventStream<[u8; 8192]>,
+}
+
+/// One inotify event, owned.
+pub(crate) type OwnedEvent = Event<OsString>;
+
+impl Batches {
+    /// A new inotify instance with no watches.
+    pub(crate) fn new() -> io::Result<Batches> {
+        let stream = Inotify::init()?.into_event_stream([0u8; 8192])?;
+        Ok(Batches { stream })
+    }
+
+    /// Adds (or updates) a watch on `path`.
+    pub(crate) fn watch(&mut self, path: &Path, mask: WatchMask) -> io::Result<WatchDescriptor> {
+        self.stream.watches().add(path, mask)
+    }
+
+    /// Removes a watch; an already-gone watch is fine.
+    pub(crate) fn unwatch(&mut self, wd: WatchDescriptor) {
+        let _ = self.stream.watches().remove(wd);
+    }
+
+    /// Waits for at least one event, then takes every event that is ready without waiting.
+    pub(crate) async fn next(&mut self) -> io::Result<Vec<OwnedEvent>> {
+        let first = match self.stream.next().await {
+            Some(event) => event?,
+            None => return Err(io::Error::other("inotify stream ended")),
+        };
+        let mut batch = vec![first];
+        loop {
+            tokio::select! {
+                biased;
+                event = self.stream.next() => match event {
+                    Some(event) => batch.push(event?),
+                    None => break,
+                },
+                () = std::future::ready(()) => break,
+            }
+        }
+        Ok(batch)
+    }
+}
