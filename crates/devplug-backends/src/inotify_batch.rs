@@ -27,11 +27,6 @@ impl Batches {
         self.stream.watches().add(path, mask)
     }
 
-    /// Removes a watch; an already-gone watch is fine.
-    pub(crate) fn unwatch(&mut self, wd: WatchDescriptor) {
-        let _ = self.stream.watches().remove(wd);
-    }
-
     /// Waits for at least one event, then takes every event that is ready without waiting.
     pub(crate) async fn next(&mut self) -> io::Result<Vec<OwnedEvent>> {
         let first = match self.stream.next().await {

@@ -4,15 +4,19 @@
 //!   the classic tutorial, for demos, tests and scheduling experiments.
 //! - [`files`] (`files:`): each regular file in a watched folder is a device; its first line is
 //!   its health.
+//! - [`hostdev`] (`hostdev:`): host device nodes by glob, USB id or PCI id, with sharing counts,
+//!   NUMA-aware preferred allocation and event-driven hotplug.
 //!
 //! Each backend has a settings struct that deserializes from the config file (unknown fields are
 //! errors) and a `validate` that names the field and the fix.
 
 pub mod files;
+pub mod hostdev;
 mod inotify_batch;
 pub mod settings;
 pub mod virtual_devices;
 
 pub use files::{FilesBackend, FilesSettings};
+pub use hostdev::{HostdevBackend, HostdevSettings};
 pub use settings::SettingsError;
 pub use virtual_devices::{VirtualBackend, VirtualSettings};

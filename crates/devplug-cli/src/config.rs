@@ -11,7 +11,8 @@
 
 use devplug::Backend;
 use devplug_backends::{
-    FilesBackend, FilesSettings, SettingsError, VirtualBackend, VirtualSettings,
+    FilesBackend, FilesSettings, HostdevBackend, HostdevSettings, SettingsError, VirtualBackend,
+    VirtualSettings,
 };
 use devplug_proto::resource_name;
 use serde::Deserialize;
@@ -20,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// The backend keys a resource can have, one of which it must.
-const BACKEND_KEYS: [&str; 2] = ["virtual", "files"];
+const BACKEND_KEYS: [&str; 3] = ["virtual", "files", "hostdev"];
 
 /// The whole config file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -41,6 +42,8 @@ pub struct ResourceConfig {
     pub virtual_devices: Option<VirtualSettings>,
     /// Each file in a watched folder is a device.
     pub files: Option<FilesSettings>,
+    /// Host device nodes by glob, USB id or PCI id.
+    pub hostdev: Option<HostdevSettings>,
 }
 
 /// Why a config file cannot be used.
@@ -134,6 +137,9 @@ impl ResourceConfig {
         if self.files.is_some() {
             keys.push("files");
         }
+        if self.hostdev.is_some() {
+            keys.push("hostdev");
+        }
         keys
     }
 
@@ -161,6 +167,9 @@ impl ResourceConfig {
         if let Some(settings) = &self.files {
             settings.validate().map_err(|e| ("files", e))?;
         }
+        if let Some(settings) = &self.hostdev {
+            settings.validate().map_err(|e| ("hostdev", e))?;
+        }
         Ok(())
     }
 
@@ -173,6 +182,10 @@ impl ResourceConfig {
         }
         if let Some(settings) = &self.files {
             let backend = FilesBackend::start(settings).map_err(|e| ("files", e))?;
+            return Ok(Arc::new(backend));
+        }
+        if let Some(settings) = &self.hostdev {
+            let backend = HostdevBackend::start(settings).map_err(|e| ("hostdev", e))?;
             return Ok(Arc::new(backend));
         }
         Err((
@@ -202,13 +215,34 @@ mod tests {
     }
 
     #[test]
+    fn the_issue_config_shapes_parse() {
+        let config = parse(
+            "resources:
+  - name: example.com/cola
+    files: { dir: /etc/colas, env: COLA_DEVICES }
+  - name: example.com/serial
+    hostdev:
+      groups:
+        - paths: [\"/dev/ttyUSB*\"]
+      count: 1
+  - name: example.com/fuse
+    hostdev: { groups: [ { paths: [\"/dev/fuse\"] } ], count: 100 }
+",
+        )
+        .unwrap();
+        assert_eq!(config.resources.len(), 3);
+        assert_eq!(config.resources[2].hostdev.as_ref().unwrap().count, 100);
+    }
+
+    #[test]
     fn errors_name_the_resource_and_field() {
         let cases = [
             ("resources:\n  - name: example.com/npu\n    virtual: { cout: 3 }\n", "cout"),
             ("resources:\n  - name: example.com/npu\n    virtual: { count: 0 }\n", "resources[0] (example.com/npu): virtual.count: must be between 1"),
             ("resources:\n  - name: npu\n    virtual: { count: 1 }\n", "resources[0] (npu): name: invalid resource name"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/x\n    virtual: { count: 1 }\n", "resources[1] (a.com/x): name: this resource is listed twice"),
-            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files"),
+            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files, hostdev"),
+            ("resources:\n  - name: a.com/x\n    hostdev: { groups: [ { paths: [ttyUSB0] } ] }\n", "resources[0] (a.com/x): hostdev.groups[0].paths[0]: \"ttyUSB0\" must be a device node path under /dev/"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    files: { dir: /x }\n", "2 backends (virtual, files)"),
             ("resources:\n  - name: a.com/x\n    files: { dir: colas }\n", "resources[0] (a.com/x): files.dir: colas must be an absolute path"),
             ("resources:\n  - name: a.com/x\n    files: { dir: /x, missing: sometimes }\n", "missing"),
