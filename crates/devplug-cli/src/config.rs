@@ -44,6 +44,10 @@ pub struct ResourceConfig {
     pub files: Option<FilesSettings>,
     /// Host device nodes by glob, USB id or PCI id.
     pub hostdev: Option<HostdevSettings>,
+    /// How long a recovered device must stay healthy before the kubelet is told (e.g. `5s`;
+    /// default 5s).
+    #[serde(default, deserialize_with = "crate::duration::deserialize_opt")]
+    pub health_hold_down: Option<std::time::Duration>,
 }
 
 /// Why a config file cannot be used.
@@ -81,13 +85,14 @@ pub enum ConfigError {
 }
 
 impl Config {
-    /// Reads, parses and validates the file at `path`.
-    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    /// Reads, parses and validates the file at `path`; returns the config and the text it came
+    /// from (to notice later whether the file really changed).
+    pub fn load(path: &Path) -> Result<(Config, String), ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        Config::parse(&text, path)
+        Ok((Config::parse(&text, path)?, text))
     }
 
     /// Parses and validates `text`; `path` is only used in messages.

@@ -3,7 +3,9 @@
 
 mod config;
 mod demo;
+mod duration;
 mod logging;
+mod reload;
 mod run;
 
 use clap::{Parser, Subcommand};

@@ -1,14 +1,20 @@
-//! `devplug run`: serve every resource of a config file until SIGTERM or SIGINT.
+//! `devplug run`: serve every resource of a config file until SIGTERM or SIGINT, reloading the
+//! file when it changes. A reload is validated whole first; an invalid file keeps the previous
+//! config serving. A valid one is diffed by resource name: unchanged resources keep their
+//! sockets and streams, changed ones are updated in place where possible, removed ones stop and
+//! new ones start.
 
-use crate::config::Config;
+use crate::config::{Config, ResourceConfig};
+use crate::reload::ConfigWatch;
 use anyhow::Context;
-use devplug::Host;
+use devplug::{Host, ResourceSettings};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 /// Arguments of `devplug run`.
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
-    /// The config file (YAML) listing the resources to serve.
+    /// The config file (YAML) listing the resources to serve; watched for changes.
     #[arg(long, short, env = "DEVPLUG_CONFIG")]
     pub config: PathBuf,
     /// The kubelet's device-plugins folder.
@@ -18,22 +24,151 @@ pub struct RunArgs {
 
 /// Runs until a shutdown signal, then removes our sockets and returns.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
-    let config = Config::load(&args.config)?;
-    let host = Host::new(&args.kubelet_dir)?;
-    for resource in &config.resources {
-        let backend = resource
-            .build()
-            .map_err(|(key, err)| anyhow::anyhow!("{}: {key}.{err}", resource.name))?;
-        host.add_shared(&resource.name, backend)
-            .with_context(|| format!("cannot serve {}", resource.name))?;
-    }
+    let (config, text) = Config::load(&args.config)?;
+    let mut watch = ConfigWatch::new(&args.config)
+        .with_context(|| format!("cannot watch config file {}", args.config.display()))?;
+    let mut runner = Runner {
+        host: Host::new(&args.kubelet_dir)?,
+        current: BTreeMap::new(),
+        text,
+    };
+    runner.start(&config)?;
     tracing::info!(
         resources = config.resources.len(),
         kubelet_dir = %args.kubelet_dir.display(),
+        config = %args.config.display(),
         "devplug running"
     );
-    devplug::shutdown_signal().await;
-    host.shutdown().await;
+
+    let shutdown = devplug::shutdown_signal();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            changed = watch.changed() => match changed {
+                Ok(text) => runner.reload(text, &args.config).await,
+                Err(err) => tracing::error!(config = %args.config.display(), %err, "cannot read the config file; keeping the previous config"),
+            },
+        }
+    }
+    runner.host.shutdown().await;
     tracing::info!("sockets removed; bye");
     Ok(())
+}
+
+/// The running config and the host serving it.
+struct Runner {
+    host: Host,
+    current: BTreeMap<String, ResourceConfig>,
+    text: String,
+}
+
+fn settings_of(resource: &ResourceConfig) -> ResourceSettings {
+    ResourceSettings {
+        health_hold_down: resource
+            .health_hold_down
+            .unwrap_or(devplug::DEFAULT_HEALTH_HOLD_DOWN),
+    }
+}
+
+impl Runner {
+    /// Starts every resource; any failure stops the program.
+    fn start(&mut self, config: &Config) -> anyhow::Result<()> {
+        for resource in &config.resources {
+            let backend = resource
+                .build()
+                .map_err(|(key, err)| anyhow::anyhow!("{}: {key}.{err}", resource.name))?;
+            self.host
+                .add_with(&resource.name, backend, settings_of(resource))
+                .with_context(|| format!("cannot serve {}", resource.name))?;
+            self.current.insert(resource.name.clone(), resource.clone());
+        }
+        Ok(())
+    }
+
+    /// Applies a changed config file, or keeps the previous one if the new one is invalid.
+    async fn reload(&mut self, text: String, path: &std::path::Path) {
+        if text == self.text {
+            return;
+        }
+        let config = match Config::parse(&text, path) {
+            Ok(config) => config,
+            Err(err) => {
+                tracing::error!(error = %err, "config reload failed; keeping the previous config");
+                self.text = text;
+                return;
+            }
+        };
+        self.text = text;
+        let wanted: BTreeMap<String, ResourceConfig> = config
+            .resources
+            .into_iter()
+            .map(|r| (r.name.clone(), r))
+            .collect();
+        let mut report = Report::default();
+
+        let removed: Vec<String> = self
+            .current
+            .keys()
+            .filter(|name| !wanted.contains_key(*name))
+            .cloned()
+            .collect();
+        for name in removed {
+            self.host.remove(&name).await;
+            self.current.remove(&name);
+            report.removed.push(name);
+        }
+        for (name, resource) in wanted {
+            let previous = self.current.get(&name);
+            if previous == Some(&resource) {
+                report.unchanged += 1;
+                continue;
+            }
+            let backend = match resource.build() {
+                Ok(backend) => backend,
+                Err((key, err)) => {
+                    tracing::error!(resource = %name, error = %format!("{key}.{err}"), "cannot start the new backend; this resource keeps its previous config");
+                    report.failed.push(name);
+                    continue;
+                }
+            };
+            let outcome = if previous.is_some() {
+                self.host
+                    .update(&name, backend, settings_of(&resource))
+                    .await
+                    .map(|how| format!("{name} ({how:?})"))
+            } else {
+                self.host
+                    .add_with(&name, backend, settings_of(&resource))
+                    .map(|_| name.clone())
+            };
+            match outcome {
+                Ok(done) if previous.is_some() => report.changed.push(done),
+                Ok(done) => report.added.push(done),
+                Err(err) => {
+                    tracing::error!(resource = %name, %err, "cannot apply the new config for this resource");
+                    report.failed.push(name);
+                    continue;
+                }
+            }
+            self.current.insert(name, resource);
+        }
+        tracing::info!(
+            added = ?report.added,
+            changed = ?report.changed,
+            removed = ?report.removed,
+            unchanged = report.unchanged,
+            failed = ?report.failed,
+            "config reloaded"
+        );
+    }
+}
+
+#[derive(Default)]
+struct Report {
+    added: Vec<String>,
+    changed: Vec<String>,
+    removed: Vec<String>,
+    failed: Vec<String>,
+    unchanged: usize,
 }

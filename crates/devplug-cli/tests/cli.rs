@@ -2,12 +2,14 @@
 //! config errors.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
+mod support;
+
 use kubelet_sim::Kubelet;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+use std::time::Duration;
+use support::{Devplug, BIN};
 
-const BIN: &str = env!("CARGO_BIN_EXE_devplug");
 const WAIT: Duration = Duration::from_secs(10);
 
 fn devplug(args: &[&str]) -> Output {
@@ -53,18 +55,7 @@ async fn run_serves_the_config_and_sigterm_removes_the_socket() {
         "config.yaml",
         "resources:\n  - name: example.com/npu\n    virtual:\n      count: 64\n      env: DUMMY_VISIBLE_DEVICES\n  - name: example.com/other\n    virtual: { count: 3 }\n",
     );
-    let mut child = Command::new(BIN)
-        .args([
-            "run",
-            "--config",
-            &config,
-            "--kubelet-dir",
-            plugins.to_str().unwrap(),
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let devplug = Devplug::run(Path::new(&config), &plugins);
 
     let socket = kubelet
         .wait_for(WAIT, |n| {
@@ -81,21 +72,7 @@ async fn run_serves_the_config_and_sigterm_removes_the_socket() {
         .unwrap();
     assert_eq!(a.env("DUMMY_VISIBLE_DEVICES"), Some("virtual-0,virtual-1"));
 
-    let sent = Instant::now();
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(sent.elapsed() < WAIT, "devplug did not exit after SIGTERM");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    let (status, stderr) = devplug.terminate(WAIT).await;
     assert!(status.success(), "exit status {status:?}\n{stderr}");
     assert!(stderr.contains("SIGTERM received"), "{stderr}");
     assert!(!socket.exists(), "the socket is removed on SIGTERM");

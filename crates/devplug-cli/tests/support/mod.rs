@@ -1,0 +1,58 @@
+//! Running the `devplug` binary in tests: start `devplug run`, stop it with SIGTERM, read its log.
+
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// The binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_devplug");
+
+/// A running `devplug run`.
+pub struct Devplug {
+    child: Child,
+}
+
+impl Devplug {
+    /// Starts `devplug run --config <config> --kubelet-dir <plugins>` with logs on stderr.
+    pub fn run(config: &Path, plugins: &Path) -> Devplug {
+        let child = Command::new(BIN)
+            .arg("run")
+            .arg("--config")
+            .arg(config)
+            .arg("--kubelet-dir")
+            .arg(plugins)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        Devplug { child }
+    }
+
+    /// Sends SIGTERM and waits for the exit; returns the status and everything logged.
+    pub async fn terminate(mut self, wait: Duration) -> (ExitStatus, String) {
+        let pid = self.child.id().to_string();
+        let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(killed.success());
+        let sent = Instant::now();
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(sent.elapsed() < wait, "devplug did not exit after SIGTERM");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let mut stderr = String::new();
+        if let Some(mut pipe) = self.child.stderr.take() {
+            std::io::Read::read_to_string(&mut pipe, &mut stderr).unwrap();
+        }
+        (status, stderr)
+    }
+}
+
+impl Drop for Devplug {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
