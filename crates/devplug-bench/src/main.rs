@@ -2,6 +2,7 @@
 //! `docs/benchmarks.md`. Run with `cargo build --release -p devplug-cli && cargo run --release -p devplug-bench`.
 //! Figures depend on the machine; this is not a test and asserts nothing.
 
+mod backends;
 mod measure;
 
 use anyhow::Context;
@@ -14,7 +15,7 @@ use measure::{percentiles, Sample};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const WAIT: Duration = Duration::from_secs(10);
+pub(crate) const WAIT: Duration = Duration::from_secs(10);
 const RESOURCE: &str = "bench.example/dev";
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -25,6 +26,8 @@ async fn main() -> anyhow::Result<()> {
     device_changes().await?;
     restarts().await?;
     start_to_registered().await?;
+    backends::file_created().await?;
+    backends::hotplug_burst().await?;
     measure::process_figures().await?;
     Ok(())
 }
@@ -36,7 +39,11 @@ async fn setup(
     let kubelet = Kubelet::start(dir.path()).await?;
     let host = Host::new(dir.path())?;
     let backend = Arc::new(VirtualBackend::new(&VirtualSettings::new(count))?);
-    host.add_shared(RESOURCE, backend.clone())?;
+    // No hold-down: these figures are about the pipeline, not the recovery policy.
+    let settings = devplug::ResourceSettings {
+        health_hold_down: Duration::ZERO,
+    };
+    host.add_with(RESOURCE, backend.clone(), settings)?;
     kubelet
         .wait_for(WAIT, |n| (n.capacity(RESOURCE).0 == count).then_some(()))
         .await?;
@@ -161,7 +168,7 @@ async fn start_to_registered() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_row(what: &str, samples: &mut [Duration]) {
+pub(crate) fn print_row(what: &str, samples: &mut [Duration]) {
     let Sample { p50, p99, max, n } = percentiles(samples);
     println!(
         "| {what} | {n} | {} | {} | {} |",

@@ -3,8 +3,8 @@
 use devplug_proto::constants::{HEALTHY, MAX_RECV_MESSAGE_BYTES, UNHEALTHY};
 use devplug_proto::v1beta1 as pb;
 use prost::Message;
-use std::collections::HashMap;
 use std::fmt;
+use std::sync::Arc;
 
 /// Whether a device can be given to a container, and if not, why.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -103,51 +103,93 @@ impl Device {
 
 /// The whole device list of one resource, as a backend publishes it. Each published list
 /// replaces the previous one, exactly as each ListAndWatch message does at the kubelet.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+///
+/// Cheap to clone: the devices are shared, and copied only when a shared list is changed. The
+/// lookup index is the devices' positions sorted by id (4 bytes a device, not a second copy of
+/// every id).
+#[derive(Debug, Clone, Default)]
 pub struct DeviceList {
-    devices: Vec<Device>,
-    index: HashMap<String, usize>,
+    inner: Arc<ListInner>,
 }
+
+#[derive(Debug, Clone, Default)]
+struct ListInner {
+    devices: Vec<Device>,
+    by_id: Vec<u32>,
+}
+
+impl PartialEq for DeviceList {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner) || self.inner.devices == other.inner.devices
+    }
+}
+
+impl Eq for DeviceList {}
 
 impl DeviceList {
     /// A list of `devices` in the given order. If an id repeats, the last entry wins.
     pub fn new(devices: impl IntoIterator<Item = Device>) -> Self {
-        let mut list = DeviceList::default();
-        for device in devices {
-            match list.index.get(&device.id) {
-                Some(&i) => list.devices[i] = device,
-                None => {
-                    list.index.insert(device.id.clone(), list.devices.len());
-                    list.devices.push(device);
-                }
+        let mut devices: Vec<Device> = devices.into_iter().collect();
+        let mut by_id: Vec<u32> = (0..devices.len() as u32).collect();
+        // Stable sort: among equal ids the last position comes last.
+        by_id.sort_by(|&a, &b| devices[a as usize].id.cmp(&devices[b as usize].id));
+        let repeated = by_id
+            .windows(2)
+            .any(|w| devices[w[0] as usize].id == devices[w[1] as usize].id);
+        if repeated {
+            // Keep the last entry of each id, in first-seen order.
+            let mut last: std::collections::HashMap<&str, usize> = Default::default();
+            for (i, d) in devices.iter().enumerate() {
+                last.insert(d.id.as_str(), i);
             }
+            let mut seen = std::collections::HashSet::new();
+            let keep: Vec<usize> = devices
+                .iter()
+                .filter(|d| seen.insert(d.id.as_str()))
+                .map(|d| last[d.id.as_str()])
+                .collect();
+            let deduped: Vec<Device> = keep.into_iter().map(|i| devices[i].clone()).collect();
+            return DeviceList::new(deduped);
         }
-        list
+        devices.shrink_to_fit();
+        DeviceList {
+            inner: Arc::new(ListInner { devices, by_id }),
+        }
     }
 
     /// The devices, in the backend's order.
     pub fn devices(&self) -> &[Device] {
-        &self.devices
+        &self.inner.devices
+    }
+
+    fn position(&self, id: &str) -> Option<usize> {
+        let inner = &self.inner;
+        inner
+            .by_id
+            .binary_search_by(|&i| inner.devices[i as usize].id.as_str().cmp(id))
+            .ok()
+            .map(|k| inner.by_id[k] as usize)
     }
 
     /// The device with this id.
     pub fn get(&self, id: &str) -> Option<&Device> {
-        self.index.get(id).map(|&i| &self.devices[i])
+        self.position(id).map(|i| &self.inner.devices[i])
     }
 
     /// Number of devices.
     pub fn len(&self) -> usize {
-        self.devices.len()
+        self.inner.devices.len()
     }
 
     /// True when there are no devices.
     pub fn is_empty(&self) -> bool {
-        self.devices.is_empty()
+        self.inner.devices.is_empty()
     }
 
     /// Number of healthy devices (the kubelet's allocatable).
     pub fn healthy_count(&self) -> usize {
-        self.devices
+        self.inner
+            .devices
             .iter()
             .filter(|d| d.health.is_healthy())
             .count()
@@ -155,9 +197,9 @@ impl DeviceList {
 
     /// Sets one device's health; returns true if it changed.
     pub fn set_health(&mut self, id: &str, health: Health) -> bool {
-        match self.index.get(id) {
-            Some(&i) if self.devices[i].health != health => {
-                self.devices[i].health = health;
+        match self.position(id) {
+            Some(i) if self.inner.devices[i].health != health => {
+                Arc::make_mut(&mut self.inner).devices[i].health = health;
                 true
             }
             _ => false,
@@ -167,14 +209,14 @@ impl DeviceList {
     /// The ListAndWatch message for this list, refused if the kubelet could not receive it.
     pub fn to_wire(&self) -> Result<pb::ListAndWatchResponse, ListTooLarge> {
         let msg = pb::ListAndWatchResponse {
-            devices: self.devices.iter().map(Device::to_wire).collect(),
+            devices: self.devices().iter().map(Device::to_wire).collect(),
         };
         let bytes = msg.encoded_len();
         if bytes > MAX_RECV_MESSAGE_BYTES {
             return Err(ListTooLarge {
-                devices: self.devices.len(),
+                devices: self.len(),
                 bytes,
-                fit: self.devices.len() * MAX_RECV_MESSAGE_BYTES / bytes,
+                fit: self.len() * MAX_RECV_MESSAGE_BYTES / bytes,
             });
         }
         Ok(msg)
@@ -217,9 +259,30 @@ mod tests {
 
     #[test]
     fn repeated_ids_keep_the_last_entry() {
-        let list = DeviceList::new([Device::new("a"), Device::new("a").with_numa_nodes([1])]);
-        assert_eq!(list.len(), 1);
-        assert_eq!(list.get("a").unwrap().numa_nodes, vec![1]);
+        let list = DeviceList::new([
+            Device::new("b"),
+            Device::new("a"),
+            Device::new("b").with_numa_nodes([1]),
+        ]);
+        assert_eq!(list.len(), 2);
+        assert_eq!(list.devices()[0].id, "b", "first-seen order");
+        assert_eq!(list.get("b").unwrap().numa_nodes, vec![1]);
+        assert!(list.get("a").is_some() && list.get("c").is_none());
+    }
+
+    #[test]
+    fn clones_share_until_changed() {
+        let a = DeviceList::new((0..10).map(|i| Device::new(format!("d{i}"))));
+        let mut b = a.clone();
+        assert_eq!(a, b);
+        assert!(b.set_health("d3", Health::unhealthy("x")));
+        assert!(
+            a.get("d3").unwrap().health.is_healthy(),
+            "the original is untouched"
+        );
+        assert_ne!(a, b);
+        assert!(!b.set_health("d3", Health::unhealthy("x")));
+        assert!(!b.set_health("nope", Health::Healthy));
     }
 
     #[test]

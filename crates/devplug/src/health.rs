@@ -3,7 +3,7 @@
 //! flapping device does not churn the kubelet. The gate is a pure state machine (time is passed
 //! in), used by the host for every backend.
 
-use crate::device::{Device, DeviceList, Health};
+use crate::device::{DeviceList, Health};
 use std::collections::HashMap;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -19,20 +19,16 @@ pub struct Transition {
     pub to: Option<Health>,
 }
 
-#[derive(Debug, Clone)]
-struct Tracked {
-    /// What the kubelet was last told.
-    published: Health,
-    /// Since when the backend has reported the device healthy again, while still published
-    /// unhealthy.
-    recovering_since: Option<Instant>,
-}
-
 /// Applies the hold-down to successive device lists from a backend.
+///
+/// It keeps the list it last published (shared with the backend's list when no device is held
+/// down, so it costs no copy) and the devices that are recovering.
 #[derive(Debug, Clone)]
 pub struct HealthGate {
     hold_down: Duration,
-    devices: HashMap<String, Tracked>,
+    published: DeviceList,
+    /// Devices published unhealthy that the backend reports healthy, since when.
+    recovering: HashMap<String, Instant>,
 }
 
 /// What the gate decided for one input.
@@ -51,7 +47,8 @@ impl HealthGate {
     pub fn new(hold_down: Duration) -> Self {
         HealthGate {
             hold_down,
-            devices: HashMap::new(),
+            published: DeviceList::default(),
+            recovering: HashMap::new(),
         }
     }
 
@@ -64,75 +61,58 @@ impl HealthGate {
     pub fn apply(&mut self, raw: &DeviceList, now: Instant) -> Gated {
         let mut transitions = Vec::new();
         let mut next_check: Option<Instant> = None;
-        let mut seen = HashMap::with_capacity(raw.len());
-        let mut out = Vec::with_capacity(raw.len());
+        // Devices whose published health differs from what the backend reports.
+        let mut held: HashMap<&str, Health> = HashMap::new();
+        let mut still_recovering = HashMap::new();
         for device in raw.devices() {
-            let previous = self.devices.remove(&device.id);
-            let tracked = match previous {
-                None => {
-                    transitions.push(Transition {
-                        id: device.id.clone(),
-                        from: None,
-                        to: Some(device.health.clone()),
-                    });
-                    Tracked {
-                        published: device.health.clone(),
-                        recovering_since: None,
+            let change = |from: Option<&Health>, to: &Health| Transition {
+                id: device.id.clone(),
+                from: from.cloned(),
+                to: Some(to.clone()),
+            };
+            let Some(previous) = self.published.get(&device.id) else {
+                transitions.push(change(None, &device.health));
+                continue;
+            };
+            match (&previous.health, &device.health) {
+                (Health::Unhealthy { .. }, Health::Healthy) => {
+                    let since = self.recovering.get(&device.id).copied().unwrap_or(now);
+                    let due = since + self.hold_down;
+                    if due <= now {
+                        transitions.push(change(Some(&previous.health), &Health::Healthy));
+                    } else {
+                        next_check = Some(next_check.map_or(due, |n| n.min(due)));
+                        held.insert(device.id.as_str(), previous.health.clone());
+                        still_recovering.insert(device.id.clone(), since);
                     }
                 }
-                Some(prev) => match (&prev.published, &device.health) {
-                    (Health::Unhealthy { .. }, Health::Healthy) => {
-                        let since = prev.recovering_since.unwrap_or(now);
-                        let due = since + self.hold_down;
-                        if due <= now {
-                            transitions.push(Transition {
-                                id: device.id.clone(),
-                                from: Some(prev.published.clone()),
-                                to: Some(Health::Healthy),
-                            });
-                            Tracked {
-                                published: Health::Healthy,
-                                recovering_since: None,
-                            }
-                        } else {
-                            next_check = Some(next_check.map_or(due, |n| n.min(due)));
-                            Tracked {
-                                published: prev.published.clone(),
-                                recovering_since: Some(since),
-                            }
-                        }
-                    }
-                    (published, reported) => {
-                        if published != reported {
-                            transitions.push(Transition {
-                                id: device.id.clone(),
-                                from: Some(published.clone()),
-                                to: Some(reported.clone()),
-                            });
-                        }
-                        Tracked {
-                            published: reported.clone(),
-                            recovering_since: None,
-                        }
-                    }
-                },
-            };
-            out.push(Device {
-                health: tracked.published.clone(),
-                ..device.clone()
-            });
-            seen.insert(device.id.clone(), tracked);
+                (published, reported) if published != reported => {
+                    transitions.push(change(Some(published), reported));
+                }
+                _ => {}
+            }
         }
-        for (id, gone) in self.devices.drain() {
-            transitions.push(Transition {
-                id,
-                from: Some(gone.published),
-                to: None,
-            });
+        for gone in self.published.devices() {
+            if raw.get(&gone.id).is_none() {
+                transitions.push(Transition {
+                    id: gone.id.clone(),
+                    from: Some(gone.health.clone()),
+                    to: None,
+                });
+            }
         }
-        self.devices = seen;
+        let list = if held.is_empty() {
+            raw.clone()
+        } else {
+            DeviceList::new(raw.devices().iter().map(|d| match held.get(d.id.as_str()) {
+                Some(health) => d.clone().with_health(health.clone()),
+                None => d.clone(),
+            }))
+        };
+        self.recovering = still_recovering;
+        self.published = list.clone();
         Gated {
-            list: DeviceList::new(out),
+            list,
             next_check,
             transitions,
         }
@@ -142,6 +122,7 @@ impl HealthGate {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::Device;
 
     fn list(health: Health) -> DeviceList {
         DeviceList::new([Device::new("a").with_health(health), Device::new("b")])
