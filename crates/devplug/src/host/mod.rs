@@ -11,12 +11,14 @@
 
 mod dir_watch;
 mod feed;
+mod metrics;
 mod registration;
 mod resource;
 mod service;
 mod socket;
 mod status;
 
+pub use metrics::{MetricsSnapshot, ALLOCATE_BUCKETS};
 pub use status::ResourceStatus;
 
 use crate::backend::{Backend, Options};
@@ -295,6 +297,26 @@ impl Host {
         self.lock().get(resource).map(|r| r.status.subscribe())
     }
 
+    /// Counters and state of every resource, in name order, for exporting as metrics.
+    pub fn metrics(&self) -> Vec<(String, MetricsSnapshot)> {
+        self.lock()
+            .iter()
+            .map(|(name, r)| {
+                let status = r.status.subscribe().borrow().clone();
+                let devices = r.shared.devices.borrow().clone();
+                let healthy = devices.healthy_count();
+                let snapshot = MetricsSnapshot {
+                    healthy,
+                    unhealthy: devices.len() - healthy,
+                    registered: status.registered,
+                    streams: status.streams,
+                    ..r.status.counters.snapshot()
+                };
+                (name.clone(), snapshot)
+            })
+            .collect()
+    }
+
     /// Ready when every resource is registered and streaming to the kubelet.
     pub fn is_ready(&self) -> bool {
         let resources = self.lock();
@@ -305,7 +327,7 @@ impl Host {
     }
 
     /// Stops every resource: ends streams, closes listeners and removes our sockets.
-    pub async fn shutdown(self) {
+    pub async fn shutdown(&self) {
         self.stop.cancel();
         let running = std::mem::take(&mut *self.lock());
         for (_, r) in running {

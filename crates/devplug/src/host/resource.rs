@@ -77,6 +77,8 @@ impl ResourceTask {
         let mut waiting_logged = false;
         let mut last_error: Option<String> = None;
         let mut lost_streams = self.status.lost_streams();
+        // One kubelet restart shows as our socket deleted and a new kubelet.sock: count it once.
+        let mut restart_counted = false;
 
         loop {
             // 1. Our socket must be the file we bound.
@@ -85,6 +87,10 @@ impl ResourceTask {
                 .is_some_and(|s| FileIdentity::of(&s.path) == Some(s.identity));
             if !linked {
                 if let Some(old) = served.take() {
+                    if !restart_counted {
+                        restart_counted = true;
+                        self.status.counters.kubelet_restarted();
+                    }
                     tracing::info!(resource = %resource, "our socket was removed (kubelet restart?); binding a fresh one");
                     old.stop().await;
                 }
@@ -109,6 +115,11 @@ impl ResourceTask {
             // 2. Register with the kubelet that is there now, unless we already did.
             let kubelet = FileIdentity::of(&kubelet_socket);
             let due = retry_at.is_none_or(|at| at <= Instant::now());
+            if registered_with.is_some() && kubelet != registered_with && !restart_counted {
+                // A new kubelet.sock while we were registered: a kubelet restart.
+                restart_counted = true;
+                self.status.counters.kubelet_restarted();
+            }
             if served.is_some() && kubelet.is_some() && kubelet != registered_with && due {
                 waiting_logged = false;
                 self.status.update(|s| s.registered = false);
@@ -123,6 +134,8 @@ impl ResourceTask {
                     Ok(()) => {
                         tracing::info!(resource = %resource, endpoint = %self.socket_name, "registered with the kubelet");
                         registered_with = kubelet;
+                        restart_counted = false;
+                        self.status.counters.registered();
                         backoff = BACKOFF_START;
                         retry_at = None;
                         last_error = None;
@@ -139,6 +152,7 @@ impl ResourceTask {
                         } else {
                             tracing::debug!(resource = %resource, error = %message, "registration failed again");
                         }
+                        self.status.counters.registration_failed();
                         self.status.update(|s| s.last_error = Some(message.clone()));
                         last_error = Some(message);
                         retry_at = Some(Instant::now() + backoff);

@@ -45,6 +45,7 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
         let stop = self.stop.clone();
         let resource = self.shared.resource.clone();
         let open = self.status.stream_opened(self.stop.clone());
+        let counters = self.status.counters.clone();
         tokio::spawn(async move {
             let _open = open;
             let mut refused_last = false;
@@ -55,7 +56,10 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
                         refused_last = false;
                         tokio::select! {
                             _ = stop.cancelled() => return,
-                            sent = tx.send(Ok(message)) => if sent.is_err() { return },
+                            sent = tx.send(Ok(message)) => match sent {
+                                Ok(()) => counters.list_sent(),
+                                Err(_) => return,
+                            },
                         }
                     }
                     // Sending it would break the kubelet's stream; keep the previous list.
@@ -113,6 +117,36 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
         &self,
         request: Request<pb::AllocateRequest>,
     ) -> Result<Response<pb::AllocateResponse>, Status> {
+        let started = std::time::Instant::now();
+        let answer = self.answer_allocate(request);
+        self.status
+            .counters
+            .allocated(started.elapsed(), answer.is_ok());
+        answer
+    }
+
+    async fn pre_start_container(
+        &self,
+        request: Request<pb::PreStartContainerRequest>,
+    ) -> Result<Response<pb::PreStartContainerResponse>, Status> {
+        let backend = self.shared.backend();
+        if backend.options().pre_start_required {
+            let ids = request.into_inner().devices_ids;
+            backend
+                .pre_start(&ids)
+                .await
+                .map_err(|err| Status::internal(format!("{}: {err}", self.shared.resource)))?;
+        }
+        Ok(Response::new(pb::PreStartContainerResponse {}))
+    }
+}
+
+impl PluginService {
+    /// Checks the ids and asks the backend, one response per container request, in order.
+    fn answer_allocate(
+        &self,
+        request: Request<pb::AllocateRequest>,
+    ) -> Result<Response<pb::AllocateResponse>, Status> {
         let requests = request.into_inner().container_requests;
         if requests.is_empty() {
             return Err(Status::invalid_argument(format!(
@@ -138,23 +172,6 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
         }))
     }
 
-    async fn pre_start_container(
-        &self,
-        request: Request<pb::PreStartContainerRequest>,
-    ) -> Result<Response<pb::PreStartContainerResponse>, Status> {
-        let backend = self.shared.backend();
-        if backend.options().pre_start_required {
-            let ids = request.into_inner().devices_ids;
-            backend
-                .pre_start(&ids)
-                .await
-                .map_err(|err| Status::internal(format!("{}: {err}", self.shared.resource)))?;
-        }
-        Ok(Response::new(pb::PreStartContainerResponse {}))
-    }
-}
-
-impl PluginService {
     /// Rejects unknown and repeated ids, naming them.
     fn check_ids(&self, ids: &[String]) -> Result<(), Status> {
         let list = self.shared.devices.borrow();

@@ -1,6 +1,7 @@
 //! What a resource is doing right now (socket, registration, open streams), published on a watch
 //! channel so that tests, readiness probes and metrics read it without asking the resource task.
 
+use super::metrics::Counters;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,6 +40,7 @@ impl ResourceStatus {
 #[derive(Clone)]
 pub(crate) struct StatusCell {
     tx: Arc<watch::Sender<ResourceStatus>>,
+    pub(crate) counters: Arc<Counters>,
     attempt: Arc<AtomicU64>,
     open_by_attempt: Arc<Mutex<BTreeMap<u64, usize>>>,
     lost: Arc<watch::Sender<u64>>,
@@ -48,6 +50,7 @@ impl StatusCell {
     pub(crate) fn new() -> Self {
         StatusCell {
             tx: Arc::new(watch::Sender::new(ResourceStatus::default())),
+            counters: Arc::default(),
             attempt: Arc::new(AtomicU64::new(0)),
             open_by_attempt: Arc::default(),
             lost: Arc::new(watch::Sender::new(0)),
