@@ -1,8 +1,10 @@
 //! The `devplug` command: `run` serves device plugins from a config file; `demo` shows the whole
-//! lifecycle on the embedded kubelet simulator, with no cluster and no root.
+//! lifecycle on the embedded kubelet simulator, with no cluster and no root; `inspect` looks at
+//! any device plugin socket as the kubelet would.
 
 mod config;
 mod demo;
+mod inspect;
 mod logging;
 mod run;
 
@@ -34,6 +36,9 @@ enum Command {
     Run(run::RunArgs),
     /// Show a virtual plugin's whole life on a simulated kubelet (no cluster, no root).
     Demo,
+    /// Look at device plugin sockets as the kubelet would: options, devices, health changes,
+    /// allocations. Works with any vendor's plugin.
+    Inspect(inspect::InspectArgs),
 }
 
 fn main() -> ExitCode {
@@ -57,6 +62,10 @@ fn main() -> ExitCode {
         Command::Demo => {
             logging::init(cli.log_format, "warn");
             runtime.block_on(demo::demo())
+        }
+        Command::Inspect(args) => {
+            logging::init(cli.log_format, "warn");
+            runtime.block_on(inspect::inspect(args))
         }
     };
     match result {
