@@ -41,7 +41,8 @@ pub struct InspectArgs {
     /// Ctrl-C.
     #[arg(long, requires = "socket", conflicts_with_all = ["allocate", "preferred"])]
     pub watch: bool,
-    /// Allocate these device ids (comma-separated) as one container and print the edits.
+    /// Allocate these device ids (comma-separated) as one container and print the edits. The
+    /// kubelet does not learn of it, but some plugins prepare devices on Allocate.
     #[arg(long, value_name = "IDS", value_delimiter = ',', num_args = 1.., requires = "socket", conflicts_with = "preferred")]
     pub allocate: Option<Vec<String>>,
     /// Ask GetPreferredAllocation for N of the healthy devices and print the choice.
