@@ -594,6 +594,16 @@ async fn errors_say_what_went_wrong_in_one_line() {
         )
     );
 
+    // Accepting connections and closing them at once: not gRPC at all.
+    let rude = std::os::unix::net::UnixListener::bind(dir.path().join("rude.sock")).unwrap();
+    std::thread::spawn(move || rude.incoming().for_each(drop));
+    let out = devplug(&["inspect", "-s", &format!("{d}/rude.sock")]).await;
+    let line = error_line(&out);
+    assert!(
+        line.starts_with(&format!("error: {d}/rude.sock is not a device plugin: it ")),
+        "{line}"
+    );
+
     // Listening but never answering: the wait is bounded.
     let _silent = std::os::unix::net::UnixListener::bind(dir.path().join("silent.sock")).unwrap();
     let out = devplug(&[

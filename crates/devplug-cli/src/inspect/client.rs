@@ -101,6 +101,9 @@ pub struct Plugin {
     path: PathBuf,
     timeout: Duration,
     client: DevicePluginClient<Channel>,
+    /// The socket has answered a call: later transport failures are breaks, not a sign that
+    /// it does not speak gRPC.
+    answered: bool,
 }
 
 /// An open ListAndWatch stream.
@@ -122,6 +125,7 @@ impl Plugin {
             path: path.to_owned(),
             timeout,
             client: DevicePluginClient::new(channel),
+            answered: false,
         })
     }
 
@@ -202,12 +206,12 @@ impl Plugin {
 
     /// Awaits a unary call for at most the timeout and classifies its error.
     async fn bounded<T>(
-        &self,
+        &mut self,
         rpc: &'static str,
         what: &'static str,
         call: impl Future<Output = Result<tonic::Response<T>, Status>>,
     ) -> Result<T, InspectError> {
-        tokio::time::timeout(self.timeout, call)
+        let answer = tokio::time::timeout(self.timeout, call)
             .await
             .map_err(|_| InspectError::Timeout {
                 secs: self.timeout.as_secs(),
@@ -215,35 +219,41 @@ impl Plugin {
                 path: self.path.clone(),
             })?
             .map(tonic::Response::into_inner)
-            .map_err(|status| self.rpc_error(rpc, status))
+            .map_err(|status| self.rpc_error(rpc, status))?;
+        self.answered = true;
+        Ok(answer)
     }
 
     fn rpc_error(&self, rpc: &'static str, status: Status) -> InspectError {
-        let message = one_line(status.message());
-        match status.code() {
-            Code::Unimplemented => {
-                let mut detail = format!("it does not serve v1beta1.DevicePlugin/{rpc}");
-                if self
-                    .path
-                    .file_name()
-                    .is_some_and(|n| n == KUBELET_SOCKET_NAME)
-                {
-                    detail.push_str(" (kubelet.sock is the kubelet's registration socket)");
-                }
-                InspectError::NotAPlugin {
-                    path: self.path.clone(),
-                    detail,
-                }
+        classify(&self.path, rpc, status, self.answered)
+    }
+}
+
+/// Turns a failed call into an error. Before the socket has answered anything, a transport
+/// failure means it does not speak gRPC; `Unimplemented` means it is not a device plugin,
+/// except for GetPreferredAllocation, which a plugin may leave out.
+fn classify(path: &Path, rpc: &'static str, status: Status, answered: bool) -> InspectError {
+    let message = one_line(status.message());
+    match status.code() {
+        Code::Unimplemented if rpc != "GetPreferredAllocation" => {
+            let mut detail = format!("it does not serve v1beta1.DevicePlugin/{rpc}");
+            if path.file_name().is_some_and(|n| n == KUBELET_SOCKET_NAME) {
+                detail.push_str(" (kubelet.sock is the kubelet's registration socket)");
             }
-            // Transport-level failures: the other side does not speak gRPC over HTTP/2.
-            Code::Unknown | Code::Unavailable | Code::Internal if is_transport_failure(&status) => {
-                InspectError::NotAPlugin {
-                    path: self.path.clone(),
-                    detail: format!("it does not answer gRPC ({message})"),
-                }
+            InspectError::NotAPlugin {
+                path: path.to_owned(),
+                detail,
             }
-            code => InspectError::Rpc { rpc, code, message },
         }
+        Code::Unknown | Code::Unavailable | Code::Internal
+            if !answered && is_transport_failure(&status) =>
+        {
+            InspectError::NotAPlugin {
+                path: path.to_owned(),
+                detail: format!("it does not answer gRPC ({message})"),
+            }
+        }
+        code => InspectError::Rpc { rpc, code, message },
     }
 }
 
@@ -310,9 +320,7 @@ fn is_transport_failure(status: &Status) -> bool {
         next = e.source();
     }
     let message = status.message();
-    message.contains("transport error")
-        || message.contains("h2 protocol error")
-        || message.contains("connection")
+    message.starts_with("transport error") || message.starts_with("h2 protocol error")
 }
 
 /// An error and its sources on one line, without repeats.
@@ -332,4 +340,58 @@ fn chain(err: &(dyn std::error::Error + 'static)) -> String {
 /// `text` with line breaks turned into spaces.
 pub fn one_line(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kind(rpc: &'static str, status: Status, answered: bool) -> String {
+        classify(Path::new("/d/x.sock"), rpc, status, answered).to_string()
+    }
+
+    #[test]
+    fn unimplemented_means_not_a_plugin_except_for_optional_calls() {
+        assert_eq!(
+            kind("GetDevicePluginOptions", Status::unimplemented(""), false),
+            "/d/x.sock is not a device plugin: it does not serve \
+             v1beta1.DevicePlugin/GetDevicePluginOptions"
+        );
+        assert_eq!(
+            kind(
+                "GetPreferredAllocation",
+                Status::unimplemented("not here"),
+                true
+            ),
+            "GetPreferredAllocation failed: Unimplemented: not here"
+        );
+        let kubelet = classify(
+            Path::new("/d/kubelet.sock"),
+            "Allocate",
+            Status::unimplemented(""),
+            false,
+        );
+        assert!(kubelet
+            .to_string()
+            .ends_with("(kubelet.sock is the kubelet's registration socket)"));
+    }
+
+    #[test]
+    fn transport_failures_count_only_before_the_first_answer() {
+        let broken = || Status::unavailable("transport error");
+        assert!(kind("ListAndWatch", broken(), false).contains("does not answer gRPC"));
+        assert_eq!(
+            kind("ListAndWatch", broken(), true),
+            "ListAndWatch failed: Unavailable: transport error"
+        );
+        // A plugin's own message that mentions connections is its own error.
+        assert_eq!(
+            kind(
+                "Allocate",
+                Status::internal("lost connection to the\ndriver"),
+                false
+            ),
+            "Allocate failed: Internal: lost connection to the driver"
+        );
+    }
 }

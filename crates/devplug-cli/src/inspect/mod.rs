@@ -103,7 +103,15 @@ pub async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
             .filter(|d| d.is_healthy())
             .map(|d| d.id.clone())
             .collect();
-        let answer = plugin.preferred(&available, size).await?;
+        let answer = plugin.preferred(&available, size).await.map_err(|err| {
+            if options.get_preferred_allocation_available {
+                anyhow::Error::new(err)
+            } else {
+                anyhow::anyhow!(
+                    "{err} (the plugin's options say GetPreferredAllocation is not available)"
+                )
+            }
+        })?;
         let view = PreferenceView {
             socket: name,
             get_preferred_allocation_available: options.get_preferred_allocation_available,
