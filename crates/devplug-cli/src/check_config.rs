@@ -2,7 +2,7 @@
 //! without serving anything. For CI (the deploy manifests' embedded config is checked with it)
 //! and for people editing a ConfigMap.
 
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
 use anyhow::Context;
 use std::io::Write;
 use std::path::PathBuf;
@@ -17,7 +17,12 @@ pub struct CheckConfigArgs {
 
 /// Exits 0 with a one-line summary if the file would run, or returns the loader's error.
 pub fn check_config(args: &CheckConfigArgs) -> anyhow::Result<()> {
-    let config = Config::load(&args.config)?;
+    // The same steps as `Config::load`, keeping only the parsed config.
+    let text = std::fs::read_to_string(&args.config).map_err(|source| ConfigError::Read {
+        path: args.config.clone(),
+        source,
+    })?;
+    let config = Config::parse(&text, &args.config)?;
     let names: Vec<&str> = config.resources.iter().map(|r| r.name.as_str()).collect();
     writeln!(
         std::io::stdout(),
