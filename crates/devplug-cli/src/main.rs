@@ -1,9 +1,12 @@
 //! The `devplug` command: `run` serves device plugins from a config file; `demo` shows the whole
-//! lifecycle on the embedded kubelet simulator, with no cluster and no root.
+//! lifecycle on the embedded kubelet simulator, with no cluster and no root; `inspect` looks at
+//! any device plugin socket as the kubelet would; `check-config` validates a config file.
 
+mod check_config;
 mod config;
 mod demo;
 mod duration;
+mod inspect;
 mod logging;
 mod reload;
 mod run;
@@ -36,6 +39,11 @@ enum Command {
     Run(run::RunArgs),
     /// Show a virtual plugin's whole life on a simulated kubelet (no cluster, no root).
     Demo,
+    /// Look at device plugin sockets as the kubelet would: options, devices, health changes,
+    /// allocations. Works with any vendor's plugin.
+    Inspect(inspect::InspectArgs),
+    /// Check a config file as `run` would load it, then exit: 0 if valid, 1 with the error.
+    CheckConfig(check_config::CheckConfigArgs),
 }
 
 fn main() -> ExitCode {
@@ -59,6 +67,14 @@ fn main() -> ExitCode {
         Command::Demo => {
             logging::init(cli.log_format, "error");
             runtime.block_on(demo::demo())
+        }
+        Command::Inspect(args) => {
+            logging::init(cli.log_format, "warn");
+            runtime.block_on(inspect::inspect(args))
+        }
+        Command::CheckConfig(args) => {
+            logging::init(cli.log_format, "warn");
+            check_config::check_config(&args)
         }
     };
     match result {

@@ -20,9 +20,12 @@
 //! ```
 //!
 //! Files: `registration` (the Registration service and the ListAndWatch consumer),
-//! `allocation` (the kubelet's allocation rules), `state` (what the node knows).
+//! `allocation` (the kubelet's allocation rules), `state` (what the node knows), and
+//! [`fake_plugin`], a minimal device plugin written without the devplug library (another
+//! vendor's plugin, for tests).
 
 mod allocation;
+pub mod fake_plugin;
 mod registration;
 mod state;
 

@@ -1,0 +1,78 @@
+"""Lints deploy/helm/devplug and renders it offline into OUT_DIR, one multi-document YAML file
+per set of values, for the strict manifest checks (crates/deploy-check, devplug-cli's
+tests/deploy_config.rs). Any lint warning or error, or a render failure, exits non-zero."""
+
+import sys
+from pathlib import Path
+
+import helm_python as helm
+
+CHART = Path(__file__).resolve().parent.parent / "deploy" / "helm" / "devplug"
+
+# Each set of values becomes one release. "all-options" turns on every optional block of the
+# templates, so that each `if`/`with` branch is rendered and checked at least once.
+RELEASES = {
+    "defaults": {},
+    "all-options": {
+        "hostdev": {"enabled": True},
+        "kubeletDir": "/var/snap/microk8s/common/var/lib/kubelet/",
+        "serviceAccount": {"annotations": {"example.com/owner": "platform"}},
+        "imagePullSecrets": [{"name": "registry"}],
+        "podAnnotations": {"example.com/scrape": "true"},
+        "podLabels": {"example.com/team": "devices"},
+        "extraEnv": [{"name": "EXTRA", "value": "1"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}
+                    ]
+                }
+            }
+        },
+        "priorityClassName": "",
+        "config": {
+            "resources": [
+                {"name": "example.com/a", "virtual": {"count": 2}},
+                {"name": "example.com/b", "virtual": {"count": 3, "numa_nodes": 2}},
+            ]
+        },
+    },
+}
+
+
+def main() -> int:
+    out_dir = Path(sys.argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.yaml"):
+        old.unlink()
+
+    report = helm.lint(str(CHART), strict=True)
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + [
+        {"severity": 3, "path": "", "error": e} for e in report["errors"]
+    ]
+    for m in report["messages"]:
+        print(f"helm lint: {m['path']}: {m['error']}")
+    if problems:
+        print("helm lint failed", file=sys.stderr)
+        return 1
+
+    with helm.Chart.load(str(CHART)) as chart:
+        for name, values in RELEASES.items():
+            manifests = chart.render(values, name="devplug", namespace="kube-system")
+            docs = [
+                f"# Source: {path}\n{text.strip()}\n"
+                for path, text in sorted(manifests.items())
+                if path.endswith((".yaml", ".yml")) and text.strip()
+            ]
+            if not docs:
+                print(f"{name}: the chart rendered no manifests", file=sys.stderr)
+                return 1
+            target = out_dir / f"{name}.yaml"
+            target.write_text("---\n".join(docs))
+            print(f"rendered {target} ({len(docs)} manifests, Helm {helm.helm_sdk_version()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

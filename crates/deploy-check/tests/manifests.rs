@@ -1,0 +1,386 @@
+//! Every manifest in `deploy/` against the Kubernetes API types (k8s-openapi, API 1.33), strictly:
+//! unknown or misplaced fields and wrong types fail with their path. Also: the kustomization
+//! lists exactly the manifests beside it, and the objects refer to each other correctly (service
+//! account, config volume and file, kubelet folder).
+//!
+//! The Helm chart is checked the same way when `DEVPLUG_HELM_RENDERED` names a folder of rendered
+//! releases (`.ci/render-helm` writes one); rendering needs Helm, which tests do not fetch.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
+use deploy_check::{documents, repo_root, strict, yaml_files, CheckError};
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, PodSpec, ServiceAccount};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+/// The object kinds deploy/ uses, typed.
+#[derive(Debug)]
+enum Object {
+    ServiceAccount(ServiceAccount),
+    ConfigMap(ConfigMap),
+    DaemonSet(Box<DaemonSet>),
+    Pod(Box<Pod>),
+}
+
+fn typed(doc: &Value) -> Result<Object, String> {
+    let api = doc["apiVersion"].as_str().unwrap_or("");
+    let kind = doc["kind"].as_str().unwrap_or("");
+    let checked = match (api, kind) {
+        ("v1", "ServiceAccount") => strict(doc).map(Object::ServiceAccount),
+        ("v1", "ConfigMap") => strict(doc).map(Object::ConfigMap),
+        ("apps/v1", "DaemonSet") => strict(doc).map(|d| Object::DaemonSet(Box::new(d))),
+        ("v1", "Pod") => strict(doc).map(|p| Object::Pod(Box::new(p))),
+        _ => {
+            return Err(format!(
+                "no typed check for apiVersion {api:?} kind {kind:?}; add the type to deploy-check"
+            ))
+        }
+    };
+    checked.map_err(|e| e.to_string())
+}
+
+/// Every object of `files`, or the list of problems (file, document index, path, what).
+fn load(files: &[PathBuf]) -> Result<Vec<Object>, Vec<String>> {
+    let mut objects = Vec::new();
+    let mut problems = Vec::new();
+    for file in files {
+        let name = file.strip_prefix(repo_root()).unwrap_or(file).display();
+        match documents(file) {
+            Err(err) => problems.push(err.to_string()),
+            Ok(docs) if docs.is_empty() => problems.push(format!("{name}: no YAML document")),
+            Ok(docs) => {
+                for (i, doc) in docs.iter().enumerate() {
+                    match typed(doc) {
+                        Ok(object) => objects.push(object),
+                        Err(err) => problems.push(format!("{name}: document {i}: {err}")),
+                    }
+                }
+            }
+        }
+    }
+    if problems.is_empty() {
+        Ok(objects)
+    } else {
+        Err(problems)
+    }
+}
+
+fn load_ok(files: &[PathBuf]) -> Vec<Object> {
+    load(files).unwrap_or_else(|problems| panic!("\n{}", problems.join("\n")))
+}
+
+fn kustomize_dir() -> PathBuf {
+    repo_root().join("deploy/kustomize")
+}
+
+/// The kustomize base's object files (everything but kustomization.yaml).
+fn kustomize_manifests() -> Vec<PathBuf> {
+    yaml_files(&kustomize_dir())
+        .unwrap()
+        .into_iter()
+        .filter(|p| p.file_name().is_some_and(|n| n != "kustomization.yaml"))
+        .collect()
+}
+
+#[test]
+fn the_bindings_ignore_unknown_fields_so_the_round_trip_is_needed() {
+    let doc = json!({
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": "devplug"},
+        "automountServiceAccountTokn": false,
+    });
+    // Plain deserialization silently drops the misspelt field...
+    let plain: ServiceAccount = serde_json::from_value(doc.clone()).unwrap();
+    assert_eq!(plain.automount_service_account_token, None);
+    // ...the strict check reports it.
+    let err = strict::<ServiceAccount>(&doc).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "automountServiceAccountTokn: unknown field: the Kubernetes type has no such field here"
+    );
+}
+
+#[test]
+fn kustomize_objects_are_strictly_valid_and_refer_to_each_other() {
+    let files = kustomize_manifests();
+    assert!(files.len() >= 3, "{files:?}");
+    let objects = load_ok(&files);
+    let problems = references(&objects);
+    assert!(problems.is_empty(), "\n{}", problems.join("\n"));
+}
+
+#[test]
+fn kustomization_lists_exactly_the_manifests_beside_it() {
+    let path = kustomize_dir().join("kustomization.yaml");
+    let docs = documents(&path).unwrap();
+    assert_eq!(docs.len(), 1);
+    let k = &docs[0];
+    assert_eq!(k["apiVersion"], "kustomize.config.k8s.io/v1beta1");
+    assert_eq!(k["kind"], "Kustomization");
+    let listed: Vec<&str> = k["resources"]
+        .as_array()
+        .expect("resources is a list")
+        .iter()
+        .map(|r| r.as_str().expect("each resource is a file name"))
+        .collect();
+    for r in &listed {
+        assert!(
+            kustomize_dir().join(r).is_file(),
+            "kustomization.yaml lists {r}, which does not exist"
+        );
+    }
+    for file in kustomize_manifests() {
+        let name = file.file_name().unwrap().to_str().unwrap().to_owned();
+        assert!(
+            listed.contains(&name.as_str()),
+            "{name} is in deploy/kustomize but not in kustomization.yaml's resources"
+        );
+    }
+    // The image transformer matches by name; a name no container uses changes nothing.
+    let objects = load_ok(&kustomize_manifests());
+    let images: Vec<String> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::DaemonSet(d) => pod_spec(d),
+            _ => None,
+        })
+        .flat_map(|spec| spec.containers.iter().filter_map(|c| c.image.clone()))
+        .collect();
+    for image in k["images"].as_array().into_iter().flatten() {
+        let name = image["name"].as_str().unwrap();
+        assert!(
+            images
+                .iter()
+                .any(|i| i == name || i.starts_with(&format!("{name}:"))),
+            "kustomization.yaml sets image {name:?}, but the containers use {images:?}"
+        );
+    }
+}
+
+#[test]
+fn example_pods_are_strictly_valid() {
+    let files = yaml_files(&repo_root().join("deploy/examples")).unwrap();
+    assert!(!files.is_empty());
+    for object in load_ok(&files) {
+        assert!(matches!(object, Object::Pod(_)), "{object:?}");
+    }
+}
+
+/// A change to a document.
+type Mutation = Box<dyn Fn(&mut Value)>;
+
+#[test]
+fn mistakes_in_a_real_manifest_are_caught_with_their_path() {
+    let original = documents(&kustomize_dir().join("daemonset.yaml"))
+        .unwrap()
+        .remove(0);
+    let cases: Vec<(&str, Mutation, &str)> = vec![
+        (
+            "misspelt field",
+            Box::new(|d| d["spec"]["template"]["spec"]["hostNetwrok"] = json!(true)),
+            "spec.template.spec.hostNetwrok: unknown field",
+        ),
+        (
+            "misplaced field",
+            Box::new(|d| {
+                let c = &mut d["spec"]["template"]["spec"]["containers"][0];
+                c["ports"][0]["readinessProbe"] = c["readinessProbe"].clone();
+            }),
+            "spec.template.spec.containers[0].ports[0].readinessProbe: unknown field",
+        ),
+        (
+            "wrong type",
+            Box::new(|d| {
+                d["spec"]["template"]["spec"]["containers"][0]["securityContext"]["runAsUser"] =
+                    json!("0")
+            }),
+            "spec.template.spec.containers[0].securityContext.runAsUser: invalid type: string \"0\"",
+        ),
+        (
+            "wrong kind",
+            Box::new(|d| d["apiVersion"] = json!("v1")),
+            "no typed check for apiVersion \"v1\" kind \"DaemonSet\"",
+        ),
+    ];
+    assert!(typed(&original).is_ok());
+    for (what, mutate, needle) in cases {
+        let mut doc = original.clone();
+        mutate(&mut doc);
+        let err = typed(&doc).expect_err(what);
+        assert!(
+            err.starts_with(needle),
+            "{what}: {err:?} should start with {needle:?}"
+        );
+    }
+}
+
+#[test]
+fn rendered_helm_releases_are_strictly_valid_and_refer_to_each_other() {
+    let Some(dir) = std::env::var_os("DEVPLUG_HELM_RENDERED") else {
+        eprintln!("DEVPLUG_HELM_RENDERED is not set: the Helm chart is not checked (.ci/run does)");
+        return;
+    };
+    let files = yaml_files(Path::new(&dir)).unwrap();
+    assert!(!files.is_empty(), "no rendered releases in {dir:?}");
+    for file in files {
+        let objects = load_ok(std::slice::from_ref(&file));
+        let problems = references(&objects);
+        assert!(
+            problems.is_empty(),
+            "{}:\n{}",
+            file.display(),
+            problems.join("\n")
+        );
+    }
+}
+
+fn pod_spec(d: &DaemonSet) -> Option<&PodSpec> {
+    d.spec.as_ref()?.template.spec.as_ref()
+}
+
+/// Cross-object checks for one release: the DaemonSet runs as the ServiceAccount, mounts the
+/// ConfigMap so that `--config` names one of its keys, mounts the kubelet folder at the
+/// `--kubelet-dir` it passes (same path inside as outside), and selects its own pods.
+fn references(objects: &[Object]) -> Vec<String> {
+    let mut problems = Vec::new();
+    let daemonsets: Vec<&DaemonSet> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::DaemonSet(d) => Some(d.as_ref()),
+            _ => None,
+        })
+        .collect();
+    let config_maps: Vec<&ConfigMap> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::ConfigMap(c) => Some(c),
+            _ => None,
+        })
+        .collect();
+    let accounts: Vec<&ServiceAccount> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::ServiceAccount(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    let ([ds], [cm]) = (daemonsets.as_slice(), config_maps.as_slice()) else {
+        return vec![format!(
+            "expected one DaemonSet and one ConfigMap, found {} and {}",
+            daemonsets.len(),
+            config_maps.len()
+        )];
+    };
+
+    let namespaces: Vec<&Option<String>> = objects
+        .iter()
+        .map(|o| match o {
+            Object::ServiceAccount(s) => &s.metadata.namespace,
+            Object::ConfigMap(c) => &c.metadata.namespace,
+            Object::DaemonSet(d) => &d.metadata.namespace,
+            Object::Pod(p) => &p.metadata.namespace,
+        })
+        .collect();
+    if namespaces.windows(2).any(|w| w[0] != w[1]) {
+        problems.push(format!(
+            "objects are in different namespaces: {namespaces:?}"
+        ));
+    }
+
+    let Some(spec) = pod_spec(ds) else {
+        return vec!["the DaemonSet has no pod spec".into()];
+    };
+    if let Some(ds_spec) = &ds.spec {
+        let labels = ds_spec
+            .template
+            .metadata
+            .as_ref()
+            .and_then(|m| m.labels.as_ref());
+        for (k, v) in ds_spec.selector.match_labels.iter().flatten() {
+            if labels.and_then(|l| l.get(k)) != Some(v) {
+                problems.push(format!(
+                    "the selector's {k}={v} is not a label of the pod template"
+                ));
+            }
+        }
+    }
+    if let [sa] = accounts.as_slice() {
+        if spec.service_account_name != sa.metadata.name {
+            problems.push(format!(
+                "the pods run as {:?}, the ServiceAccount is {:?}",
+                spec.service_account_name, sa.metadata.name
+            ));
+        }
+    }
+
+    let volumes = spec.volumes.as_deref().unwrap_or_default();
+    let Some(container) = spec.containers.first() else {
+        return vec!["the DaemonSet has no container".into()];
+    };
+    let args = container.args.as_deref().unwrap_or_default();
+    let arg = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let mounts = container.volume_mounts.as_deref().unwrap_or_default();
+
+    // --config FILE: a mount of the ConfigMap's volume holds FILE, and FILE is a key of the map.
+    let config_volume = volumes
+        .iter()
+        .find(|v| v.config_map.as_ref().map(|c| &c.name) == cm.metadata.name.as_ref());
+    match (arg("--config"), config_volume) {
+        (None, _) => problems.push("the container has no --config argument".into()),
+        (_, None) => problems.push(format!(
+            "no volume mounts the ConfigMap {:?}",
+            cm.metadata.name
+        )),
+        (Some(file), Some(volume)) => {
+            let key = mounts
+                .iter()
+                .filter(|m| m.name == volume.name)
+                .find_map(|m| file.strip_prefix(&format!("{}/", m.mount_path)));
+            let keys = cm.data.as_ref();
+            match key {
+                None => problems.push(format!(
+                    "--config {file} is not inside a mount of volume {:?}",
+                    volume.name
+                )),
+                Some(key) if !keys.is_some_and(|d| d.contains_key(key)) => {
+                    problems.push(format!("--config {file}: the ConfigMap has no key {key:?}"))
+                }
+                Some(_) => {}
+            }
+        }
+    }
+
+    // --kubelet-dir DIR: mounted from the host's DIR at DIR.
+    match arg("--kubelet-dir") {
+        None => problems.push("the container has no --kubelet-dir argument".into()),
+        Some(dir) => {
+            let mounted = mounts.iter().filter(|m| m.mount_path == dir).any(|m| {
+                volumes.iter().any(|v| {
+                    v.name == m.name && v.host_path.as_ref().is_some_and(|h| h.path == dir)
+                })
+            });
+            if !mounted {
+                problems.push(format!(
+                    "--kubelet-dir {dir} is not the host's {dir} mounted at the same path"
+                ));
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn a_broken_file_is_reported_with_its_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad.yaml");
+    std::fs::write(&file, "kind: Pod\nkind: Pod\n").unwrap();
+    let err = documents(&file).unwrap_err();
+    assert!(matches!(err, CheckError::Yaml { .. }), "{err}");
+    assert!(err.to_string().contains("bad.yaml"), "{err}");
+}

@@ -1,0 +1,115 @@
+//! The devplug config shipped in `deploy/` is one `devplug` accepts: the kustomize ConfigMap's
+//! `config.yaml`, the Helm chart's default `config:` values, and (when `DEVPLUG_HELM_RENDERED`
+//! names a folder of rendered releases, as `.ci/run` sets it) every rendered ConfigMap. Each is
+//! checked by the real binary's `check-config`. The manifests' Kubernetes types are checked in
+//! `crates/deploy-check`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_devplug");
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn yaml_documents(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    serde_saphyr::from_multiple::<Value>(&text)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The `config.yaml` of every ConfigMap in `path`.
+fn embedded_configs(path: &Path) -> Vec<String> {
+    yaml_documents(path)
+        .iter()
+        .filter(|d| d["kind"] == "ConfigMap")
+        .map(|d| {
+            d["data"]["config.yaml"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{}: a ConfigMap without config.yaml", path.display()))
+                .to_owned()
+        })
+        .collect()
+}
+
+/// Runs `devplug check-config` on `text`; panics with its message unless it is accepted.
+fn accepted(origin: &str, text: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("config.yaml");
+    std::fs::write(&file, text).unwrap();
+    let out = Command::new(BIN)
+        .args(["check-config", "--config", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{origin}: devplug rejects the config: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains(": ok: "));
+}
+
+#[test]
+fn the_kustomize_config_map_holds_a_valid_config() {
+    let path = repo().join("deploy/kustomize/configmap.yaml");
+    let configs = embedded_configs(&path);
+    assert_eq!(configs.len(), 1);
+    accepted("deploy/kustomize/configmap.yaml", &configs[0]);
+}
+
+#[test]
+fn the_helm_default_values_hold_a_valid_config() {
+    let values = yaml_documents(&repo().join("deploy/helm/devplug/values.yaml"));
+    let config = &values[0]["config"];
+    assert!(config.is_object(), "values.yaml has no config: block");
+    // The chart renders it with toYaml; JSON is YAML too, and the loader reads it the same.
+    accepted(
+        "deploy/helm/devplug/values.yaml config:",
+        &serde_json::to_string_pretty(config).unwrap(),
+    );
+}
+
+#[test]
+fn rendered_helm_config_maps_hold_valid_configs() {
+    let Some(dir) = std::env::var_os("DEVPLUG_HELM_RENDERED") else {
+        eprintln!("DEVPLUG_HELM_RENDERED is not set: rendered Helm releases are not checked");
+        return;
+    };
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            for config in embedded_configs(&path) {
+                accepted(&path.display().to_string(), &config);
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 0, "no rendered ConfigMap in {dir:?}");
+}
+
+#[test]
+fn check_config_reports_a_bad_file_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad.yaml");
+    std::fs::write(
+        &file,
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 0 }\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["check-config", "--config", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr
+            .contains("bad.yaml: resources[0] (example.com/npu): virtual.count: must be between 1"),
+        "{stderr}"
+    );
+}
