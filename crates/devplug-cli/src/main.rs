@@ -6,6 +6,7 @@ mod check_config;
 mod config;
 mod demo;
 mod duration;
+mod endpoints;
 mod inspect;
 mod logging;
 mod reload;

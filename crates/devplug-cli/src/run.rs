@@ -5,11 +5,15 @@
 //! new ones start.
 
 use crate::config::{Config, ResourceConfig};
+use crate::endpoints::{self, Endpoints, ReloadCounters};
 use crate::reload::ConfigWatch;
 use anyhow::Context;
 use devplug::{Host, ResourceSettings};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
 
 /// Arguments of `devplug run`.
 #[derive(Debug, clap::Args)]
@@ -20,6 +24,10 @@ pub struct RunArgs {
     /// The kubelet's device-plugins folder.
     #[arg(long, env = "DEVPLUG_KUBELET_DIR", default_value = devplug::DEFAULT_KUBELET_DIR)]
     pub kubelet_dir: PathBuf,
+    /// Serve /metrics, /healthz and /readyz over HTTP on this address (e.g. 0.0.0.0:8080).
+    /// Off by default: nothing listens on TCP unless this is set.
+    #[arg(long, env = "DEVPLUG_METRICS_ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// Runs until a shutdown signal, then removes our sockets and returns.
@@ -28,11 +36,22 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut watch = ConfigWatch::new(&args.config)
         .with_context(|| format!("cannot watch config file {}", args.config.display()))?;
     let mut runner = Runner {
-        host: Host::new(&args.kubelet_dir)?,
+        host: Arc::new(Host::new(&args.kubelet_dir)?),
         current: BTreeMap::new(),
         text,
+        reloads: Arc::default(),
     };
     runner.start(&config)?;
+    let stop_http = CancellationToken::new();
+    if let Some(addr) = args.metrics_addr {
+        let endpoints = Endpoints {
+            host: runner.host.clone(),
+            reloads: runner.reloads.clone(),
+        };
+        endpoints::serve(addr, endpoints, stop_http.clone())
+            .await
+            .with_context(|| format!("cannot listen on --metrics-addr {addr}"))?;
+    }
     tracing::info!(
         resources = config.resources.len(),
         kubelet_dir = %args.kubelet_dir.display(),
@@ -51,6 +70,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             },
         }
     }
+    stop_http.cancel();
     runner.host.shutdown().await;
     tracing::info!("sockets removed; bye");
     Ok(())
@@ -58,9 +78,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
 /// The running config and the host serving it.
 struct Runner {
-    host: Host,
+    host: Arc<Host>,
     current: BTreeMap<String, ResourceConfig>,
     text: String,
+    reloads: Arc<ReloadCounters>,
 }
 
 fn settings_of(resource: &ResourceConfig) -> ResourceSettings {
@@ -95,6 +116,7 @@ impl Runner {
             Ok(config) => config,
             Err(err) => {
                 tracing::error!(error = %err, "config reload failed; keeping the previous config");
+                self.reloads.failures.fetch_add(1, Ordering::Relaxed);
                 self.text = text;
                 return;
             }
@@ -153,6 +175,12 @@ impl Runner {
             }
             self.current.insert(name, resource);
         }
+        let counter = if report.failed.is_empty() {
+            &self.reloads.reloads
+        } else {
+            &self.reloads.failures
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             added = ?report.added,
             changed = ?report.changed,

@@ -22,7 +22,8 @@ pub use backend::{AllocateError, Backend, Options, PreStartError, PreferenceRequ
 pub use device::{Device, DeviceList, Health, ListTooLarge};
 pub use edits::{ContainerEdits, DeviceNode, Mount};
 pub use host::{
-    Host, HostError, ResourceSettings, ResourceStatus, Updated, DEFAULT_HEALTH_HOLD_DOWN,
+    Host, HostError, MetricsSnapshot, ResourceSettings, ResourceStatus, Updated, ALLOCATE_BUCKETS,
+    DEFAULT_HEALTH_HOLD_DOWN,
 };
 pub use signal::shutdown_signal;
 

@@ -1,4 +1,6 @@
 //! Running the `devplug` binary in tests: start `devplug run`, stop it with SIGTERM, read its log.
+// Each test binary includes this module and uses part of it.
+#![allow(dead_code)]
 
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -15,12 +17,18 @@ pub struct Devplug {
 impl Devplug {
     /// Starts `devplug run --config <config> --kubelet-dir <plugins>` with logs on stderr.
     pub fn run(config: &Path, plugins: &Path) -> Devplug {
+        Devplug::run_with(config, plugins, &[])
+    }
+
+    /// Like [`Devplug::run`], with more arguments.
+    pub fn run_with(config: &Path, plugins: &Path, extra: &[&str]) -> Devplug {
         let child = Command::new(BIN)
             .arg("run")
             .arg("--config")
             .arg(config)
             .arg("--kubelet-dir")
             .arg(plugins)
+            .args(extra)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

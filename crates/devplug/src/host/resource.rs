@@ -77,8 +77,10 @@ impl ResourceTask {
         let mut waiting_logged = false;
         let mut last_error: Option<String> = None;
         let mut lost_streams = self.status.lost_streams();
-        // One kubelet restart shows as our socket deleted and a new kubelet.sock: count it once.
-        let mut restart_counted = false;
+        // A kubelet restart shows as our socket deleted and/or a new kubelet.sock. Count it once,
+        // and only if we had registered with the kubelet before (a first kubelet start that wipes
+        // the socket we bound while waiting is not a restart).
+        let mut restart_countable = false;
 
         loop {
             // 1. Our socket must be the file we bound.
@@ -87,8 +89,8 @@ impl ResourceTask {
                 .is_some_and(|s| FileIdentity::of(&s.path) == Some(s.identity));
             if !linked {
                 if let Some(old) = served.take() {
-                    if !restart_counted {
-                        restart_counted = true;
+                    if restart_countable {
+                        restart_countable = false;
                         self.status.counters.kubelet_restarted();
                     }
                     tracing::info!(resource = %resource, "our socket was removed (kubelet restart?); binding a fresh one");
@@ -115,9 +117,9 @@ impl ResourceTask {
             // 2. Register with the kubelet that is there now, unless we already did.
             let kubelet = FileIdentity::of(&kubelet_socket);
             let due = retry_at.is_none_or(|at| at <= Instant::now());
-            if registered_with.is_some() && kubelet != registered_with && !restart_counted {
+            if registered_with.is_some() && kubelet != registered_with && restart_countable {
                 // A new kubelet.sock while we were registered: a kubelet restart.
-                restart_counted = true;
+                restart_countable = false;
                 self.status.counters.kubelet_restarted();
             }
             if served.is_some() && kubelet.is_some() && kubelet != registered_with && due {
@@ -134,7 +136,7 @@ impl ResourceTask {
                     Ok(()) => {
                         tracing::info!(resource = %resource, endpoint = %self.socket_name, "registered with the kubelet");
                         registered_with = kubelet;
-                        restart_counted = false;
+                        restart_countable = true;
                         self.status.counters.registered();
                         backoff = BACKOFF_START;
                         retry_at = None;

@@ -114,6 +114,8 @@ async fn twenty_kubelet_restarts_each_followed_by_registration() {
         kubelet.read(|n| n.registration_count("example.com/npu")),
         21
     );
+    let metrics = &host.metrics()[0].1;
+    assert_eq!((metrics.registrations, metrics.kubelet_restarts), (21, 20));
     let sockets: Vec<_> = std::fs::read_dir(dir.path())
         .unwrap()
         .flatten()

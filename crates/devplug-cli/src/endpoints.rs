@@ -1,0 +1,270 @@
+//! The optional HTTP listener of `devplug run` (`--metrics-addr`): `/metrics` in the Prometheus
+//! text format, `/healthz` (the process answers) and `/readyz` (every configured resource is
+//! registered with the kubelet and its ListAndWatch stream is open).
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use devplug::{Host, MetricsSnapshot, ALLOCATE_BUCKETS};
+use std::fmt::Write;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+/// Counters of the config file, kept by the reload loop.
+#[derive(Debug, Default)]
+pub struct ReloadCounters {
+    /// Reloads applied.
+    pub reloads: AtomicU64,
+    /// Reloads refused (invalid file) or partly failed.
+    pub failures: AtomicU64,
+}
+
+/// What the endpoints read.
+#[derive(Clone)]
+pub struct Endpoints {
+    /// The host serving the resources.
+    pub host: Arc<Host>,
+    /// Config reload counters.
+    pub reloads: Arc<ReloadCounters>,
+}
+
+/// Binds `addr` and serves until `stop`. Binding errors are returned at once.
+pub async fn serve(
+    addr: SocketAddr,
+    endpoints: Endpoints,
+    stop: CancellationToken,
+) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(addr = %listener.local_addr()?, "metrics and probes listening");
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .with_state(endpoints);
+    tokio::spawn(async move {
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await;
+        if let Err(err) = served {
+            tracing::error!(%err, "the metrics listener failed");
+        }
+    });
+    Ok(())
+}
+
+async fn ready(State(endpoints): State<Endpoints>) -> impl IntoResponse {
+    if endpoints.host.is_ready() {
+        (StatusCode::OK, "ready\n".to_owned())
+    } else {
+        let waiting: Vec<String> = endpoints
+            .host
+            .metrics()
+            .into_iter()
+            .filter(|(_, m)| !(m.registered && m.streams > 0))
+            .map(|(name, m)| format!("{name}: registered={} streams={}", m.registered, m.streams))
+            .collect();
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready\n{}\n", waiting.join("\n")),
+        )
+    }
+}
+
+async fn metrics(State(endpoints): State<Endpoints>) -> impl IntoResponse {
+    let text = render(&endpoints.host.metrics(), &endpoints.reloads);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+}
+
+/// The Prometheus text exposition of every resource's metrics.
+pub fn render(resources: &[(String, MetricsSnapshot)], reloads: &ReloadCounters) -> String {
+    let mut out = String::new();
+    let family = |out: &mut String, name: &str, kind: &str, help: &str| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    };
+    type Read = fn(&MetricsSnapshot) -> f64;
+    let simple: [(&str, &str, &str, Read); 8] = [
+        (
+            "devplug_registered",
+            "gauge",
+            "1 while registered with the current kubelet.",
+            |m| f64::from(u8::from(m.registered)),
+        ),
+        (
+            "devplug_list_streams",
+            "gauge",
+            "Open ListAndWatch streams.",
+            |m| m.streams as f64,
+        ),
+        (
+            "devplug_registrations_total",
+            "counter",
+            "Successful registrations with the kubelet.",
+            |m| m.registrations as f64,
+        ),
+        (
+            "devplug_registration_failures_total",
+            "counter",
+            "Failed registration attempts.",
+            |m| m.registration_failures as f64,
+        ),
+        (
+            "devplug_kubelet_restarts_total",
+            "counter",
+            "Kubelet restarts noticed.",
+            |m| m.kubelet_restarts as f64,
+        ),
+        (
+            "devplug_list_updates_total",
+            "counter",
+            "ListAndWatch messages sent.",
+            |m| m.list_updates as f64,
+        ),
+        (
+            "devplug_allocate_total",
+            "counter",
+            "Allocate calls answered.",
+            |m| m.allocations as f64,
+        ),
+        (
+            "devplug_allocate_errors_total",
+            "counter",
+            "Allocate calls answered with an error.",
+            |m| m.allocation_errors as f64,
+        ),
+    ];
+    family(
+        &mut out,
+        "devplug_devices",
+        "gauge",
+        "Devices the kubelet is told about, by health.",
+    );
+    for (name, m) in resources {
+        let r = escape(name);
+        let _ = writeln!(
+            out,
+            "devplug_devices{{resource=\"{r}\",health=\"healthy\"}} {}",
+            m.healthy
+        );
+        let _ = writeln!(
+            out,
+            "devplug_devices{{resource=\"{r}\",health=\"unhealthy\"}} {}",
+            m.unhealthy
+        );
+    }
+    for (metric, kind, help, read) in simple {
+        family(&mut out, metric, kind, help);
+        for (name, m) in resources {
+            let _ = writeln!(out, "{metric}{{resource=\"{}\"}} {}", escape(name), read(m));
+        }
+    }
+    family(
+        &mut out,
+        "devplug_allocate_duration_seconds",
+        "histogram",
+        "Time to answer Allocate.",
+    );
+    for (name, m) in resources {
+        let r = escape(name);
+        for (le, count) in ALLOCATE_BUCKETS.iter().zip(&m.allocate_buckets) {
+            let _ = writeln!(
+                out,
+                "devplug_allocate_duration_seconds_bucket{{resource=\"{r}\",le=\"{le}\"}} {count}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "devplug_allocate_duration_seconds_bucket{{resource=\"{r}\",le=\"+Inf\"}} {}",
+            m.allocations
+        );
+        let _ = writeln!(
+            out,
+            "devplug_allocate_duration_seconds_sum{{resource=\"{r}\"}} {}",
+            m.allocate_seconds
+        );
+        let _ = writeln!(
+            out,
+            "devplug_allocate_duration_seconds_count{{resource=\"{r}\"}} {}",
+            m.allocations
+        );
+    }
+    family(
+        &mut out,
+        "devplug_config_reloads_total",
+        "counter",
+        "Config file reloads applied.",
+    );
+    let _ = writeln!(
+        out,
+        "devplug_config_reloads_total {}",
+        reloads.reloads.load(Ordering::Relaxed)
+    );
+    family(
+        &mut out,
+        "devplug_config_reload_failures_total",
+        "counter",
+        "Config file reloads refused or partly failed.",
+    );
+    let _ = writeln!(
+        out,
+        "devplug_config_reload_failures_total {}",
+        reloads.failures.load(Ordering::Relaxed)
+    );
+    out
+}
+
+fn escape(label: &str) -> String {
+    label
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_prometheus_text() {
+        let m = MetricsSnapshot {
+            healthy: 7,
+            unhealthy: 1,
+            registered: true,
+            streams: 1,
+            registrations: 2,
+            allocations: 3,
+            allocate_buckets: vec![0, 1, 2, 3, 3, 3, 3, 3, 3, 3],
+            allocate_seconds: 0.0004,
+            ..MetricsSnapshot::default()
+        };
+        let reloads = ReloadCounters::default();
+        reloads.reloads.store(4, Ordering::Relaxed);
+        let text = render(&[("a.com/x".to_owned(), m)], &reloads);
+        for line in [
+            "# TYPE devplug_devices gauge",
+            "devplug_devices{resource=\"a.com/x\",health=\"healthy\"} 7",
+            "devplug_devices{resource=\"a.com/x\",health=\"unhealthy\"} 1",
+            "devplug_registered{resource=\"a.com/x\"} 1",
+            "devplug_registrations_total{resource=\"a.com/x\"} 2",
+            "devplug_allocate_duration_seconds_bucket{resource=\"a.com/x\",le=\"0.0001\"} 1",
+            "devplug_allocate_duration_seconds_bucket{resource=\"a.com/x\",le=\"+Inf\"} 3",
+            "devplug_allocate_duration_seconds_count{resource=\"a.com/x\"} 3",
+            "devplug_config_reloads_total 4",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        assert_eq!(escape("a\"b\\c"), "a\\\"b\\\\c");
+    }
+}

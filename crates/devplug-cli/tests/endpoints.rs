@@ -1,0 +1,116 @@
+//! `devplug run --metrics-addr`: readiness follows registration, metrics move with traffic.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
+mod support;
+
+use kubelet_sim::Kubelet;
+use std::time::{Duration, Instant};
+use support::Devplug;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const WAIT: Duration = Duration::from_secs(10);
+const RESOURCE: &str = "example.com/npu";
+
+/// GET `path`; returns the status code and body.
+async fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    let code = response.split_whitespace().nth(1)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
+    Some((code, body))
+}
+
+/// Polls `path` until it answers `code`.
+async fn until(port: u16, path: &str, code: u16) -> String {
+    let start = Instant::now();
+    loop {
+        if let Some((got, body)) = get(port, path).await {
+            if got == code {
+                return body;
+            }
+        }
+        assert!(start.elapsed() < WAIT, "{path} never answered {code}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn metric(text: &str, line_start: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_start)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {line_start} in\n{text}"))
+}
+
+#[tokio::test]
+async fn readiness_follows_registration_and_metrics_move() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plugins = tmp.path().join("device-plugins");
+    let config = tmp.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        format!("resources:\n  - name: {RESOURCE}\n    virtual: {{ count: 4 }}\n"),
+    )
+    .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let devplug = Devplug::run_with(&config, &plugins, &["--metrics-addr", &addr]);
+
+    // No kubelet yet: alive, not ready.
+    until(port, "/healthz", 200).await;
+    let body = until(port, "/readyz", 503).await;
+    assert!(body.contains("registered=false"), "{body}");
+
+    let kubelet = Kubelet::start(&plugins).await.unwrap();
+    until(port, "/readyz", 200).await;
+    kubelet.allocate("pod", "main", RESOURCE, 2).await.unwrap();
+    let text = until(port, "/metrics", 200).await;
+    let r = format!("{{resource=\"{RESOURCE}\"}}");
+    assert_eq!(metric(&text, &format!("devplug_allocate_total{r}")), 1.0);
+    assert_eq!(
+        metric(
+            &text,
+            &format!("devplug_allocate_duration_seconds_count{r}")
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(&text, &format!("devplug_registrations_total{r}")),
+        1.0
+    );
+    assert!(metric(&text, &format!("devplug_list_updates_total{r}")) >= 1.0);
+    assert_eq!(
+        metric(
+            &text,
+            &format!("devplug_devices{{resource=\"{RESOURCE}\",health=\"healthy\"}}")
+        ),
+        4.0
+    );
+
+    // The kubelet goes away: not ready. A new kubelet: registered again, ready again.
+    kubelet.stop().await;
+    until(port, "/readyz", 503).await;
+    let kubelet = Kubelet::start(&plugins).await.unwrap();
+    until(port, "/readyz", 200).await;
+    let text = until(port, "/metrics", 200).await;
+    assert_eq!(
+        metric(&text, &format!("devplug_registrations_total{r}")),
+        2.0
+    );
+    assert_eq!(
+        metric(&text, &format!("devplug_kubelet_restarts_total{r}")),
+        1.0
+    );
+    drop(kubelet);
+
+    let (status, log) = devplug.terminate(WAIT).await;
+    assert!(status.success(), "{log}");
+    assert!(log.contains("metrics and probes listening"), "{log}");
+}
