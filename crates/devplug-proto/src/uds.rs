@@ -1,10 +1,15 @@
-//! gRPC channels over Unix sockets, dialled the way the kubelet dials (protocol.md §3.3):
-//! `:authority` is `localhost`, never the socket path, and the connection is made eagerly.
+//! gRPC over Unix sockets: channels dialled the way the kubelet dials (protocol.md §3.3:
+//! `:authority` is `localhost`, never the socket path, and the connection is made eagerly), and
+//! servers on a listener we accept from ourselves (so a connection-level adapter can slot in).
 
 use hyper_util::rt::TokioIo;
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tokio::net::UnixStream;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::transport::server::Router;
 use tonic::transport::{Channel, Endpoint, Error};
 
 /// Connects to the gRPC server on the Unix socket at `path`, failing after `timeout`.
@@ -19,4 +24,22 @@ pub async fn connect(path: &Path, timeout: Duration) -> Result<Channel, Error> {
             async move { UnixStream::connect(path).await.map(TokioIo::new) }
         }))
         .await
+}
+
+/// Serves `router` on `listener` in a new task until `shutdown` resolves; a server failure is
+/// logged, naming `what` (e.g. `"plugin server for vendor.example/npu"`).
+pub fn spawn_server(
+    router: Router,
+    listener: UnixListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    what: String,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let served = router
+            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+            .await;
+        if let Err(err) = served {
+            tracing::error!(%err, "{what} failed");
+        }
+    })
 }

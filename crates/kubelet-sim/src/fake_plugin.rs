@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
@@ -164,19 +164,12 @@ impl FakePlugin {
             devices: devices.clone(),
             stop: stop.clone(),
         };
-        let shutdown = stop.clone();
-        let server = tokio::spawn(async move {
-            let served = tonic::transport::Server::builder()
-                .add_service(DevicePluginServer::new(service))
-                .serve_with_incoming_shutdown(
-                    UnixListenerStream::new(listener),
-                    shutdown.cancelled_owned(),
-                )
-                .await;
-            if let Err(err) = served {
-                tracing::error!(%err, "fake plugin server failed");
-            }
-        });
+        let server = uds::spawn_server(
+            tonic::transport::Server::builder().add_service(DevicePluginServer::new(service)),
+            listener,
+            stop.clone().cancelled_owned(),
+            "the fake plugin server".to_owned(),
+        );
         Ok(FakePlugin {
             socket,
             options: spec.options,

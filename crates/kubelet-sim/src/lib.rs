@@ -44,7 +44,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
 /// How the simulated kubelet behaves.
@@ -305,19 +304,12 @@ impl Kubelet {
         let service = RegistrationService {
             shared: self.shared.clone(),
         };
-        let shutdown = stop.clone();
-        let task = tokio::spawn(async move {
-            let served = tonic::transport::Server::builder()
-                .add_service(RegistrationServer::new(service))
-                .serve_with_incoming_shutdown(
-                    UnixListenerStream::new(listener),
-                    shutdown.cancelled_owned(),
-                )
-                .await;
-            if let Err(err) = served {
-                tracing::error!(%err, "kubelet.sock server failed");
-            }
-        });
+        let task = devplug_proto::uds::spawn_server(
+            tonic::transport::Server::builder().add_service(RegistrationServer::new(service)),
+            listener,
+            stop.clone().cancelled_owned(),
+            "the kubelet.sock server".to_owned(),
+        );
         self.server = Some((stop, task));
         Ok(())
     }

@@ -13,6 +13,7 @@ use super::socket::{self, FileIdentity};
 use super::status::StatusCell;
 use super::ResourceShared;
 use devplug_proto::constants::KUBELET_SOCKET_NAME;
+use devplug_proto::uds;
 use devplug_proto::v1beta1::device_plugin_server::DevicePluginServer;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -20,7 +21,6 @@ use std::time::Duration;
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, Instant};
-use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
 const BACKOFF_START: Duration = Duration::from_millis(100);
@@ -213,20 +213,12 @@ impl ResourceTask {
             stop: stop.clone(),
             status: self.status.clone(),
         };
-        let shutdown = stop.clone();
-        let resource = self.shared.resource.clone();
-        let task = tokio::spawn(async move {
-            let served = tonic::transport::Server::builder()
-                .add_service(DevicePluginServer::new(service))
-                .serve_with_incoming_shutdown(
-                    UnixListenerStream::new(listener),
-                    shutdown.cancelled_owned(),
-                )
-                .await;
-            if let Err(err) = served {
-                tracing::error!(resource = %resource, %err, "the plugin server failed");
-            }
-        });
+        let task = uds::spawn_server(
+            tonic::transport::Server::builder().add_service(DevicePluginServer::new(service)),
+            listener,
+            stop.clone().cancelled_owned(),
+            format!("the plugin server of {}", self.shared.resource),
+        );
         Ok(Served {
             path: path.to_owned(),
             identity,
