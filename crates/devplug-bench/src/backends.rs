@@ -23,9 +23,9 @@ async fn serve(
     host.add_with(RESOURCE, backend, settings)?;
     kubelet
         .wait_for(WAIT, |n| {
-            n.resource(RESOURCE)
-                .map(|r| r.is_connected())
-                .filter(|c| *c)
+            // Connected and the first list received, so it is not counted as an update later.
+            let r = n.resource(RESOURCE)?;
+            (r.is_connected() && r.updates() >= 1).then_some(())
         })
         .await?;
     Ok((kubelet, host))

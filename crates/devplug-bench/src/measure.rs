@@ -29,8 +29,12 @@ pub fn percentiles(samples: &mut [Duration]) -> Sample {
     }
 }
 
-/// The `devplug` binary built next to this one (`cargo build --release -p devplug-cli`).
+/// The `devplug` binary: `$DEVPLUG_BIN` (e.g. the static musl build the image ships), else the
+/// one built next to this one (`cargo build --release -p devplug-cli`).
 fn devplug_binary() -> anyhow::Result<PathBuf> {
+    if let Some(bin) = std::env::var_os("DEVPLUG_BIN") {
+        return Ok(PathBuf::from(bin));
+    }
     let me = std::env::current_exe()?;
     let bin = me.with_file_name("devplug");
     anyhow::ensure!(
