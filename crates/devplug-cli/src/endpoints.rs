@@ -161,6 +161,23 @@ pub fn render(resources: &[(String, MetricsSnapshot)], reloads: &ReloadCounters)
             m.unhealthy
         );
     }
+    family(
+        &mut out,
+        "devplug_device_unhealthy",
+        "gauge",
+        "1 for each unhealthy device, with its reason (the kubelet only sees \"Unhealthy\").",
+    );
+    for (name, m) in resources {
+        for (device, reason) in &m.unhealthy_reasons {
+            let _ = writeln!(
+                out,
+                "devplug_device_unhealthy{{resource=\"{}\",device=\"{}\",reason=\"{}\"}} 1",
+                escape(name),
+                escape(device),
+                escape(reason)
+            );
+        }
+    }
     for (metric, kind, help, read) in simple {
         family(&mut out, metric, kind, help);
         for (name, m) in resources {
@@ -238,6 +255,7 @@ mod tests {
         let m = MetricsSnapshot {
             healthy: 7,
             unhealthy: 1,
+            unhealthy_reasons: vec![("d3".into(), "fan \"stuck\"".into())],
             registered: true,
             streams: 1,
             registrations: 2,
@@ -253,6 +271,7 @@ mod tests {
             "# TYPE devplug_devices gauge",
             "devplug_devices{resource=\"a.com/x\",health=\"healthy\"} 7",
             "devplug_devices{resource=\"a.com/x\",health=\"unhealthy\"} 1",
+            "devplug_device_unhealthy{resource=\"a.com/x\",device=\"d3\",reason=\"fan \\\"stuck\\\"\"} 1",
             "devplug_registered{resource=\"a.com/x\"} 1",
             "devplug_registrations_total{resource=\"a.com/x\"} 2",
             "devplug_allocate_duration_seconds_bucket{resource=\"a.com/x\",le=\"0.0001\"} 1",

@@ -50,11 +50,14 @@ async fn readiness_follows_registration_and_metrics_move() {
     let tmp = tempfile::tempdir().unwrap();
     let plugins = tmp.path().join("device-plugins");
     let config = tmp.path().join("config.yaml");
-    std::fs::write(
-        &config,
-        format!("resources:\n  - name: {RESOURCE}\n    virtual: {{ count: 4 }}\n"),
-    )
-    .unwrap();
+    let colas = tmp.path().join("colas");
+    std::fs::create_dir(&colas).unwrap();
+    std::fs::write(colas.join("cola-1"), "").unwrap();
+    let text = format!(
+        "resources:\n  - name: {RESOURCE}\n    virtual: {{ count: 4 }}\n  - name: example.com/cola\n    files: {{ dir: {} }}\n",
+        colas.display()
+    );
+    std::fs::write(&config, text).unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -93,6 +96,19 @@ async fn readiness_follows_registration_and_metrics_move() {
         ),
         4.0
     );
+
+    // An unhealthy device's reason shows in the metrics (the kubelet only sees "Unhealthy").
+    std::fs::write(colas.join("cola-1"), "fan failure\n").unwrap();
+    let unhealthy = "devplug_device_unhealthy{resource=\"example.com/cola\",device=\"cola-1\",reason=\"fan failure\"} 1";
+    let start = Instant::now();
+    while !until(port, "/metrics", 200)
+        .await
+        .lines()
+        .any(|l| l == unhealthy)
+    {
+        assert!(start.elapsed() < WAIT, "no {unhealthy}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     // The kubelet goes away: not ready. A new kubelet: registered again, ready again.
     kubelet.stop().await;

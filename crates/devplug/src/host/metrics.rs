@@ -46,6 +46,8 @@ pub struct MetricsSnapshot {
     pub healthy: usize,
     /// Unhealthy devices the kubelet is told about.
     pub unhealthy: usize,
+    /// Each unhealthy device with its reason (the kubelet only sees "Unhealthy").
+    pub unhealthy_reasons: Vec<(String, String)>,
     /// Registered with the current kubelet.
     pub registered: bool,
     /// Open ListAndWatch streams.

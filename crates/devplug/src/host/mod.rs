@@ -305,9 +305,18 @@ impl Host {
                 let status = r.status.subscribe().borrow().clone();
                 let devices = r.shared.devices.borrow().clone();
                 let healthy = devices.healthy_count();
+                let unhealthy_reasons = devices
+                    .devices()
+                    .iter()
+                    .filter_map(|d| match &d.health {
+                        crate::Health::Unhealthy { reason } => Some((d.id.clone(), reason.clone())),
+                        crate::Health::Healthy => None,
+                    })
+                    .collect();
                 let snapshot = MetricsSnapshot {
                     healthy,
                     unhealthy: devices.len() - healthy,
+                    unhealthy_reasons,
                     registered: status.registered,
                     streams: status.streams,
                     ..r.status.counters.snapshot()
