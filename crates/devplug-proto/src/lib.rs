@@ -3,13 +3,17 @@
 //! - [`v1beta1`]: prost messages and tonic clients/servers generated from `proto/v1beta1/api.proto`
 //!   (committed; `tests/bootstrap.rs` regenerates and diffs it).
 //! - [`constants`]: the kubelet's constants (API version, paths, health strings).
-//! - [`uds`]: gRPC channels over Unix sockets with the kubelet's `:authority`.
+//! - [`uds`]: gRPC channels over Unix sockets with the kubelet's `:authority`, and servers that
+//!   accept any client's (through [`authority`]).
+//! - [`authority`]: serves clients that send a socket path as `:authority` (kubelets up to 1.25),
+//!   which h2 would otherwise reset.
 //! - [`resource_name`]: the kubelet's check on extended resource names, so that plugins and the
 //!   simulator reject the same names the kubelet does.
 //!
 //! Field names, numbers and the package name come from `../shared/protocol.md` §1 and are pinned by
 //! `tests/wire.rs`.
 
+pub mod authority;
 pub mod constants;
 pub mod resource_name;
 pub mod uds;

@@ -1,7 +1,9 @@
 //! gRPC over Unix sockets: channels dialled the way the kubelet dials (protocol.md §3.3:
 //! `:authority` is `localhost`, never the socket path, and the connection is made eagerly), and
-//! servers on a listener we accept from ourselves (so a connection-level adapter can slot in).
+//! servers on a listener we accept from ourselves, each connection wrapped in
+//! [`AuthorityFix`] so that clients sending the socket path as `:authority` are served too.
 
+use crate::authority::AuthorityFix;
 use hyper_util::rt::TokioIo;
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -9,6 +11,7 @@ use std::time::Duration;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::StreamExt;
 use tonic::transport::server::Router;
 use tonic::transport::{Channel, Endpoint, Error};
 
@@ -28,6 +31,9 @@ pub async fn connect(path: &Path, timeout: Duration) -> Result<Channel, Error> {
 
 /// Serves `router` on `listener` in a new task until `shutdown` resolves; a server failure is
 /// logged, naming `what` (e.g. `"plugin server for vendor.example/npu"`).
+///
+/// Every accepted connection goes through [`AuthorityFix`], so kubelets up to 1.25 (which send the
+/// socket path as `:authority`) reach the services like newer ones.
 pub fn spawn_server(
     router: Router,
     listener: UnixListener,
@@ -36,7 +42,10 @@ pub fn spawn_server(
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
         let served = router
-            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+            .serve_with_incoming_shutdown(
+                UnixListenerStream::new(listener).map(|conn| conn.map(AuthorityFix::new)),
+                shutdown,
+            )
             .await;
         if let Err(err) = served {
             tracing::error!(%err, "{what} failed");

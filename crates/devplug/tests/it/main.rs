@@ -5,4 +5,6 @@
 
 mod allocation;
 mod lifecycle;
+mod old_kubelet;
+mod raw_h2;
 mod support;

@@ -1,0 +1,87 @@
+//! Kubelets up to 1.25 dial plugins with the socket path as `:authority` (grpc-go on a bare path),
+//! which h2 alone would reset. A raw HTTP/2 client sends exactly that and must be served fully:
+//! options, a ListAndWatch stream with updates, Allocate, and errors as gRPC statuses.
+
+use crate::raw_h2::RawH2Client;
+use crate::support::{kubelet, no_hold_down, wait_capacity, TestBackend, WAIT};
+use devplug::{Health, Host, Options};
+use devplug_proto::v1beta1 as pb;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn request(ids: &[&str]) -> pb::AllocateRequest {
+    pb::AllocateRequest {
+        container_requests: vec![pb::ContainerAllocateRequest {
+            devices_ids: ids.iter().map(|s| s.to_string()).collect(),
+        }],
+    }
+}
+
+#[tokio::test]
+async fn a_kubelet_sending_the_socket_path_as_authority_is_served() {
+    let (dir, kubelet) = kubelet(Duration::from_secs(300)).await;
+    let host = Host::new(dir.path()).unwrap();
+    let backend = TestBackend::new(4).with_options(Options {
+        pre_start_required: true,
+        preferred_allocation: true,
+    });
+    host.add_with("example.com/npu", Arc::new(backend.clone()), no_hold_down())
+        .unwrap();
+    wait_capacity(&kubelet, "example.com/npu", (4, 4)).await;
+    let socket = host
+        .status("example.com/npu")
+        .unwrap()
+        .borrow()
+        .socket
+        .clone()
+        .unwrap();
+
+    let mut client = RawH2Client::connect(&socket, socket.to_str().unwrap()).await;
+    tokio::time::timeout(WAIT, async {
+        let options: pb::DevicePluginOptions = client
+            .unary(
+                "/v1beta1.DevicePlugin/GetDevicePluginOptions",
+                &pb::Empty {},
+            )
+            .await
+            .unwrap_or_else(|state| panic!("options refused: {state:?}"));
+        assert!(options.get_preferred_allocation_available && options.pre_start_required);
+
+        let watch = client
+            .start("/v1beta1.DevicePlugin/ListAndWatch", &pb::Empty {})
+            .await;
+        let first: pb::ListAndWatchResponse = client.next_message(watch).await.unwrap();
+        assert_eq!(first.devices.len(), 4);
+
+        // Later requests reuse the authority from HPACK's dynamic table.
+        let allocated: pb::AllocateResponse = client
+            .unary(
+                "/v1beta1.DevicePlugin/Allocate",
+                &request(&["dev-1", "dev-2"]),
+            )
+            .await
+            .unwrap_or_else(|state| panic!("allocate refused: {state:?}"));
+        let envs = &allocated.container_responses[0].envs;
+        assert_eq!(envs["TEST_DEVICES"], "dev-1,dev-2");
+
+        let refused = client
+            .unary::<pb::AllocateResponse>("/v1beta1.DevicePlugin/Allocate", &request(&["nope"]))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.reset, None);
+        assert_eq!(refused.header("grpc-status"), Some("3"), "{refused:?}");
+        assert!(refused.header("grpc-message").unwrap().contains("nope"));
+
+        backend.set_health("dev-0", Health::unhealthy("overheated"));
+        let update: pb::ListAndWatchResponse = client.next_message(watch).await.unwrap();
+        let dev0 = update.devices.iter().find(|d| d.id == "dev-0").unwrap();
+        assert_eq!(dev0.health, "Unhealthy");
+    })
+    .await
+    .expect("the old-kubelet client timed out");
+
+    // The simulator's own connection was never disturbed.
+    wait_capacity(&kubelet, "example.com/npu", (4, 3)).await;
+    assert_eq!(kubelet.read(|n| n.registrations().len()), 1);
+    host.shutdown().await;
+}
