@@ -85,3 +85,52 @@ async fn a_kubelet_sending_the_socket_path_as_authority_is_served() {
     assert_eq!(kubelet.read(|n| n.registrations().len()), 1);
     host.shutdown().await;
 }
+
+/// The other direction: Go plugins built on older helpers dial `kubelet.sock` by bare path too,
+/// so the simulator must accept a path `:authority` on its Registration service.
+#[tokio::test]
+async fn the_simulator_accepts_a_registration_sent_with_a_path_authority() {
+    let (dir, kubelet) = kubelet(Duration::from_secs(300)).await;
+    let host = Host::new(dir.path()).unwrap();
+    host.add("example.com/npu", TestBackend::new(3)).unwrap();
+    wait_capacity(&kubelet, "example.com/npu", (3, 3)).await;
+    let socket = host
+        .status("example.com/npu")
+        .unwrap()
+        .borrow()
+        .socket
+        .clone()
+        .unwrap();
+    let kubelet_sock = dir.path().join("kubelet.sock");
+
+    // Register our running plugin's socket a second time, under another name, the way a Go
+    // plugin would: the simulator dials back and streams its devices under that name.
+    let mut client = RawH2Client::connect(&kubelet_sock, kubelet_sock.to_str().unwrap()).await;
+    let register = pb::RegisterRequest {
+        version: "v1beta1".into(),
+        endpoint: socket.file_name().unwrap().to_str().unwrap().into(),
+        resource_name: "example.com/second-name".into(),
+        options: None,
+    };
+    let reply = tokio::time::timeout(
+        WAIT,
+        client.unary::<pb::Empty>("/v1beta1.Registration/Register", &register),
+    )
+    .await
+    .expect("Register timed out");
+    assert!(reply.is_ok(), "Register refused: {:?}", reply.err());
+    wait_capacity(&kubelet, "example.com/second-name", (3, 3)).await;
+
+    // And a refusal arrives as a gRPC status, not a reset stream.
+    let bad = pb::RegisterRequest {
+        version: "v1alpha".into(),
+        ..register
+    };
+    let refused = client
+        .unary::<pb::Empty>("/v1beta1.Registration/Register", &bad)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.reset, None);
+    assert_ne!(refused.header("grpc-status"), Some("0"), "{refused:?}");
+    host.shutdown().await;
+}
