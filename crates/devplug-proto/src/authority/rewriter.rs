@@ -563,4 +563,37 @@ mod tests {
             "{err}"
         );
     }
+
+    #[test]
+    fn arbitrary_bytes_never_panic() {
+        // Pseudo-random frame sequences after a valid preface: any result but a panic.
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut path_block = Vec::new();
+        super::super::hpack::encode_literal(&mut path_block, b":authority", b"/x.sock");
+        for _ in 0..3_000 {
+            let mut input = PREFACE.to_vec();
+            if next() % 2 == 0 {
+                input.extend(frame(TYPE_HEADERS, FLAG_END_HEADERS, 1, &path_block));
+            }
+            for _ in 0..(next() % 6) {
+                let kind = [TYPE_HEADERS, TYPE_CONTINUATION, 0x0, 0x4][(next() % 4) as usize];
+                let len = (next() % 40) as usize;
+                let payload: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+                input.extend(frame(kind, next() as u8, (next() % 4) as u32, &payload));
+            }
+            let cut = (next() as usize) % (input.len() + 1);
+            let mut rewriter = Rewriter::new();
+            let mut pending = BytesMut::from(&input[..cut]);
+            let mut output = BytesMut::new();
+            let _ = rewriter.process(&mut pending, &mut output);
+            pending.put_slice(&input[cut..]);
+            let _ = rewriter.process(&mut pending, &mut output);
+        }
+    }
 }
