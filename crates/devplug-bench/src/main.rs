@@ -20,6 +20,7 @@ const RESOURCE: &str = "bench.example/dev";
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
+    let cpu_before = measure::machine_cpu();
     println!("| measurement | n | p50 | p99 | max |");
     println!("|---|---|---|---|---|");
     round_trips().await?;
@@ -29,6 +30,15 @@ async fn main() -> anyhow::Result<()> {
     backends::file_created().await?;
     backends::hotplug_burst().await?;
     measure::process_figures().await?;
+    if let (Some(before), Some(after)) = (cpu_before, measure::machine_cpu()) {
+        println!();
+        println!(
+            "Machine during the run: {:.0}% busy, {:.1}% of CPU time stolen by the hypervisor \
+             (/proc/stat); high steal makes every figure above slower and noisier.",
+            after.busy_percent_since(&before),
+            after.steal_percent_since(&before)
+        );
+    }
     Ok(())
 }
 

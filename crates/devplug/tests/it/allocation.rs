@@ -1,6 +1,6 @@
 //! Allocate, GetPreferredAllocation and PreStartContainer, through the simulator and raw clients.
 
-use crate::support::{kubelet, wait_capacity, TestBackend, WAIT};
+use crate::support::{allocate_request, kubelet, plugin_socket, wait_capacity, TestBackend, WAIT};
 use devplug::{Health, Host, Options};
 use devplug_proto::uds;
 use devplug_proto::v1beta1::{self as pb, device_plugin_client::DevicePluginClient};
@@ -10,17 +10,8 @@ use std::time::Duration;
 const GRACE: Duration = Duration::from_secs(300);
 
 async fn raw_client(host: &Host, resource: &str) -> DevicePluginClient<tonic::transport::Channel> {
-    let status = host.status(resource).unwrap();
-    let socket = status.borrow().socket.clone().unwrap();
+    let socket = plugin_socket(host, resource);
     DevicePluginClient::new(uds::connect(&socket, WAIT).await.unwrap())
-}
-
-fn request(ids: &[&str]) -> pb::AllocateRequest {
-    pb::AllocateRequest {
-        container_requests: vec![pb::ContainerAllocateRequest {
-            devices_ids: ids.iter().map(|s| s.to_string()).collect(),
-        }],
-    }
 }
 
 #[tokio::test]
@@ -68,7 +59,7 @@ async fn unknown_and_repeated_ids_are_rejected_and_the_plugin_keeps_serving() {
     let mut client = raw_client(&host, "example.com/npu").await;
 
     let err = client
-        .allocate(request(&["dev-0", "nope", "gone"]))
+        .allocate(allocate_request(&["dev-0", "nope", "gone"]))
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
@@ -79,7 +70,7 @@ async fn unknown_and_repeated_ids_are_rejected_and_the_plugin_keeps_serving() {
     );
     assert!(err.message().contains("example.com/npu"));
     let err = client
-        .allocate(request(&["dev-1", "dev-1"]))
+        .allocate(allocate_request(&["dev-1", "dev-1"]))
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
@@ -95,7 +86,7 @@ async fn unknown_and_repeated_ids_are_rejected_and_the_plugin_keeps_serving() {
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
 
     // Still serving: N container requests get N responses, in order.
-    let mut two = request(&["dev-0"]);
+    let mut two = allocate_request(&["dev-0"]);
     two.container_requests.push(pb::ContainerAllocateRequest {
         devices_ids: vec!["dev-2".into(), "dev-3".into()],
     });

@@ -3,19 +3,13 @@
 //! options, a ListAndWatch stream with updates, Allocate, and errors as gRPC statuses.
 
 use crate::raw_h2::RawH2Client;
-use crate::support::{kubelet, no_hold_down, wait_capacity, TestBackend, WAIT};
+use crate::support::{
+    allocate_request, kubelet, no_hold_down, plugin_socket, wait_capacity, TestBackend, WAIT,
+};
 use devplug::{Health, Host, Options};
 use devplug_proto::v1beta1 as pb;
 use std::sync::Arc;
 use std::time::Duration;
-
-fn request(ids: &[&str]) -> pb::AllocateRequest {
-    pb::AllocateRequest {
-        container_requests: vec![pb::ContainerAllocateRequest {
-            devices_ids: ids.iter().map(|s| s.to_string()).collect(),
-        }],
-    }
-}
 
 #[tokio::test]
 async fn a_kubelet_sending_the_socket_path_as_authority_is_served() {
@@ -28,13 +22,7 @@ async fn a_kubelet_sending_the_socket_path_as_authority_is_served() {
     host.add_with("example.com/npu", Arc::new(backend.clone()), no_hold_down())
         .unwrap();
     wait_capacity(&kubelet, "example.com/npu", (4, 4)).await;
-    let socket = host
-        .status("example.com/npu")
-        .unwrap()
-        .borrow()
-        .socket
-        .clone()
-        .unwrap();
+    let socket = plugin_socket(&host, "example.com/npu");
 
     let mut client = RawH2Client::connect(&socket, socket.to_str().unwrap()).await;
     tokio::time::timeout(WAIT, async {
@@ -57,7 +45,7 @@ async fn a_kubelet_sending_the_socket_path_as_authority_is_served() {
         let allocated: pb::AllocateResponse = client
             .unary(
                 "/v1beta1.DevicePlugin/Allocate",
-                &request(&["dev-1", "dev-2"]),
+                &allocate_request(&["dev-1", "dev-2"]),
             )
             .await
             .unwrap_or_else(|state| panic!("allocate refused: {state:?}"));
@@ -65,7 +53,10 @@ async fn a_kubelet_sending_the_socket_path_as_authority_is_served() {
         assert_eq!(envs["TEST_DEVICES"], "dev-1,dev-2");
 
         let refused = client
-            .unary::<pb::AllocateResponse>("/v1beta1.DevicePlugin/Allocate", &request(&["nope"]))
+            .unary::<pb::AllocateResponse>(
+                "/v1beta1.DevicePlugin/Allocate",
+                &allocate_request(&["nope"]),
+            )
             .await
             .unwrap_err();
         assert_eq!(refused.reset, None);
@@ -94,13 +85,7 @@ async fn the_simulator_accepts_a_registration_sent_with_a_path_authority() {
     let host = Host::new(dir.path()).unwrap();
     host.add("example.com/npu", TestBackend::new(3)).unwrap();
     wait_capacity(&kubelet, "example.com/npu", (3, 3)).await;
-    let socket = host
-        .status("example.com/npu")
-        .unwrap()
-        .borrow()
-        .socket
-        .clone()
-        .unwrap();
+    let socket = plugin_socket(&host, "example.com/npu");
     let kubelet_sock = dir.path().join("kubelet.sock");
 
     // Register our running plugin's socket a second time, under another name, the way a Go

@@ -1,9 +1,12 @@
 //! A small real backend for tests, and helpers to wait on the simulator.
 
+use devplug::Host;
 use devplug::{
     AllocateError, Backend, ContainerEdits, Device, DeviceList, Health, Options, PreferenceRequest,
 };
+use devplug_proto::v1beta1 as pb;
 use kubelet_sim::{Kubelet, NodeState, SimConfig};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -100,5 +103,21 @@ pub async fn wait_capacity(kubelet: &Kubelet, resource: &str, want: (usize, usiz
     if got.is_err() {
         let now = kubelet.read(|node| node.capacity(resource));
         panic!("{resource}: wanted (capacity, allocatable) = {want:?}, the kubelet has {now:?}");
+    }
+}
+
+/// The socket `resource` is served on right now.
+pub fn plugin_socket(host: &Host, resource: &str) -> PathBuf {
+    let status = host.status(resource).unwrap();
+    let socket = status.borrow().socket.clone();
+    socket.unwrap()
+}
+
+/// An Allocate request for one container asking for `ids`.
+pub fn allocate_request(ids: &[&str]) -> pb::AllocateRequest {
+    pb::AllocateRequest {
+        container_requests: vec![pb::ContainerAllocateRequest {
+            devices_ids: ids.iter().map(|s| s.to_string()).collect(),
+        }],
     }
 }
