@@ -7,6 +7,7 @@
 //!   accept any client's (through [`authority`]).
 //! - [`authority`]: serves clients that send a socket path as `:authority` (kubelets up to 1.25),
 //!   which h2 would otherwise reset.
+//! - `topology.rs`: `TopologyInfo::for_numa_nodes`, a device's NUMA nodes on the wire.
 //! - [`resource_name`]: the kubelet's check on extended resource names, so that plugins and the
 //!   simulator reject the same names the kubelet does.
 //!
@@ -16,6 +17,7 @@
 pub mod authority;
 pub mod constants;
 pub mod resource_name;
+mod topology;
 pub mod uds;
 
 /// Generated code for package `v1beta1`.

@@ -90,13 +90,7 @@ impl Device {
         pb::Device {
             id: self.id.clone(),
             health: self.health.as_wire().to_owned(),
-            topology: (!self.numa_nodes.is_empty()).then(|| pb::TopologyInfo {
-                nodes: self
-                    .numa_nodes
-                    .iter()
-                    .map(|&id| pb::NumaNode { id })
-                    .collect(),
-            }),
+            topology: pb::TopologyInfo::for_numa_nodes(&self.numa_nodes),
         }
     }
 }

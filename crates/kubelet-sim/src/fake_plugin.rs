@@ -80,13 +80,7 @@ impl FakeDevice {
         pb::Device {
             id: self.id.clone(),
             health: self.health.clone(),
-            topology: (!self.numa_nodes.is_empty()).then(|| pb::TopologyInfo {
-                nodes: self
-                    .numa_nodes
-                    .iter()
-                    .map(|&id| pb::NumaNode { id })
-                    .collect(),
-            }),
+            topology: pb::TopologyInfo::for_numa_nodes(&self.numa_nodes),
         }
     }
 }
