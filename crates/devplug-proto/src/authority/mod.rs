@@ -78,12 +78,6 @@ impl<IO: AsyncRead + Unpin> AsyncRead for AuthorityFix<IO> {
             this.rewriter
                 .process(&mut this.input, &mut this.output)
                 .map_err(|err| io::Error::new(io::ErrorKind::InvalidData, err))?;
-            if let Some(authority) = this.rewriter.take_rewritten_from() {
-                tracing::debug!(
-                    %authority,
-                    "client sent a socket path as :authority (a kubelet up to 1.25 or a non-Go gRPC client); serving it as localhost"
-                );
-            }
         }
     }
 }

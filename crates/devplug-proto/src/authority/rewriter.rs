@@ -67,7 +67,8 @@ struct PendingBlock {
     end_stream: bool,
     priority: Option<[u8; 5]>,
     fragment: Vec<u8>,
-    /// The frames exactly as received, for passing the block through unchanged.
+    /// The frames exactly as received, for passing the block through unchanged (kept only
+    /// while inspecting: once rewriting, a block is never passed through).
     raw: Vec<u8>,
 }
 
@@ -78,8 +79,6 @@ pub(crate) struct Rewriter {
     /// Payload bytes of the current non-header frame still to forward as they arrive.
     forward: usize,
     pending: Option<PendingBlock>,
-    /// The rejected authority, for one log line per connection.
-    rewritten_from: Option<String>,
 }
 
 impl Rewriter {
@@ -90,18 +89,12 @@ impl Rewriter {
             decoder: Decoder::new(HPACK_TABLE_SIZE),
             forward: 0,
             pending: None,
-            rewritten_from: None,
         }
     }
 
     /// The current mode.
     pub(crate) fn mode(&self) -> Mode {
         self.mode
-    }
-
-    /// The authority this connection's requests carried before rewriting, once known.
-    pub(crate) fn take_rewritten_from(&mut self) -> Option<String> {
-        self.rewritten_from.take()
     }
 
     /// Moves what can be processed from `input` (bytes from the client) to `output` (bytes for
@@ -166,7 +159,7 @@ impl Rewriter {
             self.forward = len;
             return Ok(true);
         }
-        let buffered = self.pending.as_ref().map_or(0, |p| p.raw.len());
+        let buffered = self.pending.as_ref().map_or(0, |p| p.fragment.len());
         if buffered + FRAME_HEADER_LEN + len > MAX_HEADER_BLOCK {
             return self.violation("a header block over 1 MiB", input);
         }
@@ -205,8 +198,10 @@ impl Rewriter {
                 }
             }
         }
-        if let Some(block) = self.pending.as_mut() {
-            block.raw.extend_from_slice(&frame);
+        if self.mode == Mode::Inspect {
+            if let Some(block) = self.pending.as_mut() {
+                block.raw.extend_from_slice(&frame);
+            }
         }
         if flags & FLAG_END_HEADERS != 0 {
             if let Some(block) = self.pending.take() {
@@ -235,7 +230,10 @@ impl Rewriter {
         if self.mode == Mode::Inspect {
             match headers.iter().find(|(name, _)| name == b":authority") {
                 Some((_, value)) if !authority_is_valid(value) => {
-                    self.rewritten_from = Some(String::from_utf8_lossy(value).into_owned());
+                    tracing::debug!(
+                        authority = %String::from_utf8_lossy(value),
+                        "client sent a socket path as :authority (a kubelet up to 1.25 or a non-Go gRPC client); serving it as localhost"
+                    );
                     self.mode = Mode::Rewrite;
                 }
                 _ => {
