@@ -22,9 +22,11 @@ pub async fn demo() -> anyhow::Result<()> {
         .prefix("devplug-demo-")
         .tempdir()
         .context("cannot create a temp folder")?;
+    // Handlers first, so that a Ctrl-C at any point after the folder exists cleans it up.
+    let interrupted = devplug::shutdown_signal();
     let outcome = tokio::select! {
+        () = interrupted => Err(anyhow::anyhow!("interrupted; the demo's temp folder is removed")),
         outcome = walk(dir.path()) => outcome,
-        () = devplug::shutdown_signal() => Err(anyhow::anyhow!("interrupted; the demo's temp folder is removed")),
     };
     // Streams and servers end with the runtime; the folder goes now.
     let path = dir.path().to_owned();

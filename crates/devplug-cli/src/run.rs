@@ -32,6 +32,8 @@ pub struct RunArgs {
 
 /// Runs until a shutdown signal, then removes our sockets and returns.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    // Handlers before any socket exists: a signal during start-up still cleans up.
+    let shutdown = devplug::shutdown_signal();
     let (config, text) = Config::load(&args.config)?;
     let mut watch = ConfigWatch::new(&args.config)
         .with_context(|| format!("cannot watch config file {}", args.config.display()))?;
@@ -60,7 +62,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         "devplug running"
     );
 
-    let shutdown = devplug::shutdown_signal();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
