@@ -335,6 +335,8 @@ impl Kubelet {
         };
         let socket = tokio::net::UnixSocket::new_stream().map_err(io_error("cannot create"))?;
         socket.bind(&path).map_err(io_error("cannot bind"))?;
+        let bound = Instant::now();
+        self.shared.modify(|node| node.bound_at = Some(bound));
         if !self.shared.config.listen_delay.is_zero() {
             tokio::time::sleep(self.shared.config.listen_delay).await;
         }
