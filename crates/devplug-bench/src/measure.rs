@@ -147,7 +147,7 @@ fn rss_by_mapping(pid: u32) -> Vec<(String, u64)> {
         }
     }
     let mut sums: Vec<(String, u64)> = sums.into_iter().collect();
-    sums.sort_by(|a, b| b.1.cmp(&a.1));
+    sums.sort_by_key(|(_, kib)| std::cmp::Reverse(*kib));
     sums
 }
 
