@@ -3,11 +3,7 @@
 //! folder) and `/readyz` (every configured resource is registered with the kubelet, its
 //! ListAndWatch stream is open and its device list can be sent).
 
-use axum::extract::State;
-use axum::http::{header, StatusCode};
-use axum::response::IntoResponse;
-use axum::routing::get;
-use axum::Router;
+use crate::http::{self, Response};
 use devplug::{Host, MetricsSnapshot, ALLOCATE_BUCKETS};
 use std::fmt::Write;
 use std::net::SocketAddr;
@@ -41,64 +37,52 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(addr = %listener.local_addr()?, "metrics and probes listening");
-    let app = Router::new()
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(healthy))
-        .route("/readyz", get(ready))
-        .with_state(endpoints);
-    tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(stop.cancelled_owned())
-            .await;
-        if let Err(err) = served {
-            tracing::error!(%err, "the metrics listener failed");
+    http::serve(listener, stop, move |path: String| {
+        let endpoints = endpoints.clone();
+        async move {
+            match path.as_str() {
+                "/metrics" => metrics(&endpoints),
+                "/healthz" => healthy(&endpoints),
+                "/readyz" => ready(&endpoints),
+                _ => Response::text(404, "not found: try /metrics, /healthz or /readyz\n"),
+            }
         }
     });
     Ok(())
 }
 
-async fn healthy(State(endpoints): State<Endpoints>) -> impl IntoResponse {
+fn healthy(endpoints: &Endpoints) -> Response {
     match endpoints.host.health() {
-        Ok(()) => (StatusCode::OK, "ok\n".to_owned()),
-        Err(reason) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not working: {reason}\n"),
-        ),
+        Ok(()) => Response::text(200, "ok\n"),
+        Err(reason) => Response::text(503, format!("not working: {reason}\n")),
     }
 }
 
-async fn ready(State(endpoints): State<Endpoints>) -> impl IntoResponse {
+fn ready(endpoints: &Endpoints) -> Response {
     if endpoints.host.is_ready() {
-        (StatusCode::OK, "ready\n".to_owned())
-    } else {
-        let mut waiting: Vec<String> = endpoints
-            .host
-            .metrics()
-            .into_iter()
-            .filter_map(|(name, m)| Some(format!("{name}: {}", m.not_ready?)))
-            .collect();
-        if !endpoints.host.folder_present() {
-            waiting.push(format!(
-                "the kubelet folder {} does not exist",
-                endpoints.host.dir().display()
-            ));
-        }
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready\n{}\n", waiting.join("\n")),
-        )
+        return Response::text(200, "ready\n");
     }
+    let mut waiting: Vec<String> = endpoints
+        .host
+        .metrics()
+        .into_iter()
+        .filter_map(|(name, m)| Some(format!("{name}: {}", m.not_ready?)))
+        .collect();
+    if !endpoints.host.folder_present() {
+        waiting.push(format!(
+            "the kubelet folder {} does not exist",
+            endpoints.host.dir().display()
+        ));
+    }
+    Response::text(503, format!("not ready\n{}\n", waiting.join("\n")))
 }
 
-async fn metrics(State(endpoints): State<Endpoints>) -> impl IntoResponse {
-    let text = render(&endpoints.host.metrics(), &endpoints.reloads);
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        text,
-    )
+fn metrics(endpoints: &Endpoints) -> Response {
+    Response {
+        status: 200,
+        content_type: "text/plain; version=0.0.4; charset=utf-8",
+        body: render(&endpoints.host.metrics(), &endpoints.reloads),
+    }
 }
 
 /// The Prometheus text exposition of every resource's metrics.

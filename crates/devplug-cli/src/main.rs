@@ -7,6 +7,7 @@ mod config;
 mod demo;
 mod duration;
 mod endpoints;
+mod http;
 mod inspect;
 mod logging;
 mod reload;

@@ -47,6 +47,15 @@ async fn kubelet_folder_removed_and_created_again_registers_again() {
     assert!(host.health().is_ok(), "a missing folder is waited for");
     assert!(!host.folder_present());
 
+    // The folder comes back first (the reported case: devplug re-binds its socket there)...
+    std::fs::create_dir_all(&dir).unwrap();
+    let rebound = async {
+        while host.status(RESOURCE).unwrap().borrow().socket.is_none() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, rebound).await.unwrap();
+    // ...and only then a kubelet: it must be noticed and registered with.
     let kubelet = Kubelet::start(&dir).await.unwrap();
     wait_capacity(&kubelet, RESOURCE, (4, 4)).await;
     registrations(&host, RESOURCE, 2).await;
