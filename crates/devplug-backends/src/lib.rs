@@ -13,6 +13,7 @@
 pub mod files;
 pub mod hostdev;
 mod inotify_batch;
+pub mod placement;
 pub mod settings;
 pub mod virtual_devices;
 
