@@ -10,6 +10,7 @@
 //! Each backend has a settings struct that deserializes from the config file (unknown fields are
 //! errors) and a `validate` that names the field and the fix.
 
+pub mod cdi;
 pub mod files;
 pub mod hostdev;
 mod inotify_batch;
