@@ -6,18 +6,30 @@
 //!   its health.
 //! - [`hostdev`] (`hostdev:`): host device nodes by glob, USB id or PCI id, with sharing counts,
 //!   NUMA-aware preferred allocation and event-driven hotplug.
+//! - [`amdgpu`] (`amdgpu:`): AMD GPUs and compute partitions from sysfs and KFD's topology,
+//!   with exact link-aware preferred allocation and CDI specs.
+//!
+//! Shared pieces: [`placement`] (exact preferred allocation over a pair-weight matrix),
+//! [`cdi`] (CDI spec files, written atomically), `sysfs` (PCI and DRM reading), `sysfs_watch`
+//! (discover, follow with inotify, keep vanished GPUs Unhealthy), and [`fake_sysfs`] (fake
+//! sysfs and /dev trees for tests and benchmarks).
 //!
 //! Each backend has a settings struct that deserializes from the config file (unknown fields are
 //! errors) and a `validate` that names the field and the fix.
 
+pub mod amdgpu;
 pub mod cdi;
+pub mod fake_sysfs;
 pub mod files;
 pub mod hostdev;
 mod inotify_batch;
 pub mod placement;
 pub mod settings;
+mod sysfs;
+mod sysfs_watch;
 pub mod virtual_devices;
 
+pub use amdgpu::{AmdgpuBackend, AmdgpuSettings};
 pub use files::{FilesBackend, FilesSettings};
 pub use hostdev::{HostdevBackend, HostdevSettings};
 pub use settings::SettingsError;
