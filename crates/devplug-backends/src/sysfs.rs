@@ -3,6 +3,7 @@
 //! and the DRM card and render nodes a device owns (its `drm/` folder). Every reader takes the
 //! sysfs root as a path, so tests point it at a fake tree. Reads only files; needs no root.
 
+use devplug::{ContainerEdits, DeviceNode};
 use std::path::{Path, PathBuf};
 
 /// PCI base class of display controllers (`0x03xxxx`: VGA, 3D, other).
@@ -173,6 +174,24 @@ pub(crate) fn pci_devices(sys_root: &Path) -> Vec<PciDevice> {
         .into_iter()
         .map(|(address, path)| pci_device(sys_root, &address, &path))
         .collect()
+}
+
+/// A device spec (`rw`) for a node under the dev root (`dri/card0`), at the same path under
+/// /dev in the container.
+pub(crate) fn dev_node(dev_root: &Path, rel: &Path) -> DeviceNode {
+    DeviceNode {
+        host_path: dev_root.join(rel).display().to_string(),
+        container_path: Path::new("/dev").join(rel).display().to_string(),
+        permissions: "rw".to_owned(),
+    }
+}
+
+/// The edits that give a container these nodes.
+pub(crate) fn node_edits(dev_root: &Path, nodes: &[PathBuf]) -> ContainerEdits {
+    ContainerEdits {
+        devices: nodes.iter().map(|n| dev_node(dev_root, n)).collect(),
+        ..Default::default()
+    }
 }
 
 #[cfg(test)]

@@ -7,9 +7,9 @@
 use super::settings::AmdgpuSettings;
 use crate::cdi::Spec;
 use crate::placement::PairMatrix;
-use crate::sysfs::{drm_nodes, pci_devices, read_trimmed, DrmNodes};
+use crate::sysfs::{drm_nodes, node_edits, pci_devices, read_trimmed, DrmNodes};
 use crate::sysfs_watch::{Entry, Scan};
-use devplug::{ContainerEdits, DeviceNode};
+use devplug::ContainerEdits;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -309,23 +309,6 @@ fn problem(dev: &Path, kfd_present: bool, f: &Found) -> Option<String> {
         }
     }
     (!missing.is_empty()).then(|| format!("{} missing", missing.join(", ")))
-}
-
-/// A device spec for a node under the dev root, at the same path under /dev in the container.
-pub(crate) fn dev_node(dev_root: &Path, rel: &Path) -> DeviceNode {
-    DeviceNode {
-        host_path: dev_root.join(rel).display().to_string(),
-        container_path: Path::new("/dev").join(rel).display().to_string(),
-        permissions: "rw".to_owned(),
-    }
-}
-
-/// The edits of one device's nodes.
-pub(crate) fn node_edits(dev_root: &Path, nodes: &[PathBuf]) -> ContainerEdits {
-    ContainerEdits {
-        devices: nodes.iter().map(|n| dev_node(dev_root, n)).collect(),
-        ..Default::default()
-    }
 }
 
 /// `/dev/kfd`, once per container.

@@ -18,9 +18,10 @@ pub use settings::AmdgpuSettings;
 
 use crate::cdi::{qualified_name, CdiWriter};
 use crate::settings::SettingsError;
+use crate::sysfs::dev_node;
 use crate::sysfs_watch::{ScanFn, Watched};
 use devplug::{AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest};
-use discover::{dev_node, AmdState, CDI_KIND};
+use discover::{AmdState, CDI_KIND};
 use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;

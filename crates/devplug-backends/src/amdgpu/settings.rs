@@ -1,8 +1,9 @@
 //! Settings of the `amdgpu` backend: which partition type to serve (for ROCm's `mixed`
 //! naming), CDI spec output, and the sysfs and dev roots (fake trees in tests).
 
-use crate::cdi::DEFAULT_CDI_DIR;
-use crate::settings::SettingsError;
+use crate::settings::{
+    check_absolute, default_cdi_dir, default_dev_root, default_sys_root, SettingsError,
+};
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -51,18 +52,6 @@ fn yes() -> bool {
     true
 }
 
-pub(crate) fn default_cdi_dir() -> PathBuf {
-    PathBuf::from(DEFAULT_CDI_DIR)
-}
-
-pub(crate) fn default_dev_root() -> PathBuf {
-    PathBuf::from("/dev")
-}
-
-pub(crate) fn default_sys_root() -> PathBuf {
-    PathBuf::from("/sys")
-}
-
 impl AmdgpuSettings {
     /// Checks every field.
     pub fn validate(&self) -> Result<(), SettingsError> {
@@ -86,16 +75,5 @@ impl AmdgpuSettings {
         check_absolute("cdi_dir", &self.cdi_dir)?;
         check_absolute("dev_root", &self.dev_root)?;
         check_absolute("sys_root", &self.sys_root)
-    }
-}
-
-pub(crate) fn check_absolute(field: &str, path: &std::path::Path) -> Result<(), SettingsError> {
-    if path.is_absolute() {
-        Ok(())
-    } else {
-        Err(SettingsError::new(
-            field,
-            format!("{} must be an absolute path", path.display()),
-        ))
     }
 }
