@@ -344,19 +344,30 @@ impl AmdNode {
             }
         }
         let parts = self.partitions();
+        // Each KFD node is made in a staging folder and renamed into place, so it appears
+        // whole, with its links, as the kernel's do.
         let topo = "sys/class/kfd/kfd/topology/nodes";
+        let staging = "kfd-staging";
+        std::fs::create_dir_all(tree.path(topo))?;
+        let publish = |id: u32| {
+            std::fs::rename(
+                tree.path(&format!("{staging}/{id}")),
+                tree.path(&format!("{topo}/{id}")),
+            )
+        };
         for cpu in 0..self.cpu_nodes() {
             tree.file(
-                &format!("{topo}/{cpu}/properties"),
+                &format!("{staging}/{cpu}/properties"),
                 "cpu_cores_count 96\nsimd_count 0\nvendor_id 0\ndrm_render_minor 0\n",
             )?;
+            publish(cpu)?;
         }
         for part in &parts {
             let gpu = &self.gpus[part.gpu];
             let (bus, dev, func) = parse_bdf(&gpu.address);
             let location = (bus << 8) | (dev << 3) | func;
             tree.file(
-                &format!("{topo}/{}/properties", part.kfd_node),
+                &format!("{staging}/{}/properties", part.kfd_node),
                 &format!(
                     "cpu_cores_count 0\nsimd_count 304\nvendor_id 4098\nlocation_id {location}\n\
                      domain 0\ndrm_render_minor {}\n",
@@ -375,14 +386,16 @@ impl AmdNode {
             }
             for (i, (to, kind)) in links.into_iter().enumerate() {
                 tree.file(
-                    &format!("{topo}/{}/io_links/{i}/properties", part.kfd_node),
+                    &format!("{staging}/{}/io_links/{i}/properties", part.kfd_node),
                     &format!(
                         "type {kind}\nnode_from {}\nnode_to {to}\nweight 15\n",
                         part.kfd_node
                     ),
                 )?;
             }
+            publish(part.kfd_node)?;
         }
+        std::fs::remove_dir(tree.path(staging))?;
         let last_xcp = parts.iter().filter(|p| p.dir.contains("xcp")).count();
         let (mut card, mut render) = (1 + parts.len() as u32, 128 + parts.len() as u32);
         for k in 0..self.unused_xcp {

@@ -63,9 +63,12 @@ struct Kfd {
 }
 
 fn properties(path: &Path) -> HashMap<String, i64> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return HashMap::new();
-    };
+    std::fs::read_to_string(path)
+        .map(|text| parse_properties(&text))
+        .unwrap_or_default()
+}
+
+fn parse_properties(text: &str) -> HashMap<String, i64> {
     text.lines()
         .filter_map(|line| {
             let (key, value) = line.split_once(char::is_whitespace)?;
@@ -86,10 +89,34 @@ fn numbered_dirs(dir: &Path) -> Vec<(u32, PathBuf)> {
     out
 }
 
-fn read_kfd(nodes_dir: &Path) -> Kfd {
+/// The KFD nodes and their `properties` text: when these are unchanged the links are too (they
+/// are fixed per boot for a given set of nodes), so the ~n² link files are read only when the
+/// nodes change, not on every rescan.
+pub(crate) type KfdKey = Vec<(u32, String)>;
+
+/// The last topology read, and what it was read from.
+#[derive(Debug, Default)]
+pub(crate) struct KfdCache {
+    key: KfdKey,
+    kfd: Kfd,
+}
+
+fn kfd_key(nodes_dir: &Path) -> KfdKey {
+    numbered_dirs(nodes_dir)
+        .into_iter()
+        .map(|(id, dir)| {
+            let text = std::fs::read_to_string(dir.join("properties")).unwrap_or_default();
+            (id, text)
+        })
+        .collect()
+}
+
+fn read_kfd(nodes_dir: &Path, key: &KfdKey) -> Kfd {
     let mut kfd = Kfd::default();
-    for (id, dir) in numbered_dirs(nodes_dir) {
-        let p = properties(&dir.join("properties"));
+    for (id, text) in key {
+        let id = *id;
+        let dir = nodes_dir.join(id.to_string());
+        let p = parse_properties(text);
         let get = |k: &str| p.get(k).copied().unwrap_or(0);
         let render = get("drm_render_minor");
         if get("simd_count") > 0 && get("cpu_cores_count") == 0 && render > 0 {
@@ -139,8 +166,8 @@ struct Found {
     kfd_node: Option<u32>,
 }
 
-/// Scans sysfs and /dev.
-pub(crate) fn scan(settings: &AmdgpuSettings) -> Scan<AmdState> {
+/// Scans sysfs and /dev; `cache` keeps KFD's links between scans.
+pub(crate) fn scan(settings: &AmdgpuSettings, cache: &mut KfdCache) -> Scan<AmdState> {
     let sys = &settings.sys_root;
     let dev = &settings.dev_root;
     let kfd_nodes = sys.join("class/kfd/kfd/topology/nodes");
@@ -157,7 +184,12 @@ pub(crate) fn scan(settings: &AmdgpuSettings) -> Scan<AmdState> {
     ]
     .into_iter()
     .collect();
-    let kfd = read_kfd(&kfd_nodes);
+    let key = kfd_key(&kfd_nodes);
+    if key != cache.key {
+        cache.kfd = read_kfd(&kfd_nodes, &key);
+        cache.key = key;
+    }
+    let kfd = &cache.kfd;
     let mut absent = BTreeMap::new();
     let mut found: Vec<Found> = Vec::new();
     let mut gpus: HashMap<String, (Option<i64>, Option<String>)> = HashMap::new();
@@ -337,11 +369,12 @@ mod tests {
         let tree = FakeSysfs::new(tmp.path()).unwrap();
         let node = AmdNode::mi300x();
         node.create(&tree).unwrap();
-        let before = scan(&settings(&tree));
+        let mut cache = KfdCache::default();
+        let before = scan(&settings(&tree), &mut cache);
         assert!(before.entries.is_empty());
         assert_eq!(before.absent.len(), 8, "present, driver not bound");
         node.load_driver(&tree).unwrap();
-        let found = scan(&settings(&tree));
+        let found = scan(&settings(&tree), &mut cache);
         assert_eq!(
             found.entries.len(),
             64,
@@ -371,8 +404,8 @@ mod tests {
             partition_type: Some(t.into()),
             ..settings(&tree)
         };
-        assert_eq!(scan(&only("cpx_nps4")).entries.len(), 64);
-        assert_eq!(scan(&only("spx_nps1")).entries.len(), 0);
+        assert_eq!(scan(&only("cpx_nps4"), &mut cache).entries.len(), 64);
+        assert_eq!(scan(&only("spx_nps1"), &mut cache).entries.len(), 0);
     }
 
     #[test]
@@ -383,14 +416,15 @@ mod tests {
         node.xgmi = vec![(0, 1)];
         node.create(&tree).unwrap();
         node.load_driver(&tree).unwrap();
-        let found = scan(&settings(&tree));
+        let mut cache = KfdCache::default();
+        let found = scan(&settings(&tree), &mut cache);
         assert_eq!(found.entries.len(), 4);
         let m = &found.state.matrix;
         assert_eq!(m.weight(0, 1), WEIGHT_XGMI);
         assert_eq!(m.weight(0, 2), WEIGHT_NONE);
         std::fs::remove_file(tree.path("dev/dri/renderD129")).unwrap();
         std::fs::remove_file(tree.path("dev/kfd")).unwrap();
-        let found = scan(&settings(&tree));
+        let found = scan(&settings(&tree), &mut cache);
         assert_eq!(
             found.entries[1].problem.as_deref(),
             Some("/dev/kfd, /dev/dri/renderD129 missing")

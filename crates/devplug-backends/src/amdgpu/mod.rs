@@ -21,10 +21,10 @@ use crate::settings::SettingsError;
 use crate::sysfs::dev_node;
 use crate::sysfs_watch::{ScanFn, Watched};
 use devplug::{AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest};
-use discover::{AmdState, CDI_KIND};
+use discover::{AmdState, KfdCache, CDI_KIND};
 use std::collections::HashSet;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 
 /// AMD GPUs and partitions as devices.
@@ -41,7 +41,11 @@ impl AmdgpuBackend {
         settings.validate()?;
         let settings = Arc::new(settings.clone());
         let for_scan = settings.clone();
-        let scan: ScanFn<AmdState> = Arc::new(move || discover::scan(&for_scan));
+        let cache = Mutex::new(KfdCache::default());
+        let scan: ScanFn<AmdState> = Arc::new(move || {
+            let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+            discover::scan(&for_scan, &mut cache)
+        });
         let cdi = settings.cdi.then(|| {
             let stem = match &settings.partition_type {
                 Some(t) => format!("devplug-{CDI_KIND}-{t}"),
