@@ -53,6 +53,10 @@ pub(crate) struct Scan<T> {
     pub(crate) spec: Option<Spec>,
     /// Physical GPUs that are present but unusable, with the reason (e.g. driver unbound).
     pub(crate) absent: BTreeMap<String, String>,
+    /// Physical GPUs that are present and usable, including ones this resource leaves out (a
+    /// GPU now in another partition mode, an SR-IOV PF that now has VFs). Ids of theirs that
+    /// vanished were reconfigured away, not lost, so they are dropped rather than kept.
+    pub(crate) present: BTreeSet<String>,
 }
 
 /// A scan function.
@@ -76,8 +80,13 @@ impl Memory {
     /// The list to publish: the scan's devices, plus every device seen before whose GPU is now
     /// missing, as Unhealthy with the reason. Ids whose GPU is still there but which the scan
     /// no longer has (a GPU repartitioned) are forgotten.
-    fn merge(&mut self, entries: &[Entry], absent: &BTreeMap<String, String>) -> DeviceList {
-        let present: HashSet<&str> = entries.iter().map(|e| e.physical.as_str()).collect();
+    fn merge<T>(&mut self, scan: &Scan<T>) -> DeviceList {
+        let (entries, absent) = (&scan.entries, &scan.absent);
+        let present: HashSet<&str> = entries
+            .iter()
+            .map(|e| e.physical.as_str())
+            .chain(scan.present.iter().map(String::as_str))
+            .collect();
         let ids: HashSet<&str> = entries.iter().map(|e| e.id.as_str()).collect();
         let mut devices: Vec<Device> = entries
             .iter()
@@ -124,7 +133,7 @@ impl<T: Send + Sync + 'static> Watched<T> {
         let cdi_ready = Arc::new(AtomicBool::new(false));
         let mut cdi = cdi;
         write_spec(&mut cdi, first.spec.as_ref(), &cdi_ready, what);
-        let list = memory.merge(&first.entries, &first.absent);
+        let list = memory.merge(&first);
         let state = Arc::new(RwLock::new(first.state));
         let devices = Arc::new(watch::Sender::new(list));
         let stop = CancellationToken::new();
@@ -250,7 +259,7 @@ impl<T: Send + Sync + 'static> Follower<T> {
             &self.cdi_ready,
             self.what,
         );
-        let list = self.memory.merge(&found.entries, &found.absent);
+        let list = self.memory.merge(&found);
         *self.state.write().unwrap_or_else(|e| e.into_inner()) = found.state;
         self.devices.send_if_modified(|current| {
             let modified = *current != list;
@@ -292,6 +301,20 @@ mod tests {
         }
     }
 
+    fn scan(entries: &[Entry], absent: &[(&str, &str)], present: &[&str]) -> Scan<()> {
+        Scan {
+            entries: entries.to_vec(),
+            state: (),
+            watch_dirs: BTreeSet::new(),
+            spec: None,
+            absent: absent
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+            present: present.iter().map(|p| p.to_string()).collect(),
+        }
+    }
+
     fn health(list: &DeviceList) -> Vec<(String, String)> {
         list.devices()
             .iter()
@@ -302,27 +325,28 @@ mod tests {
     #[test]
     fn vanished_gpus_stay_unhealthy_and_repartitioned_ids_are_forgotten() {
         let mut memory = Memory::default();
-        let none = BTreeMap::new();
         let both = [entry("a", "A"), entry("a1", "A"), entry("b", "B")];
-        assert_eq!(memory.merge(&both, &none).healthy_count(), 3);
+        assert_eq!(memory.merge(&scan(&both, &[], &[])).healthy_count(), 3);
         // GPU B gone: its id stays, Unhealthy, with the reason.
-        let list = memory.merge(&both[..2], &none);
+        let list = memory.merge(&scan(&both[..2], &[], &[]));
         assert_eq!(
             health(&list)[2],
             ("b".into(), "Unhealthy (GPU B is gone from sysfs)".into())
         );
         // A reason from the scan wins.
-        let unbound = BTreeMap::from([("B".to_owned(), "is not bound to amdgpu".to_owned())]);
-        let list = memory.merge(&both[..2], &unbound);
+        let list = memory.merge(&scan(&both[..2], &[("B", "is not bound to amdgpu")], &[]));
         assert_eq!(
             health(&list)[2].1,
             "Unhealthy (GPU B is not bound to amdgpu)"
         );
         // Back: healthy again.
-        assert_eq!(memory.merge(&both, &none).healthy_count(), 3);
+        assert_eq!(memory.merge(&scan(&both, &[], &[])).healthy_count(), 3);
         // GPU A repartitioned (a1 gone, A still there): a1 is dropped, not kept Unhealthy.
-        let list = memory.merge(&[entry("a", "A"), entry("b", "B")], &none);
+        let list = memory.merge(&scan(&[entry("a", "A"), entry("b", "B")], &[], &[]));
         assert_eq!(list.len(), 2);
         assert_eq!(list.healthy_count(), 2);
+        // GPU B present but left out by this resource (another partition mode): dropped too.
+        let list = memory.merge(&scan(&[entry("a", "A")], &[], &["B"]));
+        assert_eq!(health(&list), [("a".to_owned(), "Healthy".to_owned())]);
     }
 }

@@ -214,8 +214,40 @@ async fn mixed_partition_types_are_one_resource_each() {
     assert_eq!(spx.device_ids, ["0000:1c:00.0"]);
     assert!(tree.path("cdi/devplug-amd.com_gpu-cpx_nps4.json").exists());
     assert!(tree.path("cdi/devplug-amd.com_gpu-spx_nps1.json").exists());
+
+    // GPU 1 is repartitioned to CPX (its nodes are made again): it moves to the other resource
+    // and is dropped from this one, not kept as a vanished, Unhealthy GPU.
+    let dir = pci_dir("0000:1c:00.0");
+    tree.file(&format!("sys/{dir}/current_compute_partition"), "CPX\n")
+        .unwrap();
+    tree.file(&format!("sys/{dir}/current_memory_partition"), "NPS4\n")
+        .unwrap();
+    tree.remove_drm(&dir, 9, 136).unwrap();
+    tree.drm(&dir, 9, 136).unwrap();
+    counts(&kubelet, "amd.com/cpx_nps4", 9, 9).await;
+    counts(&kubelet, "amd.com/spx_nps1", 0, 0).await;
     host.shutdown().await;
     drop(kubelet);
+}
+
+#[tokio::test]
+async fn the_cdi_spec_goes_when_the_backend_stops() {
+    let tmp = tempfile::tempdir_in(scratch_dir()).unwrap();
+    let tree = FakeSysfs::new(tmp.path()).unwrap();
+    let node = AmdNode::new(1, 1, "SPX", "NPS1", false);
+    node.create(&tree).unwrap();
+    node.load_driver(&tree).unwrap();
+    let spec = tree.path("cdi/devplug-amd.com_gpu.json");
+    let backend = AmdgpuBackend::start(&settings(&tree)).unwrap();
+    assert!(spec.exists(), "written before the first list is published");
+    drop(backend);
+    for _ in 0..100 {
+        if !spec.exists() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{} is still there", spec.display());
 }
 
 #[test]

@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 
 /// PCI vendor id of AMD.
 const VENDOR_AMD: u32 = 0x1002;
+/// PCI base class of processing accelerators.
+const PCI_CLASS_ACCELERATOR: u32 = 0x12;
 /// The CDI kind of AMD GPUs.
 pub(crate) const CDI_KIND: &str = "amd.com/gpu";
 
@@ -194,7 +196,10 @@ pub(crate) fn scan(settings: &AmdgpuSettings, cache: &mut KfdCache) -> Scan<AmdS
     let mut found: Vec<Found> = Vec::new();
     let mut gpus: HashMap<String, (Option<i64>, Option<String>)> = HashMap::new();
     for pci in pci_devices(sys) {
-        if pci.vendor != Some(VENDOR_AMD) || !pci.is_display() {
+        // Display controllers (0x03) and processing accelerators (0x12, as some Instinct
+        // parts report); being bound to amdgpu is what makes one a device.
+        let accelerator = pci.class.is_some_and(|c| c >> 16 == PCI_CLASS_ACCELERATOR);
+        if pci.vendor != Some(VENDOR_AMD) || !(pci.is_display() || accelerator) {
             continue;
         }
         if pci.driver.as_deref() != Some("amdgpu") {
@@ -267,6 +272,7 @@ pub(crate) fn scan(settings: &AmdgpuSettings, cache: &mut KfdCache) -> Scan<AmdS
         let rank = |f: &Found| (f.device.id != f.device.physical, xcp_number(&f.device.id));
         (a.device.physical.as_str(), rank(a)).cmp(&(b.device.physical.as_str(), rank(b)))
     });
+    let present: BTreeSet<String> = gpus.keys().cloned().collect();
     if let Some(want) = &settings.partition_type {
         found.retain(|f| f.kind.as_deref() == Some(want.as_str()));
     }
@@ -318,6 +324,7 @@ pub(crate) fn scan(settings: &AmdgpuSettings, cache: &mut KfdCache) -> Scan<AmdS
         watch_dirs,
         spec,
         absent,
+        present,
     }
 }
 
@@ -422,6 +429,22 @@ mod tests {
         let m = &found.state.matrix;
         assert_eq!(m.weight(0, 1), WEIGHT_XGMI);
         assert_eq!(m.weight(0, 2), WEIGHT_NONE);
+        // A processing-accelerator class (0x12) counts; AMD's HDMI audio function does not.
+        let gpu3 = crate::fake_sysfs::pci_dir(&node.gpus[3].address);
+        tree.file(&format!("sys/{gpu3}/class"), "0x120000\n")
+            .unwrap();
+        tree.pci(&crate::fake_sysfs::PciSpec {
+            address: "0000:0c:00.1".into(),
+            vendor: 0x1002,
+            device: 0xab28,
+            class: 0x040300,
+            numa: 0,
+            iommu_group: 99,
+        })
+        .unwrap();
+        let found = scan(&settings(&tree), &mut cache);
+        assert_eq!(found.entries.len(), 4);
+        assert!(found.absent.is_empty(), "{:?}", found.absent);
         std::fs::remove_file(tree.path("dev/dri/renderD129")).unwrap();
         std::fs::remove_file(tree.path("dev/kfd")).unwrap();
         let found = scan(&settings(&tree), &mut cache);

@@ -73,6 +73,7 @@ pub(crate) fn scan(settings: &IntelGpuSettings) -> Scan<IntelState> {
     cards.sort();
 
     let mut gpus = Vec::new();
+    let mut present = BTreeSet::new();
     let mut found: Vec<(IntelGpu, Option<i64>, Option<String>)> = Vec::new();
     for (_, card, device) in cards {
         let Some(address) = device.file_name().and_then(|n| n.to_str()) else {
@@ -85,6 +86,7 @@ pub(crate) fn scan(settings: &IntelGpuSettings) -> Scan<IntelState> {
         if pci.driver.as_deref() != Some(settings.driver.name()) {
             continue; // the other driver's resource serves it
         }
+        present.insert(card.clone());
         if pci.sriov_numvfs > 0 {
             continue; // a PF with VFs enabled: the VFs are the devices
         }
@@ -161,6 +163,7 @@ pub(crate) fn scan(settings: &IntelGpuSettings) -> Scan<IntelState> {
         watch_dirs,
         spec,
         absent: BTreeMap::new(),
+        present,
     }
 }
 
