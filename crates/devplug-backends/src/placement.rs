@@ -13,8 +13,9 @@
 //! half of its best possible links to the rest cuts most branches, and a greedy answer found
 //! first gives an early incumbent. A work budget caps pathological inputs (many classes, all
 //! different); the best answer found within the budget is still valid and [`Selection::exact`] says
-//! whether optimality was proven. [`brute_force`] is the reference the tests and the bench
-//! compare with.
+//! whether optimality was proven. Among equally good sets the first found is kept, which
+//! favours earlier devices. [`brute_force`] is the reference the tests and the bench compare
+//! with.
 
 /// Work (about one unit per class pair looked at by the bound) before the search stops trying
 /// to prove optimality: ~10 ms at worst on the project's machine in release builds (20M units
