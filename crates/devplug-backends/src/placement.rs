@@ -18,9 +18,10 @@
 //! with.
 
 /// Work (about one unit per class pair looked at by the bound) before the search stops trying
-/// to prove optimality: ~10 ms at worst on the project's machine in release builds (20M units
-/// measured 95 ms there). Structured inputs (a few classes) never get near it.
-const WORK_BUDGET: u64 = 2_000_000;
+/// to prove optimality: under 10 ms on the project's 2-core machine in release builds (8.5 ms
+/// max on 64 all-different devices; 20M units took 95 ms). Structured inputs (a few classes,
+/// like GPUs of partitions) never get near it.
+const WORK_BUDGET: u64 = 1_000_000;
 
 /// Symmetric pair weights between `n` devices, plus each device's NUMA node.
 #[derive(Debug, Clone, PartialEq, Eq)]
