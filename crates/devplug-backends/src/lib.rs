@@ -6,17 +6,35 @@
 //!   its health.
 //! - [`hostdev`] (`hostdev:`): host device nodes by glob, USB id or PCI id, with sharing counts,
 //!   NUMA-aware preferred allocation and event-driven hotplug.
+//! - [`amdgpu`] (`amdgpu:`): AMD GPUs and compute partitions from sysfs and KFD's topology,
+//!   with exact link-aware preferred allocation and CDI specs.
+//! - [`intel_gpu`] (`intel_gpu:`): Intel GPUs (`i915` or `xe`) from sysfs, with sharing counts,
+//!   SR-IOV virtual functions, `/dev/dri/by-path` mounts and CDI specs.
+//!
+//! Shared pieces: [`placement`] (exact preferred allocation over a pair-weight matrix),
+//! [`cdi`] (CDI spec files, written atomically), `sysfs` (PCI and DRM reading), `sysfs_watch`
+//! (discover, follow with inotify, keep vanished GPUs Unhealthy), and [`fake_sysfs`] (fake
+//! sysfs and /dev trees for tests and benchmarks).
 //!
 //! Each backend has a settings struct that deserializes from the config file (unknown fields are
 //! errors) and a `validate` that names the field and the fix.
 
+pub mod amdgpu;
+pub mod cdi;
+pub mod fake_sysfs;
 pub mod files;
 pub mod hostdev;
 mod inotify_batch;
+pub mod intel_gpu;
+pub mod placement;
 pub mod settings;
+mod sysfs;
+mod sysfs_watch;
 pub mod virtual_devices;
 
+pub use amdgpu::{AmdgpuBackend, AmdgpuSettings};
 pub use files::{FilesBackend, FilesSettings};
 pub use hostdev::{HostdevBackend, HostdevSettings};
+pub use intel_gpu::{IntelGpuBackend, IntelGpuSettings};
 pub use settings::SettingsError;
 pub use virtual_devices::{VirtualBackend, VirtualSettings};

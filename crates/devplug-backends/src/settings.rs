@@ -1,6 +1,7 @@
 //! Errors in backend settings, shared by every backend: which field, and what to do about it.
 
 use std::fmt;
+use std::path::{Path, PathBuf};
 
 /// A backend setting that cannot work, naming the field (relative to the backend's key, e.g.
 /// `count`) and the fix.
@@ -47,4 +48,31 @@ pub fn check_env_name(field: &str, value: &str) -> Result<(), SettingsError> {
             ),
         ))
     }
+}
+
+/// Checks that a path setting is absolute.
+pub(crate) fn check_absolute(field: &str, path: &Path) -> Result<(), SettingsError> {
+    if path.is_absolute() {
+        Ok(())
+    } else {
+        Err(SettingsError::new(
+            field,
+            format!("{} must be an absolute path", path.display()),
+        ))
+    }
+}
+
+/// Default CDI spec folder of the GPU backends.
+pub(crate) fn default_cdi_dir() -> PathBuf {
+    PathBuf::from(crate::cdi::DEFAULT_CDI_DIR)
+}
+
+/// Default dev root.
+pub(crate) fn default_dev_root() -> PathBuf {
+    PathBuf::from("/dev")
+}
+
+/// Default sysfs root.
+pub(crate) fn default_sys_root() -> PathBuf {
+    PathBuf::from("/sys")
 }

@@ -1,8 +1,10 @@
 //! Benchmarks of devplug through the kubelet simulator, printed as a table for
-//! `docs/benchmarks.md`. Run with `cargo build --release -p devplug-cli && cargo run --release -p devplug-bench`.
+//! `docs/benchmarks.md`. Run with `cargo build --release -p devplug-cli && cargo run --release -p devplug-bench`;
+//! `devplug-bench gpus` runs only the GPU backend figures (no `devplug` binary needed).
 //! Figures depend on the machine; this is not a test and asserts nothing.
 
 mod backends;
+mod gpus;
 mod measure;
 
 use anyhow::Context;
@@ -27,6 +29,9 @@ async fn main() -> anyhow::Result<()> {
     }
     println!("| measurement | n | p50 | p99 | max |");
     println!("|---|---|---|---|---|");
+    if std::env::args().nth(1).as_deref() == Some("gpus") {
+        return gpu_figures(cpu_before).await;
+    }
     round_trips().await?;
     device_changes().await?;
     restarts().await?;
@@ -34,7 +39,26 @@ async fn main() -> anyhow::Result<()> {
     start_to_registered().await?;
     backends::file_created().await?;
     backends::hotplug_burst().await?;
+    gpus::discovery().await?;
+    gpus::late_driver().await?;
+    gpus::change_latency().await?;
+    gpus::preferred().await?;
     measure::process_figures().await?;
+    print_machine(cpu_before);
+    Ok(())
+}
+
+/// Only the GPU backends' figures.
+async fn gpu_figures(cpu_before: Option<measure::MachineCpu>) -> anyhow::Result<()> {
+    gpus::discovery().await?;
+    gpus::late_driver().await?;
+    gpus::change_latency().await?;
+    gpus::preferred().await?;
+    print_machine(cpu_before);
+    Ok(())
+}
+
+fn print_machine(cpu_before: Option<measure::MachineCpu>) {
     if let (Some(before), Some(after)) = (cpu_before, measure::machine_cpu()) {
         println!();
         println!(
@@ -44,7 +68,6 @@ async fn main() -> anyhow::Result<()> {
             after.steal_percent_since(&before)
         );
     }
-    Ok(())
 }
 
 async fn setup(

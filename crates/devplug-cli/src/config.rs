@@ -11,8 +11,8 @@
 
 use devplug::Backend;
 use devplug_backends::{
-    FilesBackend, FilesSettings, HostdevBackend, HostdevSettings, SettingsError, VirtualBackend,
-    VirtualSettings,
+    AmdgpuBackend, AmdgpuSettings, FilesBackend, FilesSettings, HostdevBackend, HostdevSettings,
+    IntelGpuBackend, IntelGpuSettings, SettingsError, VirtualBackend, VirtualSettings,
 };
 use devplug_proto::resource_name;
 use serde::Deserialize;
@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// The backend keys a resource can have, one of which it must.
-const BACKEND_KEYS: [&str; 3] = ["virtual", "files", "hostdev"];
+const BACKEND_KEYS: [&str; 5] = ["virtual", "files", "hostdev", "amdgpu", "intel_gpu"];
 
 /// The whole config file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -44,6 +44,10 @@ pub struct ResourceConfig {
     pub files: Option<FilesSettings>,
     /// Host device nodes by glob, USB id or PCI id.
     pub hostdev: Option<HostdevSettings>,
+    /// AMD GPUs and compute partitions from sysfs (e.g. `amd.com/gpu`).
+    pub amdgpu: Option<AmdgpuSettings>,
+    /// Intel GPUs from sysfs (`gpu.intel.com/i915` or `gpu.intel.com/xe`).
+    pub intel_gpu: Option<IntelGpuSettings>,
     /// How long a recovered device must stay healthy before the kubelet is told (e.g. `5s`;
     /// default 5s).
     #[serde(default, deserialize_with = "crate::duration::deserialize_opt")]
@@ -145,6 +149,12 @@ impl ResourceConfig {
         if self.hostdev.is_some() {
             keys.push("hostdev");
         }
+        if self.amdgpu.is_some() {
+            keys.push("amdgpu");
+        }
+        if self.intel_gpu.is_some() {
+            keys.push("intel_gpu");
+        }
         keys
     }
 
@@ -175,6 +185,12 @@ impl ResourceConfig {
         if let Some(settings) = &self.hostdev {
             settings.validate().map_err(|e| ("hostdev", e))?;
         }
+        if let Some(settings) = &self.amdgpu {
+            settings.validate().map_err(|e| ("amdgpu", e))?;
+        }
+        if let Some(settings) = &self.intel_gpu {
+            settings.validate().map_err(|e| ("intel_gpu", e))?;
+        }
         Ok(())
     }
 
@@ -191,6 +207,14 @@ impl ResourceConfig {
         }
         if let Some(settings) = &self.hostdev {
             let backend = HostdevBackend::start(settings).map_err(|e| ("hostdev", e))?;
+            return Ok(Arc::new(backend));
+        }
+        if let Some(settings) = &self.amdgpu {
+            let backend = AmdgpuBackend::start(settings).map_err(|e| ("amdgpu", e))?;
+            return Ok(Arc::new(backend));
+        }
+        if let Some(settings) = &self.intel_gpu {
+            let backend = IntelGpuBackend::start(settings).map_err(|e| ("intel_gpu", e))?;
             return Ok(Arc::new(backend));
         }
         Err((
@@ -240,13 +264,42 @@ mod tests {
     }
 
     #[test]
+    fn gpu_backends_parse() {
+        let config = parse(
+            "resources:
+  - name: amd.com/gpu
+    amdgpu: {}
+  - name: amd.com/cpx_nps4
+    amdgpu: { partition_type: cpx_nps4, cdi_dir: /run/cdi }
+  - name: gpu.intel.com/xe
+    intel_gpu: { driver: xe, count: 4, policy: pack, by_path: false }
+",
+        )
+        .unwrap();
+        let amd = config.resources[1].amdgpu.as_ref().unwrap();
+        assert_eq!(amd.partition_type.as_deref(), Some("cpx_nps4"));
+        assert_eq!(amd.cdi_dir, Path::new("/run/cdi"));
+        assert!(config.resources[0].amdgpu.as_ref().unwrap().cdi);
+        let intel = config.resources[2].intel_gpu.as_ref().unwrap();
+        assert_eq!(intel.driver, devplug_backends::intel_gpu::IntelDriver::Xe);
+        assert_eq!(intel.count, 4);
+        assert_eq!(intel.policy, devplug_backends::hostdev::SharePolicy::Pack);
+        assert!(!intel.by_path);
+        assert_eq!(
+            config.resources[2].backend_keys(),
+            ["intel_gpu"],
+            "the YAML key is intel_gpu"
+        );
+    }
+
+    #[test]
     fn errors_name_the_resource_and_field() {
         let cases = [
             ("resources:\n  - name: example.com/npu\n    virtual: { cout: 3 }\n", "cout"),
             ("resources:\n  - name: example.com/npu\n    virtual: { count: 0 }\n", "resources[0] (example.com/npu): virtual.count: must be between 1"),
             ("resources:\n  - name: npu\n    virtual: { count: 1 }\n", "resources[0] (npu): name: invalid resource name"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/x\n    virtual: { count: 1 }\n", "resources[1] (a.com/x): name: this resource is listed twice"),
-            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files, hostdev"),
+            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files, hostdev, amdgpu, intel_gpu"),
             ("resources:\n  - name: a.com/x\n    hostdev: { groups: [ { paths: [ttyUSB0] } ] }\n", "resources[0] (a.com/x): hostdev.groups[0].paths[0]: \"ttyUSB0\" must be a device node path under /dev/"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    files: { dir: /x }\n", "2 backends (virtual, files)"),
             ("resources:\n  - name: a.com/x\n    files: { dir: colas }\n", "resources[0] (a.com/x): files.dir: colas must be an absolute path"),
@@ -255,6 +308,9 @@ mod tests {
             ("resource: []\n", "resource"),
             ("resources: []\n", "the list is empty"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: many }\n", "count"),
+            ("resources:\n  - name: amd.com/gpu\n    amdgpu: { partition_type: CPX }\n", "resources[0] (amd.com/gpu): amdgpu.partition_type: \"CPX\" must be"),
+            ("resources:\n  - name: gpu.intel.com/i915\n    intel_gpu: { count: 0 }\n", "resources[0] (gpu.intel.com/i915): intel_gpu.count: must be between 1 and 1000"),
+            ("resources:\n  - name: gpu.intel.com/xe\n    intel_gpu: { driver: nvidia }\n", "driver"),
         ];
         for (text, needle) in cases {
             let err = parse(text).unwrap_err();

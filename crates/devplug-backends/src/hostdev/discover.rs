@@ -3,6 +3,7 @@
 //! them), their VFIO group node and their NUMA node. Reads only files; needs no root.
 
 use super::settings::{normalize_hex, GroupSettings, HostdevSettings, PciMatch, UsbMatch};
+use crate::sysfs::{self, read_trimmed};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -155,33 +156,16 @@ fn by_paths(
     }
 }
 
-fn read_trimmed(path: &Path) -> Option<String> {
-    std::fs::read_to_string(path)
-        .ok()
-        .map(|s| s.trim().to_owned())
-}
-
-/// Devices of one sysfs bus (`usb`, `pci`): (name, canonical path), sorted by name.
+/// Devices of one sysfs bus (`usb`, `pci`): (name, canonical path), sorted by name; their
+/// folder is watched.
 fn bus_devices(
     settings: &HostdevSettings,
     bus: &str,
     found: &mut Discovery,
 ) -> Vec<(String, PathBuf)> {
     let dir = settings.sys_root.join("bus").join(bus).join("devices");
-    found.watch_dirs.insert(dir.clone());
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        return Vec::new();
-    };
-    let mut out: Vec<(String, PathBuf)> = entries
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            let path = std::fs::canonicalize(e.path()).ok()?;
-            Some((name, path))
-        })
-        .collect();
-    out.sort();
-    out
+    found.watch_dirs.insert(dir);
+    sysfs::bus_devices(&settings.sys_root, bus)
 }
 
 fn by_usb(
@@ -279,7 +263,7 @@ fn push_sysfs_device(
         Some(name) => format!("{name}-{base}"),
         None => base,
     };
-    let numa = numa_node(settings, path);
+    let numa = sysfs::numa_node(&settings.sys_root, path);
     found.devices.push(Physical {
         id,
         group: index,
@@ -310,15 +294,4 @@ fn collect_devnames(dir: &Path, depth: usize, out: &mut BTreeSet<PathBuf>) {
             collect_devnames(&entry.path(), depth + 1, out);
         }
     }
-}
-
-/// The NUMA node of the device at `path` or its nearest ancestor that has one (USB devices sit
-/// below their controller's PCI device). `-1` means none.
-fn numa_node(settings: &HostdevSettings, path: &Path) -> Option<i64> {
-    let root = std::fs::canonicalize(&settings.sys_root).ok()?;
-    path.ancestors()
-        .take_while(|p| p.starts_with(&root) && *p != root)
-        .find_map(|p| read_trimmed(&p.join("numa_node")))
-        .and_then(|v| v.parse::<i64>().ok())
-        .filter(|n| *n >= 0)
 }

@@ -11,7 +11,7 @@
 //! globbed or USB/PCI device that vanishes is removed.
 
 mod discover;
-mod prefer;
+pub(crate) mod prefer;
 pub mod settings;
 
 pub use settings::{
