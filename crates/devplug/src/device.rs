@@ -210,7 +210,7 @@ impl DeviceList {
             return Err(ListTooLarge {
                 devices: self.len(),
                 bytes,
-                fit: self.len() * MAX_RECV_MESSAGE_BYTES / bytes,
+                fit: self.len().saturating_mul(MAX_RECV_MESSAGE_BYTES) / bytes,
             });
         }
         Ok(msg)
