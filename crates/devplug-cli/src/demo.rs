@@ -2,6 +2,7 @@
 //! registration, node capacity, an allocation, a device turning unhealthy, a kubelet restart and
 //! shutdown. Needs no cluster and no root; exits 0.
 
+use crate::output::line;
 use anyhow::Context;
 use devplug::{Health, Host, ResourceSettings, ResourceStatus};
 use devplug_backends::{VirtualBackend, VirtualSettings};
@@ -21,8 +22,11 @@ pub async fn demo() -> anyhow::Result<()> {
         .prefix("devplug-demo-")
         .tempdir()
         .context("cannot create a temp folder")?;
-    println!("devplug demo: a virtual NPU plugin on a simulated kubelet (no cluster, no root)");
-    println!("device-plugins folder: {}\n", dir.path().display());
+    line("devplug demo: a virtual NPU plugin on a simulated kubelet (no cluster, no root)");
+    line(&format!(
+        "device-plugins folder: {}\n",
+        dir.path().display()
+    ));
 
     step(1, "the kubelet starts and serves kubelet.sock");
     let mut kubelet = Kubelet::start(dir.path()).await?;
@@ -112,16 +116,16 @@ pub async fn demo() -> anyhow::Result<()> {
     show_capacity(&kubelet, (8, 0)).await?;
     detail("the kubelet keeps the resource for its 5-minute grace period, then forgets it");
     kubelet.stop().await;
-    println!("\ndone.");
+    line("\ndone.");
     Ok(())
 }
 
 fn step(n: u32, text: &str) {
-    println!("[{n}] {text}");
+    line(&format!("[{n}] {text}"));
 }
 
 fn detail(text: &str) {
-    println!("    {text}");
+    line(&format!("    {text}"));
 }
 
 fn ms(d: Duration) -> String {
