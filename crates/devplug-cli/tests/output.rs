@@ -203,3 +203,12 @@ fn the_man_page_is_roff_generated_from_the_options() {
         assert!(page.contains(needle), "man page lacks {needle:?}:\n{page}");
     }
 }
+
+#[test]
+fn command_line_durations_are_bounded_too() {
+    let out = devplug(&["inspect", "--timeout", "18446744073709551615"]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("--timeout"), "{stderr}");
+    assert!(stderr.contains("1..=3600"), "{stderr}");
+}
