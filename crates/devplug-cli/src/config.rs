@@ -462,7 +462,11 @@ mod tests {
         for i in 0..rng.below(3) + 1 {
             text.push_str(&format!("  - name: example.com/r{i}\n"));
             match rng.below(3) {
-                0 => text.push_str(&format!("    virtual: {{ count: {} }}\n", number(rng))),
+                0 => text.push_str(&format!(
+                    "    virtual: {{ count: {}, numa_nodes: {} }}\n",
+                    number(rng),
+                    number(rng)
+                )),
                 1 => text.push_str(&format!(
                     "    hostdev: {{ groups: [ {{ paths: [/dev/null] }} ], count: {} }}\n",
                     number(rng)
