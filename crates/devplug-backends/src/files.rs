@@ -6,8 +6,10 @@
 //! read once it is complete). Allocation sets an env var to the ids and can mount each file into
 //! the container. A missing folder is created or waited for, as configured.
 //!
-//! Hidden files (starting with `.`) and names containing `,` (they would break the env var) are
-//! not devices.
+//! Hidden files (starting with `.`) are not devices, nor are names the kubelet would refuse as
+//! device ids ([`devplug::check_id`]: over 63 bytes, or with `,`, spaces or control
+//! characters); those are logged with the reason, since one bad id would make the kubelet drop
+//! the whole list.
 
 use crate::inotify_batch::{Batches, OwnedEvent};
 use crate::settings::{check_env_name, SettingsError};
@@ -300,13 +302,17 @@ fn scan(dir: &Path) -> BTreeMap<String, Device> {
 /// The device for file `name`, or None if it is not a device (gone, not a regular file,
 /// hidden, or an unusable name).
 fn read_device(dir: &Path, name: &str) -> Option<Device> {
-    if name.starts_with('.') || name.contains(',') || name.is_empty() {
-        if name.contains(',') {
-            tracing::warn!(
-                file = name,
-                "file names with ',' are not devices (the env var is comma-separated)"
-            );
-        }
+    if name.starts_with('.') || name.is_empty() {
+        return None;
+    }
+    // The same rules as every device id: the kubelet would refuse the whole list otherwise.
+    if let Err(problem) = devplug::check_id(name) {
+        tracing::warn!(
+            dir = %dir.display(),
+            file = name,
+            %problem,
+            "this file is not a device; rename it"
+        );
         return None;
     }
     let path = dir.join(name);
@@ -347,6 +353,8 @@ mod tests {
         write("c", "  fan failure  \nmore");
         write(".hidden", "");
         write("x,y", "");
+        write("with space", "");
+        write(&"long".repeat(16), "");
         std::fs::create_dir(dir.path().join("sub")).unwrap();
         let found = scan(dir.path());
         assert_eq!(found.keys().collect::<Vec<_>>(), ["a", "b", "c"]);

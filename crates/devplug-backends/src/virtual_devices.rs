@@ -57,20 +57,16 @@ impl VirtualSettings {
         }
         check_env_name("env", &self.env)?;
         let longest = format!("{}{}", self.id_prefix, self.count - 1);
-        if longest.len() > 63 {
+        if longest.len() > devplug::MAX_ID_LEN {
             return Err(SettingsError::new(
                 "id_prefix",
                 "device ids would be longer than the kubelet's 63 characters; shorten the prefix",
             ));
         }
-        if self
-            .id_prefix
-            .chars()
-            .any(|c| c == ',' || c.is_whitespace())
-        {
+        if let Err(problem) = devplug::check_id(&longest) {
             return Err(SettingsError::new(
                 "id_prefix",
-                "must not contain ',' or spaces: ids are joined with ',' in the env var",
+                format!("{problem}; ids are joined with ',' in the env var"),
             ));
         }
         if self.numa_nodes > 1024 {

@@ -393,3 +393,43 @@ fn bad_settings_name_the_field() {
     };
     assert_eq!(count.validate().unwrap_err().field, "count");
 }
+
+/// A group that matches nothing (a typo in a glob or a USB id) is reported as a warning, for
+/// the metrics endpoint, and stops being one when a matching device appears.
+#[tokio::test]
+async fn groups_that_match_nothing_are_reported() {
+    let fake = FakeHost::new();
+    let settings = fake.settings(vec![
+        paths(&["/dev/ttyUSB*"]),
+        paths(&["/dev/ttyUSX*"]),
+        GroupSettings {
+            usb: vec![UsbMatch {
+                vendor: "0403".into(),
+                product: Some("6002".into()),
+            }],
+            ..Default::default()
+        },
+    ]);
+    let backend = HostdevBackend::start(&settings).unwrap();
+    let details = |backend: &HostdevBackend| -> Vec<String> {
+        devplug::Backend::warnings(backend)
+            .into_iter()
+            .map(|w| {
+                assert_eq!(w.kind, "group_matches_nothing");
+                w.detail
+            })
+            .collect()
+    };
+    assert_eq!(
+        details(&backend),
+        ["groups[1]: paths /dev/ttyUSX*", "groups[2]: usb 0403:6002"]
+    );
+    // Created right after start, before the hotplug watches are armed: still seen.
+    let mut devices = devplug::Backend::devices(&backend);
+    fake.file("dev/ttyUSX0", "");
+    tokio::time::timeout(WAIT, devices.wait_for(|list| list.len() == 3))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(details(&backend), ["groups[2]: usb 0403:6002"]);
+}

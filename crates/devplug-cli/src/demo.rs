@@ -16,20 +16,34 @@ const WAIT: Duration = Duration::from_secs(10);
 /// Shorter than the default 5 s, to keep the demo brisk.
 const HOLD_DOWN: Duration = Duration::from_secs(1);
 
-/// Runs the demo, printing each step.
+/// Runs the demo, printing each step. A shutdown signal (Ctrl-C) stops it early; the temp
+/// folder is removed either way.
 pub async fn demo() -> anyhow::Result<()> {
     let dir = tempfile::Builder::new()
         .prefix("devplug-demo-")
         .tempdir()
         .context("cannot create a temp folder")?;
+    // Handlers first, so that a Ctrl-C at any point after the folder exists cleans it up.
+    let interrupted = devplug::shutdown_signal();
+    let outcome = tokio::select! {
+        () = interrupted => Err(anyhow::anyhow!("interrupted; the demo's temp folder is removed")),
+        outcome = walk(dir.path()) => outcome,
+    };
+    // Streams and servers end with the runtime; the folder goes now.
+    let path = dir.path().to_owned();
+    if let Err(err) = dir.close() {
+        tracing::warn!(path = %path.display(), %err, "cannot remove the demo's temp folder");
+    }
+    outcome
+}
+
+/// The demo's steps, in `dir`.
+async fn walk(dir: &std::path::Path) -> anyhow::Result<()> {
     line("devplug demo: a virtual NPU plugin on a simulated kubelet (no cluster, no root)");
-    line(&format!(
-        "device-plugins folder: {}\n",
-        dir.path().display()
-    ));
+    line(&format!("device-plugins folder: {}\n", dir.display()));
 
     step(1, "the kubelet starts and serves kubelet.sock");
-    let mut kubelet = Kubelet::start(dir.path()).await?;
+    let mut kubelet = Kubelet::start(dir).await?;
 
     step(2, &format!("devplug serves {RESOURCE}: 8 virtual devices"));
     let settings = VirtualSettings {
@@ -39,7 +53,7 @@ pub async fn demo() -> anyhow::Result<()> {
     };
     let backend = Arc::new(VirtualBackend::new(&settings)?);
     let started = Instant::now();
-    let host = Host::new(dir.path())?;
+    let host = Host::new(dir)?;
     let settings = ResourceSettings {
         health_hold_down: HOLD_DOWN,
     };
@@ -112,7 +126,7 @@ pub async fn demo() -> anyhow::Result<()> {
         7,
         "devplug shuts down as on SIGTERM: streams end, sockets are removed",
     );
-    host.shutdown().await;
+    let _ = host.shutdown().await;
     show_capacity(&kubelet, (8, 0)).await?;
     detail("the kubelet keeps the resource for its 5-minute grace period, then forgets it");
     kubelet.stop().await;

@@ -1,12 +1,9 @@
 //! The optional HTTP listener of `devplug run` (`--metrics-addr`): `/metrics` in the Prometheus
-//! text format, `/healthz` (the process answers) and `/readyz` (every configured resource is
-//! registered with the kubelet and its ListAndWatch stream is open).
+//! text format, `/healthz` (the process is working: it answers and can follow the kubelet
+//! folder) and `/readyz` (every configured resource is registered with the kubelet, its
+//! ListAndWatch stream is open and its device list can be sent).
 
-use axum::extract::State;
-use axum::http::{header, StatusCode};
-use axum::response::IntoResponse;
-use axum::routing::get;
-use axum::Router;
+use crate::http::{self, Response};
 use devplug::{Host, MetricsSnapshot, ALLOCATE_BUCKETS};
 use std::fmt::Write;
 use std::net::SocketAddr;
@@ -40,49 +37,52 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(addr = %listener.local_addr()?, "metrics and probes listening");
-    let app = Router::new()
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(ready))
-        .with_state(endpoints);
-    tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(stop.cancelled_owned())
-            .await;
-        if let Err(err) = served {
-            tracing::error!(%err, "the metrics listener failed");
+    http::serve(listener, stop, move |path: String| {
+        let endpoints = endpoints.clone();
+        async move {
+            match path.as_str() {
+                "/metrics" => metrics(&endpoints),
+                "/healthz" => healthy(&endpoints),
+                "/readyz" => ready(&endpoints),
+                _ => Response::text(404, "not found: try /metrics, /healthz or /readyz\n"),
+            }
         }
     });
     Ok(())
 }
 
-async fn ready(State(endpoints): State<Endpoints>) -> impl IntoResponse {
-    if endpoints.host.is_ready() {
-        (StatusCode::OK, "ready\n".to_owned())
-    } else {
-        let waiting: Vec<String> = endpoints
-            .host
-            .metrics()
-            .into_iter()
-            .filter(|(_, m)| !(m.registered && m.streams > 0))
-            .map(|(name, m)| format!("{name}: registered={} streams={}", m.registered, m.streams))
-            .collect();
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready\n{}\n", waiting.join("\n")),
-        )
+fn healthy(endpoints: &Endpoints) -> Response {
+    match endpoints.host.health() {
+        Ok(()) => Response::text(200, "ok\n"),
+        Err(reason) => Response::text(503, format!("not working: {reason}\n")),
     }
 }
 
-async fn metrics(State(endpoints): State<Endpoints>) -> impl IntoResponse {
-    let text = render(&endpoints.host.metrics(), &endpoints.reloads);
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        text,
-    )
+fn ready(endpoints: &Endpoints) -> Response {
+    if endpoints.host.is_ready() {
+        return Response::text(200, "ready\n");
+    }
+    let mut waiting: Vec<String> = endpoints
+        .host
+        .metrics()
+        .into_iter()
+        .filter_map(|(name, m)| Some(format!("{name}: {}", m.not_ready?)))
+        .collect();
+    if !endpoints.host.folder_present() {
+        waiting.push(format!(
+            "the kubelet folder {} does not exist",
+            endpoints.host.dir().display()
+        ));
+    }
+    Response::text(503, format!("not ready\n{}\n", waiting.join("\n")))
+}
+
+fn metrics(endpoints: &Endpoints) -> Response {
+    Response {
+        status: 200,
+        content_type: "text/plain; version=0.0.4; charset=utf-8",
+        body: render(&endpoints.host.metrics(), &endpoints.reloads),
+    }
 }
 
 /// The Prometheus text exposition of every resource's metrics.
@@ -92,12 +92,18 @@ pub fn render(resources: &[(String, MetricsSnapshot)], reloads: &ReloadCounters)
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
     };
     type Read = fn(&MetricsSnapshot) -> f64;
-    let simple: [(&str, &str, &str, Read); 8] = [
+    let simple: [(&str, &str, &str, Read); 9] = [
         (
             "devplug_registered",
             "gauge",
             "1 while registered with the current kubelet.",
             |m| f64::from(u8::from(m.registered)),
+        ),
+        (
+            "devplug_list_too_large",
+            "gauge",
+            "1 while the device list is over the kubelet's 4 MiB message limit and is not sent.",
+            |m| f64::from(u8::from(m.list_error.is_some())),
         ),
         (
             "devplug_list_streams",
@@ -175,6 +181,23 @@ pub fn render(resources: &[(String, MetricsSnapshot)], reloads: &ReloadCounters)
                 escape(name),
                 escape(device),
                 escape(reason)
+            );
+        }
+    }
+    family(
+        &mut out,
+        "devplug_backend_warning",
+        "gauge",
+        "1 for each problem a backend reports that does not stop it (e.g. a hostdev group that matches no device).",
+    );
+    for (name, m) in resources {
+        for (kind, detail) in &m.warnings {
+            let _ = writeln!(
+                out,
+                "devplug_backend_warning{{resource=\"{}\",kind=\"{}\",detail=\"{}\"}} 1",
+                escape(name),
+                escape(kind),
+                escape(detail)
             );
         }
     }
@@ -262,6 +285,11 @@ mod tests {
             allocations: 3,
             allocate_buckets: vec![0, 1, 2, 3, 3, 3, 3, 3, 3, 3],
             allocate_seconds: 0.0004,
+            list_error: Some("too big".into()),
+            warnings: vec![(
+                "group_matches_nothing".into(),
+                "groups[0]: /dev/ttyX*".into(),
+            )],
             ..MetricsSnapshot::default()
         };
         let reloads = ReloadCounters::default();
@@ -278,6 +306,8 @@ mod tests {
             "devplug_allocate_duration_seconds_bucket{resource=\"a.com/x\",le=\"+Inf\"} 3",
             "devplug_allocate_duration_seconds_count{resource=\"a.com/x\"} 3",
             "devplug_config_reloads_total 4",
+            "devplug_list_too_large{resource=\"a.com/x\"} 1",
+            "devplug_backend_warning{resource=\"a.com/x\",kind=\"group_matches_nothing\",detail=\"groups[0]: /dev/ttyX*\"} 1",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

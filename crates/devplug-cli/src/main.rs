@@ -8,6 +8,7 @@ mod config;
 mod demo;
 mod duration;
 mod endpoints;
+mod http;
 mod inspect;
 mod listen_addr;
 mod logging;
@@ -79,8 +80,7 @@ fn man() -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {

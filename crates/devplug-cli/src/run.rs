@@ -32,9 +32,12 @@ pub struct RunArgs {
 
 /// Runs until a shutdown signal, then removes our sockets and returns.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    // Handlers before any socket exists: a signal during start-up still cleans up.
+    let shutdown = devplug::shutdown_signal();
     let (config, text) = Config::load(&args.config)?;
     let mut watch = ConfigWatch::new(&args.config)
         .with_context(|| format!("cannot watch config file {}", args.config.display()))?;
+    warn_if_no_kubelet_folder(&args.kubelet_dir);
     let mut runner = Runner {
         host: Arc::new(Host::new(&args.kubelet_dir)?),
         current: BTreeMap::new(),
@@ -59,7 +62,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         "devplug running"
     );
 
-    let shutdown = devplug::shutdown_signal();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -71,9 +73,52 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     }
     stop_http.cancel();
-    runner.host.shutdown().await;
-    tracing::info!("sockets removed; bye");
+    let report = runner.host.shutdown().await;
+    if report.is_clean() {
+        tracing::info!("sockets removed; bye");
+    } else {
+        tracing::warn!(left_behind = ?report.left_behind, "shut down, but some sockets of ours could not be removed; remove them by hand");
+    }
     Ok(())
+}
+
+/// Where other Kubernetes distributions keep the kubelet's device-plugins folder.
+const OTHER_KUBELET_DIRS: [(&str, &str); 2] = [
+    ("k0s", "/var/lib/k0s/kubelet/device-plugins"),
+    (
+        "MicroK8s",
+        "/var/snap/microk8s/common/var/lib/kubelet/device-plugins",
+    ),
+];
+
+/// Says once, at start, that the kubelet folder is not there (yet), naming the flag and where
+/// other distributions keep it; the host then waits for the folder to appear.
+fn warn_if_no_kubelet_folder(dir: &std::path::Path) {
+    if dir.exists() {
+        return;
+    }
+    let known = OTHER_KUBELET_DIRS
+        .iter()
+        .filter(|(_, path)| std::path::Path::new(path).is_dir())
+        .map(|(who, path)| format!("{path} ({who})"))
+        .collect::<Vec<_>>();
+    let elsewhere = OTHER_KUBELET_DIRS
+        .iter()
+        .map(|(who, path)| format!("{who}: {path}"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    if known.is_empty() {
+        tracing::warn!(
+            kubelet_dir = %dir.display(),
+            "no kubelet here yet: the kubelet folder does not exist; waiting for it to appear. If the kubelet keeps it elsewhere, set --kubelet-dir (or DEVPLUG_KUBELET_DIR). Other distributions: {elsewhere}"
+        );
+    } else {
+        tracing::warn!(
+            kubelet_dir = %dir.display(),
+            found = %known.join(", "),
+            "no kubelet here yet: the kubelet folder does not exist, but a kubelet folder was found elsewhere; set --kubelet-dir to it. Waiting for the configured folder meanwhile"
+        );
+    }
 }
 
 /// The running config and the host serving it.

@@ -69,7 +69,14 @@ async fn readiness_follows_registration_and_metrics_move() {
     // No kubelet yet: alive, not ready.
     until(port, "/healthz", 200).await;
     let body = until(port, "/readyz", 503).await;
-    assert!(body.contains("registered=false"), "{body}");
+    assert!(
+        body.contains(&format!("{RESOURCE}: not registered with a kubelet yet")),
+        "{body}"
+    );
+    assert!(
+        body.contains("the kubelet folder") && body.contains("does not exist"),
+        "{body}"
+    );
 
     let kubelet = Kubelet::start(&plugins).await.unwrap();
     until(port, "/readyz", 200).await;

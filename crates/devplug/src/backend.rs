@@ -42,6 +42,22 @@ pub trait Backend: Send + Sync + 'static {
     fn options(&self) -> Options {
         Options::default()
     }
+
+    /// Problems that do not stop the backend but that an operator should see, such as a
+    /// device pattern that matches nothing (often a typo). Exported as metrics; the backend
+    /// logs each once itself. Read on every metrics scrape: keep it cheap.
+    fn warnings(&self) -> Vec<BackendWarning> {
+        Vec::new()
+    }
+}
+
+/// A problem a backend reports without stopping (see [`Backend::warnings`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendWarning {
+    /// A short stable name for the kind of problem, e.g. `group_matches_nothing`.
+    pub kind: &'static str,
+    /// What exactly, e.g. the group's pattern.
+    pub detail: String,
 }
 
 /// The optional parts of the protocol a backend takes part in.

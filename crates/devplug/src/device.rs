@@ -20,6 +20,34 @@ pub enum Health {
     },
 }
 
+/// The longest device id the kubelet documents (`Device.ID`, protocol.md §2).
+pub const MAX_ID_LEN: usize = 63;
+
+/// Checks that `id` can be a device id: not empty, at most [`MAX_ID_LEN`] bytes, and free of
+/// ',' (ids are joined with ',' in env vars, by us and by vendors' tools), white space and
+/// control characters. Returns what is wrong.
+pub fn check_id(id: &str) -> Result<(), String> {
+    if id.is_empty() {
+        return Err("a device id cannot be empty".to_owned());
+    }
+    if id.len() > MAX_ID_LEN {
+        return Err(format!(
+            "device id {:?}… is {} bytes; the kubelet takes at most {MAX_ID_LEN}",
+            id.chars().take(16).collect::<String>(),
+            id.len()
+        ));
+    }
+    if let Some(bad) = id
+        .chars()
+        .find(|c| *c == ',' || c.is_whitespace() || c.is_control())
+    {
+        return Err(format!(
+            "device id {id:?} contains {bad:?}; ids cannot contain ',', spaces or control characters"
+        ));
+    }
+    Ok(())
+}
+
 impl Health {
     /// An unhealthy state with a reason.
     pub fn unhealthy(reason: impl Into<String>) -> Self {
@@ -249,6 +277,19 @@ mod tests {
         assert_eq!(wire.devices[1].health, "Unhealthy");
         assert!(wire.devices[1].topology.is_none());
         assert_eq!(list.healthy_count(), 1);
+    }
+
+    #[test]
+    fn device_ids_follow_the_kubelet_rules() {
+        assert!(check_id("gpu-0").is_ok());
+        assert!(check_id(&"x".repeat(63)).is_ok());
+        assert!(check_id(&"x".repeat(64))
+            .unwrap_err()
+            .contains("at most 63"));
+        assert!(check_id("").is_err());
+        assert!(check_id("a,b").unwrap_err().contains("','"));
+        assert!(check_id("a b").is_err());
+        assert!(check_id("a\nb").is_err());
     }
 
     #[test]

@@ -18,12 +18,14 @@ pub mod health;
 pub mod host;
 mod signal;
 
-pub use backend::{AllocateError, Backend, Options, PreStartError, PreferenceRequest};
-pub use device::{Device, DeviceList, Health, ListTooLarge};
+pub use backend::{
+    AllocateError, Backend, BackendWarning, Options, PreStartError, PreferenceRequest,
+};
+pub use device::{check_id, Device, DeviceList, Health, ListTooLarge, MAX_ID_LEN};
 pub use edits::{ContainerEdits, DeviceNode, Mount};
 pub use host::{
-    Host, HostError, MetricsSnapshot, ResourceSettings, ResourceStatus, Updated, ALLOCATE_BUCKETS,
-    DEFAULT_HEALTH_HOLD_DOWN,
+    Host, HostError, MetricsSnapshot, ResourceSettings, ResourceStatus, ShutdownReport, Updated,
+    ALLOCATE_BUCKETS, DEFAULT_HEALTH_HOLD_DOWN,
 };
 pub use signal::shutdown_signal;
 

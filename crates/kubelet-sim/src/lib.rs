@@ -51,14 +51,37 @@ use tokio_util::sync::CancellationToken;
 pub struct SimConfig {
     /// How long a disconnected resource is kept before removal (the kubelet: 5 minutes).
     pub grace: Duration,
+    /// How the kubelet finds the plugin client to disconnect when a ListAndWatch stream ends.
+    pub clients: ClientKeying,
+    /// The pause between binding `kubelet.sock` and listening on it. A Go kubelet creates the
+    /// file with `bind()` and accepts connections only after `listen()`: a plugin that dials the
+    /// moment the file appears is refused. The default (1 ms) makes that gap visible every time.
+    pub listen_delay: Duration,
 }
 
 impl Default for SimConfig {
     fn default() -> Self {
         SimConfig {
             grace: Duration::from_secs(ENDPOINT_STOP_GRACE_SECS),
+            clients: ClientKeying::default(),
+            listen_delay: Duration::from_millis(1),
         }
     }
+}
+
+/// How the kubelet's device plugin server keys its clients (reliability.md §3).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ClientKeying {
+    /// Kubelets 1.25 to 1.36: one client per resource name. A new registration replaces the
+    /// entry but leaves the old client's stream running; when any stream of the resource ends,
+    /// the kubelet looks the name up again and disconnects whatever client holds it now, even a
+    /// newer one (all devices unhealthy, endpoint stopped). A rolling upgrade thus cuts the new
+    /// instance off when the old one stops.
+    #[default]
+    ResourceName,
+    /// Kubelets from 1.37 (kubernetes#135437): clients keyed by resource name and socket path;
+    /// the end of a stream that is no longer the resource's current endpoint changes nothing.
+    SocketPath,
 }
 
 /// Errors of the simulator itself.
@@ -83,6 +106,9 @@ pub enum SimError {
 /// State shared by the handle, the Registration service and the stream consumers.
 pub(crate) struct Shared {
     pub(crate) dir: PathBuf,
+    /// Cancelled when this kubelet process "dies" (restart, crash, stop): ends every plugin
+    /// connection it made. Replaced at each boot.
+    pub(crate) session: Mutex<CancellationToken>,
     pub(crate) config: SimConfig,
     state: Mutex<NodeState>,
     version: watch::Sender<u64>,
@@ -133,6 +159,7 @@ impl Kubelet {
             source,
         })?;
         let shared = Arc::new(Shared {
+            session: Mutex::new(CancellationToken::new()),
             dir,
             config,
             state: Mutex::new(NodeState::default()),
@@ -144,7 +171,7 @@ impl Kubelet {
             shared,
             server: None,
         };
-        kubelet.boot()?;
+        kubelet.boot().await?;
         Ok(kubelet)
     }
 
@@ -241,8 +268,7 @@ impl Kubelet {
     pub fn disconnect(&self, resource: &str) -> bool {
         let generation = self.shared.read(|node| {
             let r = node.resource(resource)?;
-            let endpoint = r.endpoint.as_ref()?;
-            endpoint.stop.cancel();
+            r.endpoint.as_ref()?;
             Some(r.generation)
         });
         match generation {
@@ -264,7 +290,7 @@ impl Kubelet {
     /// `kubelet.sock`. Known resources are kept as the checkpoint restores them: no devices and
     /// a stopped endpoint, so capacity reads 0 until the plugin registers again. Allocations stay.
     pub async fn restart(&mut self) -> Result<(), SimError> {
-        self.halt().await;
+        self.halt(true).await;
         let shared = self.shared.clone();
         let mut expired = Vec::new();
         shared.modify(|node| {
@@ -282,25 +308,45 @@ impl Kubelet {
         for (name, generation) in expired {
             registration::schedule_removal(&shared, &name, generation);
         }
-        self.boot()
+        self.boot().await
+    }
+
+    /// Simulates the kubelet process dying: it stops answering and every plugin connection
+    /// drops, but `kubelet.sock` stays behind as a stale file that refuses connections (nobody
+    /// removes it), as after a crash or `systemctl kill`. [`Kubelet::restart`] brings it back.
+    pub async fn crash(&mut self) {
+        self.halt(false).await;
     }
 
     /// Stops serving and drops every plugin connection. Sockets of plugins stay in place.
     pub async fn stop(mut self) {
-        self.halt().await;
+        self.halt(true).await;
         self.shared.stop.cancel();
     }
 
-    /// Deletes every socket in the folder, then serves kubelet.sock.
-    fn boot(&mut self) -> Result<(), SimError> {
+    /// Deletes every socket in the folder, then serves kubelet.sock: bound first, listening
+    /// only after [`SimConfig::listen_delay`], as a Go kubelet's `net.Listen` does in two steps.
+    async fn boot(&mut self) -> Result<(), SimError> {
         clean_plugin_dir(&self.shared.dir);
         let path = self.socket_path();
-        let listener = tokio::net::UnixListener::bind(&path).map_err(|source| SimError::Io {
-            what: "cannot bind",
-            path: path.clone(),
-            source,
-        })?;
+        let io_error = |what| {
+            let path = path.clone();
+            move |source| SimError::Io { what, path, source }
+        };
+        let socket = tokio::net::UnixSocket::new_stream().map_err(io_error("cannot create"))?;
+        socket.bind(&path).map_err(io_error("cannot bind"))?;
+        let bound = Instant::now();
+        self.shared.modify(|node| node.bound_at = Some(bound));
+        if !self.shared.config.listen_delay.is_zero() {
+            tokio::time::sleep(self.shared.config.listen_delay).await;
+        }
+        let listener = socket.listen(1024).map_err(io_error("cannot listen on"))?;
         let stop = self.shared.stop.child_token();
+        *self
+            .shared
+            .session
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = stop.clone();
         let service = RegistrationService {
             shared: self.shared.clone(),
         };
@@ -314,12 +360,16 @@ impl Kubelet {
         Ok(())
     }
 
-    async fn halt(&mut self) {
+    /// Stops serving kubelet.sock and ends every plugin connection of this session; removes
+    /// the kubelet.sock file when `remove_socket`.
+    async fn halt(&mut self, remove_socket: bool) {
         if let Some((stop, task)) = self.server.take() {
             stop.cancel();
             let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
         }
-        let _ = std::fs::remove_file(self.socket_path());
+        if remove_socket {
+            let _ = std::fs::remove_file(self.socket_path());
+        }
     }
 }
 

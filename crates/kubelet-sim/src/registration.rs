@@ -1,11 +1,17 @@
 //! The simulated kubelet's `Registration` service, as the device manager handles it
 //! (protocol.md §3.2, §3.3, §3.5, §3.9): check version and resource name, dial the plugin back
-//! inside the call (authority `localhost`, 10 s), ask its options, replace any previous endpoint
-//! of the resource, then consume ListAndWatch until it ends; on the end, mark every device
-//! unhealthy and forget the resource after the grace period.
+//! inside the call (authority `localhost`, 10 s), ask its options, make it the resource's
+//! endpoint, then consume ListAndWatch until it ends; on the end, disconnect the resource's
+//! endpoint (every device unhealthy) and forget the resource after the grace period.
+//!
+//! Which endpoint a stream's end disconnects follows [`ClientKeying`]: kubelets 1.25 to 1.36 look
+//! the resource name up again and disconnect whatever client holds it now, so the end of an old
+//! instance's stream cuts off a newer registration (reliability.md §3). An older client that a
+//! new registration replaced keeps streaming, and its lists still update the resource, as the
+//! kubelet's name-keyed update callback does.
 
 use crate::state::{Endpoint, RegistrationRecord, ResourceState, SimDevice};
-use crate::Shared;
+use crate::{ClientKeying, Shared};
 use devplug_proto::constants::{DIAL_TIMEOUT_SECS, HEALTHY, VERSION};
 use devplug_proto::v1beta1::{self as pb, device_plugin_client::DevicePluginClient};
 use devplug_proto::{resource_name, uds};
@@ -59,14 +65,25 @@ impl pb::registration_server::Registration for RegistrationService {
             .await?
             .into_inner();
 
-        let stop = self.shared.stop.child_token();
+        let session = self
+            .shared
+            .session
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let stop = session.child_token();
+        let keying = self.shared.config.clients;
         let generation = self.shared.modify(|node| {
             let resource = node
                 .resources
                 .entry(req.resource_name.clone())
                 .or_insert_with(ResourceState::new);
             if let Some(old) = resource.endpoint.take() {
-                old.stop.cancel();
+                // The kubelet overwrites its client entry without closing the old client; with
+                // clients keyed by socket path, a client of the same path is the one replaced.
+                if keying == ClientKeying::SocketPath && old.socket == socket {
+                    old.stop.cancel();
+                }
             }
             resource.generation += 1;
             resource.stopped_at = None;
@@ -90,18 +107,52 @@ impl pb::registration_server::Registration for RegistrationService {
             client,
             generation,
             stop,
+            session,
         ));
         Ok(Response::new(pb::Empty {}))
     }
 }
 
-/// Consumes one plugin's ListAndWatch stream until it ends or the endpoint is replaced.
+/// One client's life at the kubelet: consume its ListAndWatch stream until it ends or the kubelet
+/// closes the client, then do what the kubelet's `runClient` does next (unless the kubelet
+/// itself went away).
 async fn list_and_watch(
     shared: Arc<Shared>,
     resource: String,
-    mut client: PluginClient,
+    client: PluginClient,
     generation: u64,
     stop: CancellationToken,
+    session: CancellationToken,
+) {
+    consume(&shared, &resource, client, &stop).await;
+    if session.is_cancelled() {
+        return;
+    }
+    // runClient: look the client up again and disconnect it.
+    match shared.config.clients {
+        ClientKeying::ResourceName => {
+            let current = shared.read(|node| {
+                node.resource(&resource)
+                    .filter(|r| r.endpoint.is_some())
+                    .map(|r| r.generation)
+            });
+            if let Some(current) = current {
+                if current != generation {
+                    tracing::info!(%resource, "an older client's stream ended; disconnecting the current one, as kubelets up to 1.36 do");
+                }
+                disconnect(&shared, &resource, current);
+            }
+        }
+        ClientKeying::SocketPath => disconnect(&shared, &resource, generation),
+    }
+}
+
+/// Reads one client's ListAndWatch stream into the node state until it ends or `stop` fires.
+async fn consume(
+    shared: &Arc<Shared>,
+    resource: &str,
+    mut client: PluginClient,
+    stop: &CancellationToken,
 ) {
     let mut stream = tokio::select! {
         _ = stop.cancelled() => return,
@@ -109,7 +160,6 @@ async fn list_and_watch(
             Ok(response) => response.into_inner(),
             Err(status) => {
                 tracing::warn!(%resource, %status, "ListAndWatch failed");
-                disconnect(&shared, &resource, generation);
                 return;
             }
         },
@@ -121,8 +171,10 @@ async fn list_and_watch(
         };
         match message {
             Ok(Some(list)) => shared.modify(|node| {
-                if let Some(r) = node.resources.get_mut(&resource) {
-                    if r.generation == generation {
+                if let Some(r) = node.resources.get_mut(resource) {
+                    // The kubelet's update callback is keyed by name: any live client's list
+                    // replaces the resource's devices while an endpoint is registered.
+                    if r.endpoint.is_some() {
                         r.devices = list
                             .devices
                             .into_iter()
@@ -143,23 +195,26 @@ async fn list_and_watch(
             }),
             Ok(None) => {
                 tracing::info!(%resource, "plugin ended ListAndWatch");
-                break;
+                return;
             }
             Err(status) => {
                 tracing::info!(%resource, %status, "ListAndWatch broke");
-                break;
+                return;
             }
         }
     }
-    disconnect(&shared, &resource, generation);
 }
 
 /// The plugin went away: its devices turn unhealthy, and the resource is dropped after the grace
 /// period unless the plugin registers again.
 pub(crate) fn disconnect(shared: &Arc<Shared>, resource: &str, generation: u64) {
     let still_current = shared.modify(|node| match node.resources.get_mut(resource) {
-        Some(r) if r.generation == generation => {
-            r.endpoint = None;
+        Some(r) if r.generation == generation && r.endpoint.is_some() => {
+            // Deregister first, then close: the closed client's own stream end then finds
+            // nothing to disconnect, as in the kubelet's disconnectClient.
+            if let Some(endpoint) = r.endpoint.take() {
+                endpoint.stop.cancel();
+            }
             r.stopped_at = Some(Instant::now());
             for device in r.devices.values_mut() {
                 device.healthy = false;

@@ -15,6 +15,7 @@ pub struct NodeState {
     pub(crate) pods: BTreeMap<String, PodState>,
     pub(crate) registrations: Vec<RegistrationRecord>,
     pub(crate) restarts: u64,
+    pub(crate) bound_at: Option<Instant>,
 }
 
 impl NodeState {
@@ -46,6 +47,11 @@ impl NodeState {
             .iter()
             .filter(|r| r.resource == resource)
             .count()
+    }
+
+    /// When the current kubelet.sock was bound (the file appeared), before it listened.
+    pub fn socket_bound_at(&self) -> Option<Instant> {
+        self.bound_at
     }
 
     /// How many simulated kubelet restarts have happened.

@@ -63,6 +63,7 @@ async fn registers_streams_and_allocates_with_its_edits() {
         dir.path(),
         SimConfig {
             grace: Duration::from_secs(300),
+            ..SimConfig::default()
         },
     )
     .await

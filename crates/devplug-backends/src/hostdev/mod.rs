@@ -21,8 +21,8 @@ pub use settings::{
 use crate::inotify_batch::Batches;
 use crate::settings::SettingsError;
 use devplug::{
-    AllocateError, Backend, ContainerEdits, Device, DeviceList, DeviceNode, Health, Mount, Options,
-    PreferenceRequest,
+    AllocateError, Backend, BackendWarning, ContainerEdits, Device, DeviceList, DeviceNode, Health,
+    Mount, Options, PreferenceRequest,
 };
 use discover::{discover, Discovery, Physical};
 use inotify::WatchMask;
@@ -51,6 +51,56 @@ pub struct HostdevBackend {
 struct Inventory {
     physicals: Vec<Physical>,
     shares: HashMap<String, ShareInfo>,
+    /// Groups that matched no device, described by their patterns or ids.
+    unmatched: Vec<String>,
+}
+
+/// A group in words, for logs and metrics: `groups[1]: usb 0403:6001`.
+fn describe_group(index: usize, group: &GroupSettings) -> String {
+    let what = if !group.paths.is_empty() {
+        format!("paths {}", group.paths.join(" "))
+    } else if !group.usb.is_empty() {
+        let ids: Vec<String> = group
+            .usb
+            .iter()
+            .map(|u| match &u.product {
+                Some(product) => format!("{}:{product}", u.vendor),
+                None => u.vendor.clone(),
+            })
+            .collect();
+        format!("usb {}", ids.join(" "))
+    } else {
+        let ids: Vec<String> = group
+            .pci
+            .iter()
+            .map(|p| {
+                let part =
+                    |name: &str, v: &Option<String>| v.as_ref().map(|v| format!("{name}={v}"));
+                [
+                    part("vendor", &p.vendor),
+                    part("device", &p.device),
+                    part("class", &p.class),
+                ]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+                .join(",")
+            })
+            .collect();
+        format!("pci {}", ids.join(" "))
+    };
+    format!("groups[{index}]: {what}")
+}
+
+/// Logs the groups that newly match nothing (a typo in a glob or id is the usual cause) at WARN,
+/// and those that match again at INFO.
+fn log_unmatched(before: &[String], now: &[String]) {
+    for group in now.iter().filter(|g| !before.contains(g)) {
+        tracing::warn!(%group, "hostdev group matches no device; check its pattern or ids (a typo matches nothing)");
+    }
+    for group in before.iter().filter(|g| !now.contains(g)) {
+        tracing::info!(%group, "hostdev group matches a device again");
+    }
 }
 
 impl Inventory {
@@ -81,7 +131,21 @@ impl Inventory {
                 );
             }
         }
-        (Inventory { physicals, shares }, DeviceList::new(devices))
+        let unmatched = settings
+            .groups
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| !physicals.iter().any(|p| p.group == *index))
+            .map(|(index, group)| describe_group(index, group))
+            .collect();
+        (
+            Inventory {
+                physicals,
+                shares,
+                unmatched,
+            },
+            DeviceList::new(devices),
+        )
     }
 }
 
@@ -92,6 +156,7 @@ impl HostdevBackend {
         let settings = Arc::new(settings.clone());
         let found = discover(&settings);
         let (inventory, list) = Inventory::new(&settings, found.devices.clone());
+        log_unmatched(&[], &inventory.unmatched);
         let inventory = Arc::new(RwLock::new(inventory));
         let devices = Arc::new(watch::Sender::new(list));
         let stop = CancellationToken::new();
@@ -165,6 +230,18 @@ impl Backend for HostdevBackend {
             pre_start_required: false,
         }
     }
+
+    fn warnings(&self) -> Vec<BackendWarning> {
+        let inventory = self.inventory.read().unwrap_or_else(|e| e.into_inner());
+        inventory
+            .unmatched
+            .iter()
+            .map(|group| BackendWarning {
+                kind: "group_matches_nothing",
+                detail: group.clone(),
+            })
+            .collect()
+    }
 }
 
 /// The hotplug task.
@@ -184,28 +261,37 @@ impl Follower {
             }
         };
         self.watch_dirs(&mut events, &first);
+        // A device that appeared between the first scan and the watches is seen by one more
+        // scan now that they are in place.
+        let mut scan_now = true;
         loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                batch = events.next() => if let Err(err) = batch {
-                    tracing::error!(%err, "inotify failed; hotplug is not followed");
-                    return;
-                },
-            }
-            // Debounce: wait for a quiet moment, but not forever.
-            let deadline = Instant::now() + MAX_DEBOUNCE;
-            loop {
+            if !std::mem::take(&mut scan_now) {
                 tokio::select! {
                     _ = stop.cancelled() => return,
-                    _ = sleep(QUIET) => break,
-                    _ = sleep_until(deadline) => break,
-                    more = events.next() => if more.is_err() { break },
+                    batch = events.next() => if let Err(err) = batch {
+                        tracing::error!(%err, "inotify failed; hotplug is not followed");
+                        return;
+                    },
+                }
+                // Debounce: wait for a quiet moment, but not forever.
+                let deadline = Instant::now() + MAX_DEBOUNCE;
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = sleep(QUIET) => break,
+                        _ = sleep_until(deadline) => break,
+                        more = events.next() => if more.is_err() { break },
+                    }
                 }
             }
             let found = discover(&self.settings);
             self.watch_dirs(&mut events, &found);
             let (inventory, list) = Inventory::new(&self.settings, found.devices);
-            *self.inventory.write().unwrap_or_else(|e| e.into_inner()) = inventory;
+            {
+                let mut current = self.inventory.write().unwrap_or_else(|e| e.into_inner());
+                log_unmatched(&current.unmatched, &inventory.unmatched);
+                *current = inventory;
+            }
             self.devices.send_if_modified(|current| {
                 let modified = *current != list;
                 if modified {

@@ -38,16 +38,28 @@ impl Devplug {
     }
 
     /// Sends SIGTERM and waits for the exit; returns the status and everything logged.
-    pub async fn terminate(mut self, wait: Duration) -> (ExitStatus, String) {
+    pub async fn terminate(self, wait: Duration) -> (ExitStatus, String) {
+        self.stop_with("TERM", wait).await
+    }
+
+    /// Sends `signal` (a name `kill` takes, e.g. `HUP`) and waits for the exit; returns the
+    /// status and everything logged.
+    pub async fn stop_with(mut self, signal: &str, wait: Duration) -> (ExitStatus, String) {
         let pid = self.child.id().to_string();
-        let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        let killed = Command::new("kill")
+            .args([&format!("-{signal}"), &pid])
+            .status()
+            .unwrap();
         assert!(killed.success());
         let sent = Instant::now();
         let status = loop {
             if let Some(status) = self.child.try_wait().unwrap() {
                 break status;
             }
-            assert!(sent.elapsed() < wait, "devplug did not exit after SIGTERM");
+            assert!(
+                sent.elapsed() < wait,
+                "devplug did not exit after SIG{signal}"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
         let mut stderr = String::new();

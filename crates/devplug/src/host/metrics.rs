@@ -52,6 +52,12 @@ pub struct MetricsSnapshot {
     pub registered: bool,
     /// Open ListAndWatch streams.
     pub streams: usize,
+    /// Why the device list cannot be sent to the kubelet (over its 4 MiB limit), if so.
+    pub list_error: Option<String>,
+    /// Why the resource is not ready, if it is not.
+    pub not_ready: Option<String>,
+    /// Problems the backend reports that do not stop it, as (kind, detail).
+    pub warnings: Vec<(String, String)>,
 }
 
 impl Counters {

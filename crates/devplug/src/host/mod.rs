@@ -1,7 +1,9 @@
 //! The plugin host: runs one or many resources, each on its own socket in the kubelet's
 //! device-plugins folder, and keeps each registered across kubelet restarts.
 //!
-//! - `dir_watch`: inotify on the folder (kubelet.sock created, sockets deleted).
+//! - `dir_watch`: inotify on the folder (kubelet.sock created, sockets deleted), following the
+//!   folder itself when it is missing or removed and created again.
+//! - `backoff`: retry delays that start fast (a Go kubelet binds before it listens).
 //! - `feed`: the backend's list through the health hold-down to the kubelet; backend swaps.
 //! - `socket`: socket names, owner-only binding, stale-file cleanup.
 //! - `registration`: the `Register` call on kubelet.sock.
@@ -9,6 +11,7 @@
 //! - `service`: the `DevicePlugin` gRPC service (ListAndWatch, Allocate, ...).
 //! - `status`: what each resource is doing, for readiness, metrics and tests.
 
+mod backoff;
 mod dir_watch;
 mod feed;
 mod metrics;
@@ -24,12 +27,11 @@ pub use status::ResourceStatus;
 use crate::backend::{Backend, Options};
 use crate::device::DeviceList;
 use devplug_proto::resource_name::{self, InvalidResourceName};
-use dir_watch::DirEvent;
+use dir_watch::{DirEvent, FolderState};
 use feed::FeedControl;
 use resource::ResourceTask;
 use status::StatusCell;
 use std::collections::BTreeMap;
-use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
@@ -49,8 +51,8 @@ pub enum HostError {
     /// The resource is already served by this host.
     #[error("resource {0:?} is already served by this process; each resource needs one backend")]
     DuplicateResource(String),
-    /// The kubelet folder cannot be created or watched.
-    #[error("cannot watch the kubelet folder {path}: {source}")]
+    /// The kubelet folder cannot be watched (inotify unavailable).
+    #[error("cannot watch the kubelet folder {path}")]
     Folder {
         /// The folder.
         path: PathBuf,
@@ -58,6 +60,11 @@ pub enum HostError {
         #[source]
         source: std::io::Error,
     },
+    /// The kubelet folder's path names something that is not a folder.
+    #[error(
+        "the kubelet folder {0} is a file, not a folder: give the kubelet's device-plugins folder"
+    )]
+    NotAFolder(PathBuf),
 }
 
 /// Serves device plugin resources to the kubelet until shut down.
@@ -73,6 +80,7 @@ pub enum HostError {
 pub struct Host {
     dir: PathBuf,
     events: broadcast::Sender<DirEvent>,
+    folder: watch::Receiver<FolderState>,
     resources: Mutex<BTreeMap<String, Running>>,
     stop: CancellationToken,
 }
@@ -83,7 +91,21 @@ struct Running {
     feed: mpsc::UnboundedSender<FeedControl>,
     status: StatusCell,
     stop: CancellationToken,
-    task: JoinHandle<()>,
+    task: JoinHandle<Option<String>>,
+}
+
+/// What [`Host::shutdown`] could not clean up.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Sockets of ours still in the kubelet folder, each with why it could not be removed.
+    pub left_behind: Vec<String>,
+}
+
+impl ShutdownReport {
+    /// True when every socket of ours was removed.
+    pub fn is_clean(&self) -> bool {
+        self.left_behind.is_empty()
+    }
 }
 
 /// How the host treats one resource.
@@ -138,24 +160,27 @@ impl ResourceShared {
 }
 
 impl Host {
-    /// A host for the kubelet folder `dir` (created with mode 0750 if missing, as the kubelet
-    /// does). Must be called inside a tokio runtime.
+    /// A host for the kubelet folder `dir`. The folder is not created: the kubelet creates it.
+    /// If it is missing (no kubelet yet, or a wrong path), the host waits for it without
+    /// polling, and follows it if it is removed and created again. Must be called inside a tokio
+    /// runtime.
     pub fn new(dir: impl Into<PathBuf>) -> Result<Host, HostError> {
         let dir = dir.into();
-        let folder_error = |source| HostError::Folder {
+        if dir.exists() && !dir.is_dir() {
+            return Err(HostError::NotAFolder(dir));
+        }
+        let stop = CancellationToken::new();
+        let folder = dir_watch::watch(&dir, stop.clone()).map_err(|source| HostError::Folder {
             path: dir.clone(),
             source,
-        };
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o750)
-            .create(&dir)
-            .map_err(folder_error)?;
-        let stop = CancellationToken::new();
-        let events = dir_watch::watch(&dir, stop.clone()).map_err(folder_error)?;
+        })?;
+        if let FolderState::Missing { watching } = &*folder.state.borrow() {
+            tracing::info!(dir = %dir.display(), watching = %watching.display(), "the kubelet folder does not exist yet; waiting for it");
+        }
         Ok(Host {
             dir,
-            events,
+            events: folder.events,
+            folder: folder.state,
             resources: Mutex::new(BTreeMap::new()),
             stop,
         })
@@ -216,6 +241,7 @@ impl Host {
             dir: self.dir.clone(),
             socket_name: socket::instance_name(resource),
             events: self.events.subscribe(),
+            folder: self.folder.clone(),
             status: status.clone(),
             stop: stop.clone(),
         };
@@ -319,11 +345,35 @@ impl Host {
                     unhealthy_reasons,
                     registered: status.registered,
                     streams: status.streams,
+                    list_error: status.list_error.clone(),
+                    not_ready: status.not_ready_reason(),
+                    warnings: r
+                        .shared
+                        .backend()
+                        .warnings()
+                        .into_iter()
+                        .map(|w| (w.kind.to_owned(), w.detail))
+                        .collect(),
                     ..r.status.counters.snapshot()
                 };
                 (name.clone(), snapshot)
             })
             .collect()
+    }
+
+    /// Whether the host is working: `Err` with the reason when it cannot follow the kubelet
+    /// folder (and so would miss kubelet restarts). A missing folder is not an error: the host
+    /// waits for it.
+    pub fn health(&self) -> Result<(), String> {
+        match &*self.folder.borrow() {
+            FolderState::Broken(reason) => Err(reason.clone()),
+            FolderState::Present | FolderState::Missing { .. } => Ok(()),
+        }
+    }
+
+    /// Whether the kubelet folder exists right now.
+    pub fn folder_present(&self) -> bool {
+        matches!(*self.folder.borrow(), FolderState::Present)
     }
 
     /// Ready when every resource is registered and streaming to the kubelet.
@@ -335,13 +385,18 @@ impl Host {
                 .all(|r| r.status.subscribe().borrow().is_ready())
     }
 
-    /// Stops every resource: ends streams, closes listeners and removes our sockets.
-    pub async fn shutdown(&self) {
+    /// Stops every resource: ends streams, closes listeners and removes our sockets. The report
+    /// names any socket that could not be removed (e.g. a read-only folder).
+    pub async fn shutdown(&self) -> ShutdownReport {
         self.stop.cancel();
         let running = std::mem::take(&mut *self.lock());
+        let mut report = ShutdownReport::default();
         for (_, r) in running {
-            let _ = r.task.await;
+            if let Ok(Some(left)) = r.task.await {
+                report.left_behind.push(left);
+            }
         }
+        report
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Running>> {

@@ -30,6 +30,13 @@ pub(crate) enum RegisterError {
     Refused(tonic::Status),
 }
 
+impl RegisterError {
+    /// The kubelet answered and said no (as opposed to not answering yet).
+    pub(crate) fn is_refusal(&self) -> bool {
+        matches!(self, RegisterError::Refused(_))
+    }
+}
+
 /// Sends one `RegisterRequest` for `resource`, served on `endpoint` (a file name in the folder).
 pub(crate) async fn register(
     kubelet_socket: &Path,

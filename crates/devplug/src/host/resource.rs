@@ -3,10 +3,18 @@
 //! The loop reconciles rather than reacts: on any event it checks whether our socket file is
 //! still the one we bound (the kubelet deletes every socket when it restarts) and whether the
 //! current `kubelet.sock` is the one we registered with, and fixes what is not. Events come from
-//! inotify; the only timers are the registration backoff and the re-registration delay after the
-//! kubelet dropped our stream, and both run only while something is wrong.
+//! inotify; the only timers are retry delays, and they run only while something is wrong.
+//!
+//! Two kubelet habits shape the retries (issue 8, reliability.md §3):
+//! - a Go kubelet creates `kubelet.sock` before it listens, so the first dial is often refused:
+//!   retries start at 1 ms, and a new `kubelet.sock` starts the sequence again;
+//! - kubelets up to 1.36 disconnect whichever client holds the resource name when any stream of
+//!   it ends, so an old instance stopping (a rolling upgrade) or an old stream's late end cuts
+//!   off our newer registration: when the kubelet closes a stream that was live, we register
+//!   again at once.
 
-use super::dir_watch::DirEvent;
+use super::backoff::Backoff;
+use super::dir_watch::{DirEvent, FolderState};
 use super::registration::register;
 use super::service::PluginService;
 use super::socket::{self, FileIdentity};
@@ -18,16 +26,22 @@ use devplug_proto::v1beta1::device_plugin_server::DevicePluginServer;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, watch};
 use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, Instant};
 use tokio_util::sync::CancellationToken;
 
-const BACKOFF_START: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(10);
-/// After the kubelet dropped our stream without restarting, register again after this delay
-/// (the kubelet does not redial on its own, protocol.md §4.7).
-const STREAM_LOST_DELAY: Duration = Duration::from_secs(1);
+/// Registration retries: from 1 ms (a refused dial during the kubelet's bind→listen gap) to 10 s.
+const REGISTER_FIRST: Duration = Duration::from_millis(1);
+const REGISTER_MAX: Duration = Duration::from_secs(10);
+/// A refused registration (the kubelet answered no) is not a race: wait at least this long.
+const REFUSED_MIN: Duration = Duration::from_millis(100);
+/// Binding our socket: errors here are about permissions or space, not races.
+const BIND_FIRST: Duration = Duration::from_millis(100);
+/// After the kubelet dropped our stream without restarting, we register again at once (the
+/// kubelet does not redial on its own, protocol.md §4.7). If it drops the new stream within
+/// this long too, the next attempt waits, doubling from 1 ms up to 1 s.
+const RELINK_CALM: Duration = Duration::from_secs(1);
 
 /// Everything one resource task needs.
 pub(crate) struct ResourceTask {
@@ -35,6 +49,7 @@ pub(crate) struct ResourceTask {
     pub(crate) dir: PathBuf,
     pub(crate) socket_name: String,
     pub(crate) events: broadcast::Receiver<DirEvent>,
+    pub(crate) folder: watch::Receiver<FolderState>,
     pub(crate) status: StatusCell,
     pub(crate) stop: CancellationToken,
 }
@@ -49,7 +64,8 @@ struct Served {
 
 impl Served {
     /// Stops serving: ends our streams, closes the listener, removes the file if still ours.
-    async fn stop(self) {
+    /// Returns what could not be removed, with why.
+    async fn stop(self) -> Option<String> {
         self.stop.cancel();
         let mut task = self.task;
         if tokio::time::timeout(Duration::from_secs(1), &mut task)
@@ -58,12 +74,19 @@ impl Served {
         {
             task.abort();
         }
-        socket::remove_if_ours(&self.path, self.identity);
+        match socket::remove_if_ours(&self.path, self.identity) {
+            Ok(()) => None,
+            Err(err) => {
+                tracing::warn!(path = %self.path.display(), %err, "cannot remove our socket");
+                Some(format!("{}: {err}", self.path.display()))
+            }
+        }
     }
 }
 
 impl ResourceTask {
-    pub(crate) async fn run(mut self) {
+    /// Runs until stopped; returns the socket it could not remove at the end, if any.
+    pub(crate) async fn run(mut self) -> Option<String> {
         let resource = self.shared.resource.clone();
         let socket_path = self.dir.join(&self.socket_name);
         let kubelet_socket = self.dir.join(KUBELET_SOCKET_NAME);
@@ -72,9 +95,14 @@ impl ResourceTask {
         let mut served: Option<Served> = None;
         // The kubelet.sock we registered with; None means "register when one is there".
         let mut registered_with: Option<FileIdentity> = None;
-        let mut backoff = BACKOFF_START;
+        let mut registered_at: Option<Instant> = None;
+        let mut register_backoff = Backoff::new(REGISTER_FIRST, REGISTER_MAX);
+        let mut bind_backoff = Backoff::new(BIND_FIRST, REGISTER_MAX);
+        let mut relink_backoff = Backoff::new(REGISTER_FIRST, RELINK_CALM);
         let mut retry_at: Option<Instant> = None;
+        let mut bind_at: Option<Instant> = None;
         let mut waiting_logged = false;
+        let mut folder_logged = false;
         let mut last_error: Option<String> = None;
         let mut lost_streams = self.status.lost_streams();
         // A kubelet restart shows as our socket deleted and/or a new kubelet.sock. Count it once,
@@ -83,6 +111,7 @@ impl ResourceTask {
         let mut restart_countable = false;
 
         loop {
+            let folder_present = matches!(*self.folder.borrow_and_update(), FolderState::Present);
             // 1. Our socket must be the file we bound.
             let linked = served
                 .as_ref()
@@ -94,22 +123,33 @@ impl ResourceTask {
                         self.status.counters.kubelet_restarted();
                     }
                     tracing::info!(resource = %resource, "our socket was removed (kubelet restart?); binding a fresh one");
-                    old.stop().await;
+                    let _ = old.stop().await;
                 }
                 registered_with = None;
                 self.status.update(|s| {
                     s.registered = false;
                     s.socket = None;
                 });
-                match self.serve(&socket_path) {
-                    Ok(s) => {
-                        self.status.update(|st| st.socket = Some(s.path.clone()));
-                        served = Some(s);
+                let bind_due = bind_at.is_none_or(|at| at <= Instant::now());
+                if !folder_present {
+                    if !folder_logged {
+                        folder_logged = true;
+                        tracing::info!(resource = %resource, dir = %self.dir.display(), "waiting for the kubelet folder");
                     }
-                    Err(err) => {
-                        tracing::error!(resource = %resource, path = %socket_path.display(), %err, "cannot bind the plugin socket");
-                        retry_at = Some(Instant::now() + backoff);
-                        backoff = (backoff * 2).min(BACKOFF_MAX);
+                } else if bind_due {
+                    folder_logged = false;
+                    match self.serve(&socket_path) {
+                        Ok(s) => {
+                            bind_at = None;
+                            bind_backoff.reset();
+                            self.status.update(|st| st.socket = Some(s.path.clone()));
+                            served = Some(s);
+                        }
+                        Err(err) => {
+                            let delay = bind_backoff.next_delay();
+                            tracing::error!(resource = %resource, path = %socket_path.display(), error = %bind_error(&err), retry_in = ?delay, "cannot bind the plugin socket");
+                            bind_at = Some(Instant::now() + delay);
+                        }
                     }
                 }
             }
@@ -136,9 +176,10 @@ impl ResourceTask {
                     Ok(()) => {
                         tracing::info!(resource = %resource, endpoint = %self.socket_name, "registered with the kubelet");
                         registered_with = kubelet;
+                        registered_at = Some(Instant::now());
                         restart_countable = true;
                         self.status.counters.registered();
-                        backoff = BACKOFF_START;
+                        register_backoff.reset();
                         retry_at = None;
                         last_error = None;
                         self.status.update(|s| {
@@ -148,45 +189,84 @@ impl ResourceTask {
                         });
                     }
                     Err(err) => {
+                        let mut delay = register_backoff.next_delay();
+                        if err.is_refusal() {
+                            delay = delay.max(REFUSED_MIN);
+                        }
                         let message = err.to_string();
                         if last_error.as_deref() != Some(message.as_str()) {
-                            tracing::warn!(resource = %resource, error = %message, retry_in = ?backoff, "registration failed; retrying");
+                            // The first refused dial of a kubelet that is still starting is
+                            // expected; say so only if it lasts.
+                            if delay < REFUSED_MIN {
+                                tracing::debug!(resource = %resource, error = %message, retry_in = ?delay, "registration failed; retrying");
+                            } else {
+                                tracing::warn!(resource = %resource, error = %message, retry_in = ?delay, "registration failed; retrying");
+                                last_error = Some(message.clone());
+                            }
                         } else {
                             tracing::debug!(resource = %resource, error = %message, "registration failed again");
                         }
                         self.status.counters.registration_failed();
-                        self.status.update(|s| s.last_error = Some(message.clone()));
-                        last_error = Some(message);
-                        retry_at = Some(Instant::now() + backoff);
-                        backoff = (backoff * 2).min(BACKOFF_MAX);
+                        self.status.update(|s| s.last_error = Some(message));
+                        retry_at = Some(Instant::now() + delay);
                     }
                 }
-            } else if kubelet.is_none() && !waiting_logged {
+            } else if kubelet.is_none() && folder_present && !waiting_logged {
                 waiting_logged = true;
                 tracing::info!(resource = %resource, path = %kubelet_socket.display(), "waiting for the kubelet socket");
             }
 
             // 3. Sleep until something happens.
+            let wake_at = match (retry_at, bind_at) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             tokio::select! {
                 _ = self.stop.cancelled() => break,
-                _ = sleep_until(retry_at.unwrap_or_else(far_future)), if retry_at.is_some() => {
-                    retry_at = None;
+                _ = sleep_until(wake_at.unwrap_or_else(far_future)), if wake_at.is_some() => {
+                    let now = Instant::now();
+                    if retry_at.is_some_and(|at| at <= now) {
+                        retry_at = None;
+                    }
+                    if bind_at.is_some_and(|at| at <= now) {
+                        bind_at = None;
+                    }
                 }
                 changed = lost_streams.changed() => {
                     let attempt = *lost_streams.borrow_and_update();
                     if changed.is_ok() && self.status.is_current(attempt) && registered_with.is_some() {
-                        tracing::info!(resource = %resource, "the kubelet closed our device stream; registering again shortly");
                         registered_with = None;
-                        retry_at = Some(Instant::now() + STREAM_LOST_DELAY);
+                        // At once, unless the kubelet keeps dropping us right after registering.
+                        let calm = registered_at.is_none_or(|at| at.elapsed() >= RELINK_CALM);
+                        if calm {
+                            relink_backoff.reset();
+                            retry_at = None;
+                        } else {
+                            retry_at = Some(Instant::now() + relink_backoff.next_delay());
+                        }
+                        tracing::info!(resource = %resource, "the kubelet closed our device stream; registering again");
                     }
                 }
+                changed = self.folder.changed() => {
+                    if changed.is_err() {
+                        // The folder watch ended: only at shutdown.
+                        self.stop.cancelled().await;
+                        break;
+                    }
+                    // The folder came back: bind at once.
+                    bind_at = None;
+                    bind_backoff.reset();
+                }
                 event = self.events.recv() => match event {
-                    // A new kubelet.sock: register now, whatever backoff was running.
-                    Ok(DirEvent::Created(name)) if name == KUBELET_SOCKET_NAME => retry_at = None,
+                    // A new kubelet.sock: a new kubelet. Register now, and forget the delay that
+                    // grew while the old one was down.
+                    Ok(DirEvent::Created(name)) if name == KUBELET_SOCKET_NAME => {
+                        retry_at = None;
+                        register_backoff.reset();
+                    }
                     // Anything else in the folder (our socket deleted, events lost): check again.
                     Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
                     Err(broadcast::error::RecvError::Closed) => {
-                        tracing::warn!(resource = %resource, "folder watch ended; kubelet restarts will not be noticed");
                         self.stop.cancelled().await;
                         break;
                     }
@@ -194,14 +274,16 @@ impl ResourceTask {
             }
         }
 
-        if let Some(s) = served.take() {
-            s.stop().await;
-        }
+        let left = match served.take() {
+            Some(s) => s.stop().await,
+            None => None,
+        };
         self.status.update(|s| {
             s.registered = false;
             s.socket = None;
         });
         tracing::info!(resource = %resource, "stopped");
+        left
     }
 
     /// Binds a fresh socket and serves the DevicePlugin service on it.
@@ -225,6 +307,20 @@ impl ResourceTask {
             stop,
             task,
         })
+    }
+}
+
+/// A bind error, with the fix where there is an obvious one.
+fn bind_error(err: &std::io::Error) -> String {
+    match err.kind() {
+        std::io::ErrorKind::PermissionDenied => format!(
+            "{err}: the kubelet folder is not writable by this user; run devplug as root (the \
+             kubelet's folder is root's), or give it write access to the folder"
+        ),
+        std::io::ErrorKind::ReadOnlyFilesystem => {
+            format!("{err}: the kubelet folder is read-only; mount it read-write")
+        }
+        _ => err.to_string(),
     }
 }
 

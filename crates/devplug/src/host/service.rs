@@ -46,6 +46,7 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
         let resource = self.shared.resource.clone();
         let open = self.status.stream_opened(self.stop.clone());
         let counters = self.status.counters.clone();
+        let status = self.status.clone();
         tokio::spawn(async move {
             let _open = open;
             let mut refused_last = false;
@@ -53,7 +54,11 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
                 let message = devices.borrow_and_update().to_wire();
                 match message {
                     Ok(message) => {
+                        if refused_last {
+                            tracing::info!(resource = %resource, "the device list fits the kubelet's limit again; sent");
+                        }
                         refused_last = false;
+                        status.set_list_error(None);
                         tokio::select! {
                             _ = stop.cancelled() => return,
                             sent = tx.send(Ok(message)) => match sent {
@@ -66,6 +71,7 @@ impl pb::device_plugin_server::DevicePlugin for PluginService {
                     Err(err) if !refused_last => {
                         refused_last = true;
                         tracing::error!(resource = %resource, %err, "device list not sent");
+                        status.set_list_error(Some(err.to_string()));
                     }
                     Err(_) => {}
                 }
@@ -172,7 +178,7 @@ impl PluginService {
         }))
     }
 
-    /// Rejects unknown and repeated ids, naming them.
+    /// Rejects unknown and repeated ids, naming the first few of each.
     fn check_ids(&self, ids: &[String]) -> Result<(), Status> {
         let list = self.shared.devices.borrow();
         let unknown: Vec<&str> = ids
@@ -188,10 +194,10 @@ impl PluginService {
             .collect();
         let mut problems = Vec::new();
         if !unknown.is_empty() {
-            problems.push(format!("unknown device ids {unknown:?}"));
+            problems.push(format!("unknown device ids {}", few(&unknown)));
         }
         if !repeated.is_empty() {
-            problems.push(format!("repeated device ids {repeated:?}"));
+            problems.push(format!("repeated device ids {}", few(&repeated)));
         }
         if ids.is_empty() {
             problems.push("no device ids".to_owned());
@@ -204,6 +210,33 @@ impl PluginService {
             self.shared.resource,
             problems.join("; ")
         )))
+    }
+}
+
+/// How many ids an error message names before it only counts the rest: a request with 10,000
+/// bad ids gets a short message, not a 140 KB one.
+const IDS_NAMED: usize = 5;
+
+/// The first [`IDS_NAMED`] ids, quoted, and how many more there are. Long ids are cut too.
+fn few(ids: &[&str]) -> String {
+    const ID_CHARS: usize = 64;
+    let named: Vec<String> = ids
+        .iter()
+        .take(IDS_NAMED)
+        .map(|id| {
+            if id.chars().count() > ID_CHARS {
+                let cut: String = id.chars().take(ID_CHARS).collect();
+                format!("{cut:?}…")
+            } else {
+                format!("{id:?}")
+            }
+        })
+        .collect();
+    let more = ids.len().saturating_sub(IDS_NAMED);
+    if more == 0 {
+        format!("[{}]", named.join(", "))
+    } else {
+        format!("[{}] and {more} more", named.join(", "))
     }
 }
 
@@ -235,6 +268,20 @@ mod tests {
 
     fn ids(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn error_messages_name_a_few_ids_and_count_the_rest() {
+        let many: Vec<String> = (0..10_000).map(|i| format!("bad-{i}")).collect();
+        let refs: Vec<&str> = many.iter().map(String::as_str).collect();
+        let text = few(&refs);
+        assert_eq!(
+            text,
+            "[\"bad-0\", \"bad-1\", \"bad-2\", \"bad-3\", \"bad-4\"] and 9995 more"
+        );
+        assert_eq!(few(&["a", "b"]), "[\"a\", \"b\"]");
+        let long = "x".repeat(10_000);
+        assert!(few(&[&long]).len() < 80);
     }
 
     #[test]

@@ -109,13 +109,13 @@ pub(crate) fn bind_owner_only(path: &Path) -> io::Result<(UnixListener, FileIden
     Ok((UnixListener::from_std(listener)?, identity))
 }
 
-/// Removes the socket at `path` only if it is still the file we bound.
-pub(crate) fn remove_if_ours(path: &Path, identity: FileIdentity) {
+/// Removes the socket at `path` only if it is still the file we bound. An error means our
+/// socket is still there.
+pub(crate) fn remove_if_ours(path: &Path, identity: FileIdentity) -> io::Result<()> {
     if FileIdentity::of(path) == Some(identity) {
-        if let Err(err) = std::fs::remove_file(path) {
-            tracing::debug!(path = %path.display(), %err, "could not remove our socket");
-        }
+        std::fs::remove_file(path)?;
     }
+    Ok(())
 }
 
 fn temp_path(path: &Path) -> PathBuf {
@@ -157,7 +157,7 @@ mod tests {
         assert!(!dead.exists(), "a dead socket of ours is removed");
         assert!(other.exists(), "another resource's socket is not ours");
 
-        remove_if_ours(&live, id);
+        remove_if_ours(&live, id).unwrap();
         assert!(!live.exists());
     }
 }

@@ -22,12 +22,32 @@ pub struct ResourceStatus {
     pub streams: usize,
     /// The last registration error, cleared on success.
     pub last_error: Option<String>,
+    /// Why the current device list cannot be sent (over the kubelet's 4 MiB limit); the
+    /// kubelet keeps the last list it got, or waits for a first one.
+    pub list_error: Option<String>,
 }
 
 impl ResourceStatus {
-    /// Ready: registered, and the kubelet is streaming the device list.
+    /// Ready: registered, the kubelet is streaming the device list, and the list can be sent.
     pub fn is_ready(&self) -> bool {
-        self.registered && self.streams > 0
+        self.registered && self.streams > 0 && self.list_error.is_none()
+    }
+
+    /// Why the resource is not ready, in a few words; `None` when ready.
+    pub fn not_ready_reason(&self) -> Option<String> {
+        if let Some(err) = &self.list_error {
+            return Some(format!("device list not sent: {err}"));
+        }
+        if !self.registered {
+            return Some(match &self.last_error {
+                Some(err) => format!("not registered: {err}"),
+                None => "not registered with a kubelet yet".to_owned(),
+            });
+        }
+        if self.streams == 0 {
+            return Some("registered, but the kubelet has no ListAndWatch stream open".to_owned());
+        }
+        None
     }
 }
 
@@ -76,6 +96,18 @@ impl StatusCell {
             stop,
             attempt,
         }
+    }
+
+    /// Records whether the device list can be sent; wakes watchers only on a change.
+    pub(crate) fn set_list_error(&self, error: Option<String>) {
+        self.tx.send_if_modified(|s| {
+            if s.list_error == error {
+                false
+            } else {
+                s.list_error = error;
+                true
+            }
+        });
     }
 
     /// Starts a new registration attempt; streams opened from now on belong to it.

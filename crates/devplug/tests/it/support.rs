@@ -87,9 +87,11 @@ pub fn no_hold_down() -> devplug::ResourceSettings {
 /// A started simulator in a fresh temp folder, with a short grace period.
 pub async fn kubelet(grace: Duration) -> (tempfile::TempDir, Kubelet) {
     let dir = tempfile::tempdir().unwrap();
-    let kubelet = Kubelet::start_with(dir.path(), SimConfig { grace })
-        .await
-        .unwrap();
+    let config = SimConfig {
+        grace,
+        ..SimConfig::default()
+    };
+    let kubelet = Kubelet::start_with(dir.path(), config).await.unwrap();
     (dir, kubelet)
 }
 
