@@ -3,8 +3,6 @@
 //! and for people editing a ConfigMap.
 
 use crate::config::{Config, ConfigError};
-use anyhow::Context;
-use std::io::Write;
 use std::path::PathBuf;
 
 /// Arguments of `devplug check-config`.
@@ -24,13 +22,11 @@ pub fn check_config(args: &CheckConfigArgs) -> anyhow::Result<()> {
     })?;
     let config = Config::parse(&text, &args.config)?;
     let names: Vec<&str> = config.resources.iter().map(|r| r.name.as_str()).collect();
-    writeln!(
-        std::io::stdout(),
-        "{}: ok: {} resource{} ({})",
+    crate::output::print(&format!(
+        "{}: ok: {} resource{} ({})\n",
         args.config.display(),
         names.len(),
         if names.len() == 1 { "" } else { "s" },
         names.join(", ")
-    )
-    .context("cannot write to stdout")
+    ))
 }

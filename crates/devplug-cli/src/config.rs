@@ -23,6 +23,10 @@ use std::sync::Arc;
 /// The backend keys a resource can have, one of which it must.
 const BACKEND_KEYS: [&str; 5] = ["virtual", "files", "hostdev", "amdgpu", "intel_gpu"];
 
+/// The longest `health_hold_down`: a recovered device kept from pods for more than an hour is
+/// a mistake in the file, not a policy.
+pub const MAX_HEALTH_HOLD_DOWN: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// The whole config file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -49,7 +53,7 @@ pub struct ResourceConfig {
     /// Intel GPUs from sysfs (`gpu.intel.com/i915` or `gpu.intel.com/xe`).
     pub intel_gpu: Option<IntelGpuSettings>,
     /// How long a recovered device must stay healthy before the kubelet is told (e.g. `5s`;
-    /// default 5s).
+    /// default 5s; at most [`MAX_HEALTH_HOLD_DOWN`]).
     #[serde(default, deserialize_with = "crate::duration::deserialize_opt")]
     pub health_hold_down: Option<std::time::Duration>,
 }
@@ -101,9 +105,29 @@ impl Config {
 
     /// Parses and validates `text`; `path` is only used in messages.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
-        let config: Config = serde_saphyr::from_str(text).map_err(|err| ConfigError::Parse {
-            path: path.to_owned(),
-            message: err.to_string().trim_start_matches("error: ").to_owned(),
+        // serde_path_to_error records where in the document a type error happened (the YAML
+        // parser's own message only has the line and column).
+        let mut at = String::new();
+        let parsed = serde_saphyr::with_deserializer_from_str(text, |de| {
+            serde_path_to_error::deserialize::<_, Config>(de).map_err(|err| {
+                at = err.path().to_string();
+                err.into_inner()
+            })
+        });
+        let config = parsed.map_err(|err| {
+            let message = plain_types(err.to_string().trim_start_matches("error: "));
+            let mut message = match at.as_str() {
+                "" | "." => message,
+                at => format!("{at}: {message}"),
+            };
+            if let Some(hint) = shape_hint(text) {
+                message.push_str("\nhint: ");
+                message.push_str(hint);
+            }
+            ConfigError::Parse {
+                path: path.to_owned(),
+                message,
+            }
         })?;
         config.validate(path)?;
         Ok(config)
@@ -136,6 +160,44 @@ impl Config {
     }
 }
 
+/// The parser's message with Rust type names in words (`invalid u64` → `expected an integer`).
+fn plain_types(message: &str) -> String {
+    let mut message = message.to_owned();
+    for ty in [
+        "u128", "u64", "u32", "u16", "u8", "usize", "i128", "i64", "i32", "i16", "i8", "isize",
+    ] {
+        message = message.replace(&format!("invalid {ty}"), "expected an integer");
+    }
+    message.replace("invalid boolean", "expected true or false")
+}
+
+/// A hint for a file that holds resources but not under `resources:` (a snippet copied from
+/// the docs, one resource or a bare list), or `None` if the file does not look like one.
+fn shape_hint(text: &str) -> Option<&'static str> {
+    let value: serde_json::Value = serde_saphyr::from_str(text).ok()?;
+    let looks_like_resource = |v: &serde_json::Value| {
+        v.as_object().is_some_and(|o| {
+            o.contains_key("name") || BACKEND_KEYS.iter().any(|k| o.contains_key(*k))
+        })
+    };
+    match &value {
+        serde_json::Value::Array(items) if items.iter().any(looks_like_resource) => Some(
+            "this is a list of resources; a config file is a mapping with the list under \
+             `resources:`, e.g.\n  resources:\n    - name: example.com/npu\n      \
+             virtual: { count: 8 }",
+        ),
+        serde_json::Value::Object(o)
+            if !o.contains_key("resources") && looks_like_resource(&value) =>
+        {
+            Some(
+                "this looks like one resource; put it in the list under `resources:`, e.g.\n  \
+                 resources:\n    - name: example.com/npu\n      virtual: { count: 8 }",
+            )
+        }
+        _ => None,
+    }
+}
+
 impl ResourceConfig {
     /// Which backend keys are set.
     fn backend_keys(&self) -> Vec<&'static str> {
@@ -159,6 +221,13 @@ impl ResourceConfig {
     }
 
     fn settings_check(&self) -> Result<(), String> {
+        if let Some(hold_down) = self.health_hold_down {
+            crate::duration::check_range(
+                "health_hold_down",
+                hold_down,
+                std::time::Duration::ZERO..=MAX_HEALTH_HOLD_DOWN,
+            )?;
+        }
         let keys = self.backend_keys();
         match keys.as_slice() {
             [] => Err(format!(
@@ -227,6 +296,9 @@ impl ResourceConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use devplug::health::HealthGate;
+    use devplug::{Device, DeviceList, Health};
+    use std::time::{Duration, Instant};
 
     fn parse(text: &str) -> Result<Config, String> {
         Config::parse(text, Path::new("test.yaml")).map_err(|e| e.to_string())
@@ -319,5 +391,225 @@ mod tests {
                 "{text:?}: {err:?} should contain {needle:?}"
             );
         }
+    }
+
+    #[test]
+    fn durations_are_bounded_and_name_the_field() {
+        let with = |hold: &str| {
+            parse(&format!(
+                "resources:\n  - name: a.com/x\n    virtual: {{ count: 1 }}\n    health_hold_down: {hold}\n"
+            ))
+        };
+        assert_eq!(
+            with("1h").unwrap().resources[0].health_hold_down,
+            Some(Duration::from_secs(3600))
+        );
+        assert_eq!(
+            with("0").unwrap().resources[0].health_hold_down,
+            Some(Duration::ZERO)
+        );
+        for hold in [
+            "18446744073709551615s",
+            "300000000000000000m",
+            "61m",
+            "2h",
+            "3600001ms",
+        ] {
+            let err = with(hold).unwrap_err();
+            assert!(
+                err.contains("resources[0] (a.com/x): health_hold_down: must be between 0s and 1h"),
+                "{hold}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn type_errors_name_the_path() {
+        let err = parse(
+            "resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/y\n    virtual: { count: many }\n",
+        )
+        .unwrap_err();
+        assert!(err.contains("resources[1].virtual.count: "), "{err}");
+        assert!(err.contains("line 5"), "the position is kept: {err}");
+        let err =
+            parse("resources:\n  - name: a.com/x\n    files: { dir: /x, read_only: maybe }\n")
+                .unwrap_err();
+        assert!(err.contains("resources[0].files.read_only: "), "{err}");
+        let err = parse(
+            "resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    health_hold_down: 5\n",
+        )
+        .unwrap_err();
+        assert!(err.contains("resources[0].health_hold_down: "), "{err}");
+        assert!(err.contains("no known unit"), "{err}");
+    }
+
+    #[test]
+    fn a_snippet_without_resources_gets_a_hint() {
+        let one = parse("name: a.com/x\nvirtual: { count: 1 }\n").unwrap_err();
+        assert!(one.contains("hint: this looks like one resource"), "{one}");
+        let list = parse("- name: a.com/x\n  virtual: { count: 1 }\n").unwrap_err();
+        assert!(list.contains("hint: this is a list of resources"), "{list}");
+        let other = parse("resource: []\n").unwrap_err();
+        assert!(!other.contains("hint"), "{other}");
+        let typo = parse("resources:\n  - name: a.com/x\n    virtual: { cout: 1 }\n").unwrap_err();
+        assert!(!typo.contains("hint"), "{typo}");
+    }
+
+    /// A small xorshift generator: the same inputs on every run, no dependency.
+    struct XorShift(u64);
+
+    impl XorShift {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+
+        fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
+            items[self.below(items.len())]
+        }
+    }
+
+    /// A number as a config file may hold one: edge values and random digit strings.
+    fn number(rng: &mut XorShift) -> String {
+        match rng.below(8) {
+            2..=4 => rng.below(100).to_string(),
+            0 => rng
+                .pick(&[
+                    "0",
+                    "1",
+                    "59",
+                    "3600",
+                    "50000",
+                    "50001",
+                    "4294967295",
+                    "4294967296",
+                    "9223372036854775807",
+                    "18446744073709551615",
+                    "18446744073709551616",
+                    "300000000000000000",
+                    "-1",
+                    "1.5",
+                    "1e3",
+                ])
+                .to_owned(),
+            1 => (0..rng.below(30) + 1)
+                .map(|_| char::from(b'0' + rng.below(10) as u8))
+                .collect(),
+            _ => (rng.next() >> rng.below(64)).to_string(),
+        }
+    }
+
+    fn duration_text(rng: &mut XorShift) -> String {
+        let unit = rng.pick(&[
+            "ms", "s", "m", "h", "ms", "s", "m", "h", "", "d", "us", " s", "S",
+        ]);
+        format!("{}{unit}", number(rng))
+    }
+
+    /// A config built from random parts: mostly valid shapes with random values.
+    fn generated(rng: &mut XorShift) -> String {
+        let mut text = String::from("resources:\n");
+        for i in 0..rng.below(3) + 1 {
+            text.push_str(&format!("  - name: example.com/r{i}\n"));
+            match rng.below(3) {
+                0 => text.push_str(&format!(
+                    "    virtual: {{ count: {}, numa_nodes: {} }}\n",
+                    number(rng),
+                    number(rng)
+                )),
+                1 => text.push_str(&format!(
+                    "    hostdev: {{ groups: [ {{ paths: [/dev/null] }} ], count: {} }}\n",
+                    number(rng)
+                )),
+                _ => text.push_str(&format!("    files: {{ dir: /nonexistent/{i} }}\n")),
+            }
+            if rng.below(4) != 0 {
+                text.push_str(&format!("    health_hold_down: {}\n", duration_text(rng)));
+            }
+        }
+        text
+    }
+
+    /// `text` with a few random bytes replaced, inserted or removed.
+    fn mutated(rng: &mut XorShift, text: &str) -> String {
+        let mut bytes = text.as_bytes().to_vec();
+        let alphabet = b" \n:-{}[],0123456789hmsx\"'#&*!|>";
+        for _ in 0..rng.below(4) + 1 {
+            let at = rng.below(bytes.len() + 1);
+            let byte = alphabet[rng.below(alphabet.len())];
+            match rng.below(3) {
+                0 if at < bytes.len() => bytes[at] = byte,
+                1 if at < bytes.len() => {
+                    bytes.remove(at);
+                }
+                _ => bytes.insert(at, byte),
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Does what `run` does with a resource's timing: a device breaks, recovers and is
+    /// released after the hold-down, through the same gate the host uses.
+    fn drive_health_gate(resource: &ResourceConfig) {
+        let hold = resource
+            .health_hold_down
+            .unwrap_or(devplug::DEFAULT_HEALTH_HOLD_DOWN);
+        let list = |health: Health| DeviceList::new([Device::new("d").with_health(health)]);
+        let mut gate = HealthGate::new(hold);
+        let t0 = tokio::time::Instant::now();
+        gate.apply(&list(Health::Healthy), t0);
+        gate.apply(&list(Health::unhealthy("fuzz")), t0);
+        let back = gate.apply(&list(Health::Healthy), t0);
+        if let Some(next) = back.next_check {
+            let released = gate.apply(&list(Health::Healthy), next);
+            assert!(released
+                .list
+                .get("d")
+                .is_some_and(|d| d.health.is_healthy()));
+        }
+    }
+
+    #[test]
+    fn no_config_text_panics_the_parser_or_the_timing_it_configures() {
+        let mut rng = XorShift(0x5eed_0008_2026_1123);
+        let start = Instant::now();
+        let (mut runs, mut accepted) = (0u32, 0u32);
+        while runs < 20_000 && start.elapsed() < Duration::from_secs(3) {
+            let base = generated(&mut rng);
+            let text = if rng.below(3) == 0 {
+                mutated(&mut rng, &base)
+            } else {
+                base
+            };
+            runs += 1;
+            if let Ok(config) = Config::parse(&text, Path::new("fuzz.yaml")) {
+                accepted += 1;
+                for resource in &config.resources {
+                    drive_health_gate(resource);
+                    // Large lists are checked by the backend's own tests; keep runs quick.
+                    if let Some(settings) = resource
+                        .virtual_devices
+                        .as_ref()
+                        .filter(|s| s.count <= 2000)
+                    {
+                        let backend = devplug_backends::VirtualBackend::new(settings).unwrap();
+                        let devices = devplug::Backend::devices(&backend).borrow().clone();
+                        devices.to_wire().unwrap();
+                    }
+                }
+            }
+        }
+        eprintln!("{runs} inputs, {accepted} valid configs");
+        assert!(runs >= 200, "only {runs} inputs in the time budget");
+        assert!(
+            accepted > runs / 20,
+            "too few valid configs ({accepted} of {runs}) to exercise the gate"
+        );
     }
 }

@@ -2,6 +2,7 @@
 //! registration, node capacity, an allocation, a device turning unhealthy, a kubelet restart and
 //! shutdown. Needs no cluster and no root; exits 0.
 
+use crate::output::line;
 use anyhow::Context;
 use devplug::{Health, Host, ResourceSettings, ResourceStatus};
 use devplug_backends::{VirtualBackend, VirtualSettings};
@@ -38,8 +39,8 @@ pub async fn demo() -> anyhow::Result<()> {
 
 /// The demo's steps, in `dir`.
 async fn walk(dir: &std::path::Path) -> anyhow::Result<()> {
-    println!("devplug demo: a virtual NPU plugin on a simulated kubelet (no cluster, no root)");
-    println!("device-plugins folder: {}\n", dir.display());
+    line("devplug demo: a virtual NPU plugin on a simulated kubelet (no cluster, no root)");
+    line(&format!("device-plugins folder: {}\n", dir.display()));
 
     step(1, "the kubelet starts and serves kubelet.sock");
     let mut kubelet = Kubelet::start(dir).await?;
@@ -129,16 +130,16 @@ async fn walk(dir: &std::path::Path) -> anyhow::Result<()> {
     show_capacity(&kubelet, (8, 0)).await?;
     detail("the kubelet keeps the resource for its 5-minute grace period, then forgets it");
     kubelet.stop().await;
-    println!("\ndone.");
+    line("\ndone.");
     Ok(())
 }
 
 fn step(n: u32, text: &str) {
-    println!("[{n}] {text}");
+    line(&format!("[{n}] {text}"));
 }
 
 fn detail(text: &str) {
-    println!("    {text}");
+    line(&format!("    {text}"));
 }
 
 fn ms(d: Duration) -> String {

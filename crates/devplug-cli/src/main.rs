@@ -1,6 +1,7 @@
 //! The `devplug` command: `run` serves device plugins from a config file; `demo` shows the whole
 //! lifecycle on the embedded kubelet simulator, with no cluster and no root; `inspect` looks at
-//! any device plugin socket as the kubelet would; `check-config` validates a config file.
+//! any device plugin socket as the kubelet would; `check-config` validates a config file;
+//! `completions` and `man` print shell completions and the man page.
 
 mod check_config;
 mod config;
@@ -9,18 +10,24 @@ mod duration;
 mod endpoints;
 mod http;
 mod inspect;
+mod listen_addr;
 mod logging;
+mod output;
 mod reload;
 mod run;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use logging::LogFormat;
 use std::process::ExitCode;
+
+/// The version `--version` prints: the crate version and, when built from a git checkout, the
+/// commit (see build.rs).
+const VERSION: &str = env!("DEVPLUG_VERSION");
 
 /// Kubernetes device plugins: virtual devices, device files and host device nodes, served to the
 /// kubelet over the device plugin API v1beta1.
 #[derive(Debug, Parser)]
-#[command(name = "devplug", version, propagate_version = true)]
+#[command(name = "devplug", version = VERSION, propagate_version = true)]
 struct Cli {
     /// Log format.
     #[arg(
@@ -46,6 +53,29 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Check a config file as `run` would load it, then exit: 0 if valid, 1 with the error.
     CheckConfig(check_config::CheckConfigArgs),
+    /// Print a shell completion script, e.g. `devplug completions bash >
+    /// /etc/bash_completion.d/devplug`.
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff), e.g. `devplug man > devplug.1; man ./devplug.1`.
+    Man,
+}
+
+/// Prints the completion script for `shell`.
+fn completions(shell: clap_complete::Shell) -> anyhow::Result<()> {
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), "devplug", &mut script);
+    output::print(&String::from_utf8_lossy(&script))
+}
+
+/// Prints the man page of `devplug` and its subcommands, one roff document.
+fn man() -> anyhow::Result<()> {
+    let mut page = Vec::new();
+    clap_mangen::Man::new(Cli::command()).render(&mut page)?;
+    output::print(&String::from_utf8_lossy(&page))
 }
 
 fn main() -> ExitCode {
@@ -77,11 +107,17 @@ fn main() -> ExitCode {
             logging::init(cli.log_format, "warn");
             check_config::check_config(&args)
         }
+        Command::Completions { shell } => completions(shell),
+        Command::Man => man(),
     };
     match result {
+        // Output that could not all be written is not a success (`devplug demo | head`).
+        Ok(()) if output::stdout_closed() => ExitCode::FAILURE,
         Ok(()) => ExitCode::SUCCESS,
+        // The reader went away: nothing to tell it.
+        Err(err) if output::is_stdout_closed(&err) => ExitCode::FAILURE,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", output::error_text(&err));
             ExitCode::FAILURE
         }
     }

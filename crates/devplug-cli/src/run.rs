@@ -24,9 +24,9 @@ pub struct RunArgs {
     /// The kubelet's device-plugins folder.
     #[arg(long, env = "DEVPLUG_KUBELET_DIR", default_value = devplug::DEFAULT_KUBELET_DIR)]
     pub kubelet_dir: PathBuf,
-    /// Serve /metrics, /healthz and /readyz over HTTP on this address (e.g. 0.0.0.0:8080).
-    /// Off by default: nothing listens on TCP unless this is set.
-    #[arg(long, env = "DEVPLUG_METRICS_ADDR")]
+    /// Serve /metrics, /healthz and /readyz over HTTP on this address (e.g. :8080, which is
+    /// 0.0.0.0:8080, or 127.0.0.1:8080). Off by default: nothing listens on TCP unless this is set.
+    #[arg(long, env = "DEVPLUG_METRICS_ADDR", value_parser = crate::listen_addr::parse)]
     pub metrics_addr: Option<std::net::SocketAddr>,
 }
 

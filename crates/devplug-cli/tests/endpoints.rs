@@ -137,3 +137,26 @@ async fn readiness_follows_registration_and_metrics_move() {
     assert!(status.success(), "{log}");
     assert!(log.contains("metrics and probes listening"), "{log}");
 }
+
+#[tokio::test]
+async fn metrics_addr_takes_a_bare_port_as_kubernetes_components_do() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plugins = tmp.path().join("device-plugins");
+    let config = tmp.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        format!("resources:\n  - name: {RESOURCE}\n    virtual: {{ count: 1 }}\n"),
+    )
+    .unwrap();
+    let port = std::net::TcpListener::bind("0.0.0.0:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    // `:PORT` is every IPv4 interface, so the loopback address answers.
+    let devplug = Devplug::run_with(&config, &plugins, &["--metrics-addr", &format!(":{port}")]);
+    until(port, "/healthz", 200).await;
+    let (status, log) = devplug.terminate(WAIT).await;
+    assert!(status.success(), "{log}");
+    assert!(log.contains(&format!("0.0.0.0:{port}")), "{log}");
+}

@@ -8,6 +8,9 @@ use std::collections::HashMap;
 use std::time::Duration;
 use tokio::time::Instant;
 
+/// When a hold-down ends beyond what the clock can represent, the next look comes this much later.
+const FAR_CHECK: Duration = Duration::from_secs(86_400);
+
 /// One device's health changed as the kubelet sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Transition {
@@ -77,11 +80,16 @@ impl HealthGate {
             match (&previous.health, &device.health) {
                 (Health::Unhealthy { .. }, Health::Healthy) => {
                     let since = self.recovering.get(&device.id).copied().unwrap_or(now);
-                    let due = since + self.hold_down;
-                    if due <= now {
+                    // A hold-down past the clock's range never ends: look again in a day.
+                    let due = since.checked_add(self.hold_down);
+                    if due.is_some_and(|due| due <= now) {
                         transitions.push(change(Some(&previous.health), &Health::Healthy));
                     } else {
-                        next_check = Some(next_check.map_or(due, |n| n.min(due)));
+                        let check = due.or_else(|| now.checked_add(FAR_CHECK));
+                        next_check = match (next_check, check) {
+                            (Some(n), Some(c)) => Some(n.min(c)),
+                            (n, c) => n.or(c),
+                        };
                         held.insert(device.id.as_str(), previous.health.clone());
                         still_recovering.insert(device.id.clone(), since);
                     }
@@ -168,6 +176,25 @@ mod tests {
         assert_eq!(back.next_check, Some(t0 + Duration::from_secs(13)));
         let at_11 = gate.apply(&list(Health::Healthy), t0 + Duration::from_secs(11));
         assert!(!at_11.list.get("a").unwrap().health.is_healthy());
+    }
+
+    #[test]
+    fn a_hold_down_past_the_clocks_range_holds_without_panicking() {
+        let t0 = Instant::now();
+        for hold in [
+            Duration::MAX,
+            Duration::from_secs(u64::MAX),
+            Duration::from_secs(u64::MAX / 2),
+        ] {
+            let mut gate = HealthGate::new(hold);
+            gate.apply(&list(Health::unhealthy("x")), t0);
+            let back = gate.apply(&list(Health::Healthy), t0 + Duration::from_secs(1));
+            assert!(!back.list.get("a").unwrap().health.is_healthy());
+            let next = back.next_check.expect("a check stays scheduled");
+            assert!(next > t0 + Duration::from_secs(1));
+            let later = gate.apply(&list(Health::Healthy), next);
+            assert!(!later.list.get("a").unwrap().health.is_healthy());
+        }
     }
 
     #[test]

@@ -51,8 +51,8 @@ pub struct InspectArgs {
     /// Machine-readable output: one JSON document (with --watch, one JSON object per line).
     #[arg(long)]
     pub json: bool,
-    /// Seconds to wait for the connection and for each answer.
-    #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Seconds to wait for the connection and for each answer (1 to 3600).
+    #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub timeout: u64,
 }
 

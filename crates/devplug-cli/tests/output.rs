@@ -1,0 +1,214 @@
+//! What the `devplug` binary writes: plain logs when stderr is not a terminal, each OS error
+//! once, config errors with their path, no panic when the reader of stdout goes away, and the
+//! version, completions and man page.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+use support::{Devplug, BIN};
+
+const WAIT: Duration = Duration::from_secs(10);
+const OK_CONFIG: &str = "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n";
+
+fn devplug(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+#[tokio::test]
+async fn logs_to_a_pipe_have_no_colour_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write(dir.path(), "config.yaml", OK_CONFIG);
+    // No kubelet: devplug logs that it runs and waits; SIGTERM ends it.
+    let plugins = dir.path().join("device-plugins");
+    std::fs::create_dir(&plugins).unwrap();
+    let run = Devplug::run(Path::new(&config), &plugins);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (status, stderr) = run.terminate(WAIT).await;
+    assert!(status.success(), "{stderr}");
+    assert!(stderr.contains("INFO"), "{stderr}");
+    assert!(
+        !stderr.contains("\x1b["),
+        "ANSI codes in a piped log: {stderr:?}"
+    );
+}
+
+#[test]
+fn an_os_error_is_printed_once() {
+    let out = devplug(&["check-config", "--config", "/nonexistent/devplug.yaml"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("cannot read config file /nonexistent/devplug.yaml: "),
+        "{stderr}"
+    );
+    assert_eq!(stderr.matches("(os error 2)").count(), 1, "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+}
+
+#[test]
+fn config_errors_name_the_path_the_range_and_the_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            "resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/y\n    virtual: { count: many }\n",
+            "resources[1].virtual.count: line 5 column 23: expected an integer",
+        ),
+        (
+            "resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    health_hold_down: 18446744073709551615s\n",
+            "resources[0] (a.com/x): health_hold_down: must be between 0s and 1h, got 18446744073709551615s",
+        ),
+        (
+            "resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    health_hold_down: 300000000000000000m\n",
+            "health_hold_down: must be between 0s and 1h",
+        ),
+        (
+            "name: a.com/x\nvirtual: { count: 1 }\n",
+            "hint: this looks like one resource; put it in the list under `resources:`",
+        ),
+        (
+            "- name: a.com/x\n  virtual: { count: 1 }\n",
+            "hint: this is a list of resources",
+        ),
+    ];
+    for (config, needle) in cases {
+        let path = write(dir.path(), "bad.yaml", config);
+        let kubelet_dir = dir.path().to_str().unwrap();
+        for args in [
+            &["check-config", "--config", &path][..],
+            &["run", "--config", &path, "--kubelet-dir", kubelet_dir],
+        ] {
+            let out = devplug(args);
+            let command = args[0];
+            let stderr = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{command} {config:?}: {stderr}");
+            assert!(
+                stderr.contains(needle),
+                "{command}: {stderr:?} should contain {needle:?}"
+            );
+        }
+    }
+    // `h` is a unit, and an hour is the most a hold-down may be.
+    let path = write(
+        dir.path(),
+        "ok.yaml",
+        "resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    health_hold_down: 1h\n",
+    );
+    let out = devplug(&["check-config", "--config", &path]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+/// Runs `devplug args` with a stdout whose reader is already gone.
+fn with_closed_stdout(args: &[&str]) -> Output {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let child = Command::new(BIN)
+        .args(args)
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn a_closed_stdout_ends_with_status_1_and_no_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write(dir.path(), "config.yaml", OK_CONFIG);
+    for args in [
+        &["check-config", "--config", &config][..],
+        &["demo"],
+        &["completions", "bash"],
+        &["man"],
+    ] {
+        let out = with_closed_stdout(args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("Broken pipe"), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn version_names_the_commit_when_built_from_git() {
+    let out = devplug(&["--version"]);
+    assert!(out.status.success());
+    let version = text(&out.stdout);
+    let crate_version = env!("CARGO_PKG_VERSION");
+    let commit = Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| text(&o.stdout).trim().to_owned());
+    let expected = match commit {
+        Some(commit) => format!("devplug {crate_version} ({commit})\n"),
+        None => format!("devplug {crate_version}\n"),
+    };
+    assert_eq!(version, expected);
+    // Subcommands say the same.
+    let sub = devplug(&["check-config", "--version"]);
+    assert_eq!(
+        text(&sub.stdout),
+        expected.replace("devplug ", "devplug-check-config ")
+    );
+}
+
+#[test]
+fn completions_for_every_shell_know_the_subcommands() {
+    for (shell, marker) in [
+        ("bash", "complete -F _devplug"),
+        ("zsh", "#compdef devplug"),
+        ("fish", "complete -c devplug"),
+        ("elvish", "edit:completion:arg-completer[devplug]"),
+        ("powershell", "Register-ArgumentCompleter"),
+    ] {
+        let out = devplug(&["completions", shell]);
+        assert!(out.status.success(), "{shell}: {}", text(&out.stderr));
+        let script = text(&out.stdout);
+        assert!(script.contains(marker), "{shell}: no {marker:?}");
+        for word in ["check-config", "inspect", "metrics-addr", "kubelet-dir"] {
+            assert!(script.contains(word), "{shell} completion lacks {word}");
+        }
+    }
+    assert_eq!(devplug(&["completions", "tcsh"]).status.code(), Some(2));
+}
+
+#[test]
+fn the_man_page_is_roff_generated_from_the_options() {
+    let out = devplug(&["man"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let page = text(&out.stdout);
+    assert!(page.contains(".TH devplug 1"), "{page}");
+    for needle in [
+        ".SH NAME",
+        ".SH SYNOPSIS",
+        "\\-\\-log\\-format",
+        "check\\-config",
+        "DEVPLUG_LOG_FORMAT",
+    ] {
+        assert!(page.contains(needle), "man page lacks {needle:?}:\n{page}");
+    }
+}
+
+#[test]
+fn command_line_durations_are_bounded_too() {
+    let out = devplug(&["inspect", "--timeout", "18446744073709551615"]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("--timeout"), "{stderr}");
+    assert!(stderr.contains("1..=3600"), "{stderr}");
+}
