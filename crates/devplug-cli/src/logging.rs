@@ -1,11 +1,18 @@
 //! Log output: `tracing` to stderr, as text or JSON, filtered by `RUST_LOG` (default `info`).
 //! Text is coloured only when stderr is a terminal and `NO_COLOR` is unset or empty
 //! (<https://no-color.org>), so log files and `kubectl logs` get plain text.
+//!
+//! `RUST_LOG` takes a level and `target=level` directives (`info`, `warn,devplug=debug`), parsed
+//! by `tracing_subscriber`'s `Targets` filter. Span and field filters (`[span{x=1}]`) are not
+//! supported: they need a regex engine, which was a sixth of the binary's resident code
+//! (docs/benchmarks.md, "Memory"). A value that does not parse is reported and the default used.
 
 use clap::ValueEnum;
 use std::ffi::OsString;
 use std::io::IsTerminal;
-use tracing_subscriber::EnvFilter;
+use std::str::FromStr;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::prelude::*;
 
 /// How log lines look.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -22,27 +29,70 @@ pub fn use_colour(stderr_is_terminal: bool, no_color: Option<OsString>) -> bool 
     stderr_is_terminal && no_color.is_none_or(|v| v.is_empty())
 }
 
+/// The filter for `rust_log` (the value of `RUST_LOG`), or `default_filter` when it is unset
+/// or empty; an error names what did not parse.
+pub fn filter(rust_log: Option<&str>, default_filter: &str) -> (Targets, Option<String>) {
+    let fallback = || Targets::from_str(default_filter).unwrap_or_default();
+    match rust_log.map(str::trim).filter(|v| !v.is_empty()) {
+        None => (fallback(), None),
+        Some(value) => match Targets::from_str(value) {
+            Ok(targets) => (targets, None),
+            Err(err) => (
+                fallback(),
+                Some(format!(
+                    "RUST_LOG={value:?} is not understood ({err}); using {default_filter:?}. \
+                     It takes a level and target=level directives, e.g. warn,devplug=debug"
+                )),
+            ),
+        },
+    }
+}
+
 /// Installs the global subscriber. `default_filter` applies when `RUST_LOG` is unset.
 pub fn init(format: LogFormat, default_filter: &str) {
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let rust_log = std::env::var("RUST_LOG").ok();
+    let (targets, problem) = filter(rust_log.as_deref(), default_filter);
     let colour = use_colour(
         std::io::stderr().is_terminal(),
         std::env::var_os("NO_COLOR"),
     );
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let layer = tracing_subscriber::fmt::layer()
         .with_ansi(colour)
         .with_writer(std::io::stderr);
     match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => tracing_subscriber::registry()
+            .with(layer.with_filter(targets))
+            .init(),
+        LogFormat::Json => tracing_subscriber::registry()
+            .with(layer.json().with_filter(targets))
+            .init(),
+    }
+    if let Some(problem) = problem {
+        tracing::warn!("{problem}");
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rust_log_directives_and_fallback() {
+        use tracing::Level;
+        let (t, problem) = filter(Some("warn,devplug=debug"), "info");
+        assert!(problem.is_none());
+        assert!(t.would_enable("devplug::host", &Level::DEBUG));
+        assert!(!t.would_enable("h2::codec", &Level::INFO));
+        assert!(t.would_enable("h2::codec", &Level::WARN));
+        let (t, problem) = filter(None, "info");
+        assert!(problem.is_none());
+        assert!(t.would_enable("anything", &Level::INFO));
+        assert!(!t.would_enable("anything", &Level::DEBUG));
+        let (t, problem) = filter(Some("devplug=loud"), "error");
+        assert!(problem.unwrap().contains("not understood"));
+        assert!(t.would_enable("x", &Level::ERROR));
+        assert!(!t.would_enable("x", &Level::WARN));
+    }
 
     #[test]
     fn colour_only_on_a_terminal_without_no_color() {
