@@ -151,6 +151,49 @@ fn rss_by_mapping(pid: u32) -> Vec<(String, u64)> {
     sums
 }
 
+/// Peak RSS of `devplug run` serving one resource of 64 virtual devices after 64 Allocate calls:
+/// the scenario in which the issue measured a Go plugin (squat/generic-device-plugin) at
+/// 10.4 MiB. Returns (peak, anonymous, file-backed) in KiB.
+pub async fn small_process_memory() -> anyhow::Result<(u64, u64, u64)> {
+    let bin = devplug_binary()?;
+    let dir = tempfile::tempdir()?;
+    let plugins = dir.path().join("device-plugins");
+    let kubelet = Kubelet::start(&plugins).await?;
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        "resources:\n  - name: bench.example/small\n    virtual: { count: 64 }\n",
+    )?;
+    let child = Command::new(&bin)
+        .arg("run")
+        .arg("--config")
+        .arg(&config)
+        .arg("--kubelet-dir")
+        .arg(&plugins)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    kubelet
+        .wait_for(Duration::from_secs(10), |n| {
+            (n.capacity("bench.example/small") == (64, 64)).then_some(())
+        })
+        .await?;
+    for i in 0..64 {
+        kubelet
+            .allocate(&format!("pod-{i}"), "main", "bench.example/small", 1)
+            .await?;
+    }
+    let pid = child.id();
+    let figures = (
+        status_field(pid, "VmHWM:").unwrap_or(0),
+        status_field(pid, "RssAnon:").unwrap_or(0),
+        status_field(pid, "RssFile:").unwrap_or(0),
+    );
+    stop(child);
+    Ok(figures)
+}
+
 /// Runs `devplug run` with 3 resources × 1,000 devices against the simulator.
 pub async fn process_figures() -> anyhow::Result<()> {
     let bin = devplug_binary()?;
@@ -222,6 +265,7 @@ pub async fn process_figures() -> anyhow::Result<()> {
     let by_mapping = rss_by_mapping(pid);
     stop(child);
     let size = std::fs::metadata(&bin)?.len();
+    let (small_peak, small_anon, small_file) = small_process_memory().await?;
 
     println!();
     println!("| `devplug run`, 3 resources × 1,000 devices | value |");
@@ -244,6 +288,13 @@ pub async fn process_figures() -> anyhow::Result<()> {
         file as f64 / 1024.0
     );
     println!("| threads | {threads} |");
+    println!(
+        "| peak RSS, 1 resource × 64 devices after 64 allocations (the issue's Go plugin: 10.4 MiB) | {:.1} MiB ({:.2}× Go; at rest {:.1} anonymous + {:.1} file-backed) |",
+        small_peak as f64 / 1024.0,
+        small_peak as f64 / 1024.0 / 10.4,
+        small_anon as f64 / 1024.0,
+        small_file as f64 / 1024.0
+    );
     for (name, kib) in by_mapping.iter().filter(|(_, kib)| *kib >= 64) {
         println!("| RSS of {name} | {:.2} MiB |", *kib as f64 / 1024.0);
     }

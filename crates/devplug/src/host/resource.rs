@@ -327,3 +327,18 @@ fn bind_error(err: &std::io::Error) -> String {
 fn far_future() -> Instant {
     Instant::now() + Duration::from_secs(86_400)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bind_errors_say_what_to_do() {
+        let denied = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
+        assert!(bind_error(&denied).contains("run devplug as root"));
+        let read_only = std::io::Error::from(std::io::ErrorKind::ReadOnlyFilesystem);
+        assert!(bind_error(&read_only).contains("read-only"));
+        let other = std::io::Error::from(std::io::ErrorKind::AddrInUse);
+        assert_eq!(bind_error(&other), other.to_string());
+    }
+}
