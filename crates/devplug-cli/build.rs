@@ -3,7 +3,7 @@
 //! (image builds whose context has no `.git`). Reruns only when HEAD or the branch it points at
 //! moves, not on every build.
 //!
-//! Also links the `devplug` binary with packed relative relocations on glibc (see
+//! Also links the `devplug` binary with packed relative relocations where they work (see
 //! [`pack_relocations`]).
 
 use std::path::{Path, PathBuf};
@@ -24,36 +24,39 @@ fn git(dir: &Path, args: &[&str]) -> Option<String> {
     (!text.is_empty()).then(|| text.to_owned())
 }
 
-/// Packed relative relocations (`-z pack-relative-relocs`, DT_RELR) for glibc builds: at every
-/// start the loader reads a few KB instead of ~360 KB of `.rela.dyn`, which is 0.3 MiB less
-/// resident memory (docs/benchmarks.md, "Memory"), and the binary stays position-independent
-/// (ASLR). Only when building for the machine we run on, and only if a probe program linked
-/// with the flag runs (the linker knows it and the C library is glibc 2.36 or newer); static
-/// musl builds (the container image) are left as they are. `DEVPLUG_NO_RELR=1` turns it off.
+/// Packed relative relocations (`-z pack-relative-relocs`, DT_RELR): at every start the loader
+/// (or a static-pie's own start code) reads a few KB instead of ~350 KB of `.rela.dyn`, which is
+/// 0.3 MiB less resident memory (docs/benchmarks.md, "Memory"), and the binary stays
+/// position-independent (ASLR). Used only if a probe program, built by this rustc for this
+/// target with the flag, links and runs: the linker must know the flag and the C library must
+/// apply such relocations (glibc 2.36+, musl 1.2.4+). Skipped when cross-compiling to another
+/// architecture (the probe cannot run). `DEVPLUG_NO_RELR=1` turns it off.
 fn pack_relocations() {
     println!("cargo:rerun-if-env-changed=DEVPLUG_NO_RELR");
     let var = |name: &str| std::env::var(name).unwrap_or_default();
-    if var("DEVPLUG_NO_RELR") == "1"
-        || var("CARGO_CFG_TARGET_OS") != "linux"
-        || var("CARGO_CFG_TARGET_ENV") != "gnu"
-        || var("HOST") != var("TARGET")
-    {
+    let (host, target) = (var("HOST"), var("TARGET"));
+    let same_arch = host.split('-').next() == target.split('-').next();
+    if var("DEVPLUG_NO_RELR") == "1" || var("CARGO_CFG_TARGET_OS") != "linux" || !same_arch {
         return;
     }
     let out = PathBuf::from(var("OUT_DIR"));
-    let source = out.join("relr_probe.c");
+    let source = out.join("relr_probe.rs");
     let probe = out.join("relr_probe");
-    if std::fs::write(&source, "int main(void) { return 0; }\n").is_err() {
+    if std::fs::write(&source, "fn main() {}\n").is_err() {
         return;
     }
-    let linker = std::env::var("RUSTC_LINKER").unwrap_or_else(|_| "cc".to_owned());
-    let linked = Command::new(linker)
-        .arg(&source)
-        .arg("-Wl,-z,pack-relative-relocs")
-        .arg("-o")
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".to_owned());
+    let mut build = Command::new(rustc);
+    build
+        .arg("--target")
+        .arg(&target)
+        .args(["-C", "link-arg=-Wl,-z,pack-relative-relocs", "-o"])
         .arg(&probe)
-        .output()
-        .is_ok_and(|o| o.status.success());
+        .arg(&source);
+    if let Ok(linker) = std::env::var("RUSTC_LINKER") {
+        build.arg("-C").arg(format!("linker={linker}"));
+    }
+    let linked = build.output().is_ok_and(|o| o.status.success());
     if linked && Command::new(&probe).status().is_ok_and(|s| s.success()) {
         println!("cargo:rustc-link-arg-bins=-Wl,-z,pack-relative-relocs");
     }
