@@ -64,8 +64,14 @@ async fn ready(State(endpoints): State<Endpoints>) -> impl IntoResponse {
             .host
             .metrics()
             .into_iter()
-            .filter(|(_, m)| !(m.registered && m.streams > 0))
-            .map(|(name, m)| format!("{name}: registered={} streams={}", m.registered, m.streams))
+            .filter(|(_, m)| !(m.registered && m.streams > 0) || m.backend_not_ready.is_some())
+            .map(|(name, m)| match &m.backend_not_ready {
+                Some(reason) => format!(
+                    "{name}: registered={} streams={} backend not ready: {reason}",
+                    m.registered, m.streams
+                ),
+                None => format!("{name}: registered={} streams={}", m.registered, m.streams),
+            })
             .collect();
         (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -42,6 +42,13 @@ pub trait Backend: Send + Sync + 'static {
     fn options(&self) -> Options {
         Options::default()
     }
+
+    /// Why the backend cannot serve its devices right now (e.g. a driver that is not loaded
+    /// yet), or `None` when it can. The process keeps serving either way; readiness probes
+    /// report the reason.
+    fn not_ready(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The optional parts of the protocol a backend takes part in.

@@ -52,6 +52,8 @@ pub struct MetricsSnapshot {
     pub registered: bool,
     /// Open ListAndWatch streams.
     pub streams: usize,
+    /// Why the backend cannot serve its devices now ([`crate::Backend::not_ready`]).
+    pub backend_not_ready: Option<String>,
 }
 
 impl Counters {

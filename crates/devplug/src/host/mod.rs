@@ -319,6 +319,7 @@ impl Host {
                     unhealthy_reasons,
                     registered: status.registered,
                     streams: status.streams,
+                    backend_not_ready: r.shared.backend().not_ready(),
                     ..r.status.counters.snapshot()
                 };
                 (name.clone(), snapshot)
@@ -326,13 +327,14 @@ impl Host {
             .collect()
     }
 
-    /// Ready when every resource is registered and streaming to the kubelet.
+    /// Ready when every resource is registered and streaming to the kubelet, and no backend
+    /// says it cannot serve its devices ([`Backend::not_ready`]).
     pub fn is_ready(&self) -> bool {
         let resources = self.lock();
         !resources.is_empty()
-            && resources
-                .values()
-                .all(|r| r.status.subscribe().borrow().is_ready())
+            && resources.values().all(|r| {
+                r.status.subscribe().borrow().is_ready() && r.shared.backend().not_ready().is_none()
+            })
     }
 
     /// Stops every resource: ends streams, closes listeners and removes our sockets.
