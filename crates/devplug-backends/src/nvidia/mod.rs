@@ -100,15 +100,6 @@ impl NvidiaBackend {
         })
     }
 
-    /// Why the resource cannot serve GPUs now (NVML not loaded, driver not ready), if so.
-    pub fn not_ready(&self) -> Option<String> {
-        self.shared
-            .not_ready
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
     fn view(&self) -> Arc<View> {
         self.shared
             .view
@@ -164,7 +155,21 @@ async fn watch_driver(settings: Arc<NvidiaSettings>, wake: Sender<()>, stop: Can
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n == "nvidiactl" || n.starts_with("libnvidia-ml.so"))
         });
-        if interesting && wake.send(()).is_err() {
+        if !interesting {
+            continue;
+        }
+        // Let a driver installation settle (more nodes, a library still being written) before
+        // the NVML thread tries: quiet for 50 ms, at most 500 ms.
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(500);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(std::time::Duration::from_millis(50)) => break,
+                _ = tokio::time::sleep_until(deadline) => break,
+                more = events.next() => if more.is_err() { break },
+            }
+        }
+        if wake.send(()).is_err() {
             return;
         }
     }
@@ -263,6 +268,15 @@ impl Backend for NvidiaBackend {
             preferred_allocation: true,
             pre_start_required: false,
         }
+    }
+
+    /// Why the resource cannot serve GPUs now (NVML not loaded, driver not ready), if so.
+    fn not_ready(&self) -> Option<String> {
+        self.shared
+            .not_ready
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
