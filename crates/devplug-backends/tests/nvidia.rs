@@ -511,3 +511,23 @@ async fn library_missing_then_appearing() {
     );
     assert_eq!(backends[0].not_ready(), None);
 }
+
+#[tokio::test]
+async fn broken_nvml_events_read_as_health_unknown_until_the_event_set_is_rebuilt() {
+    let node = Node::new("pcie-4gpu", true);
+    let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
+    counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
+    node.inject("events broken");
+    // Never silently Healthy: every GPU is Unhealthy, with the reason.
+    counts(&kubelet, "nvidia.com/gpu", 4, 0).await;
+    let why = reason(&backends[0], &node.uuid(0));
+    assert!(why.contains("health unknown"), "{why}");
+    // Registration keeps failing while it is broken (retried with backoff, not in a loop).
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(kubelet.read(|n| n.capacity("nvidia.com/gpu")), (4, 0));
+    node.inject("events ok");
+    counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
+    // And events flow through the rebuilt set.
+    node.inject("xid 3 48 1");
+    counts(&kubelet, "nvidia.com/gpu", 4, 3).await;
+}

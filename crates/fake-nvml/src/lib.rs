@@ -27,6 +27,8 @@
 //! | `action <gpu> <n>` | sets the GPU recovery action (field 230) and sends its event (0x8000) |
 //! | `lost <gpu>` | the GPU falls off the bus: its calls fail `GPU_IS_LOST`, waits fail once |
 //! | `found <gpu>` | the GPU answers again |
+//! | `events broken` | event waits and registrations fail with `UNKNOWN` (a sick driver) |
+//! | `events ok` | they work again |
 //!
 //! `<gpu>` is an index or a UUID. Events reach only the event sets that registered the GPU for
 //! that event type, as in NVML.
@@ -50,6 +52,7 @@ const INSUFFICIENT_SIZE: nvmlReturn_t = 7;
 const DRIVER_NOT_LOADED: nvmlReturn_t = 9;
 const TIMEOUT: nvmlReturn_t = 10;
 const GPU_IS_LOST: nvmlReturn_t = 15;
+const UNKNOWN: nvmlReturn_t = 999;
 
 /// `NVML_NVLINK_MAX_LINKS`.
 const MAX_LINKS: u32 = 18;
@@ -172,6 +175,8 @@ struct State {
     control: Option<PathBuf>,
     control_offset: usize,
     users: u32,
+    /// `events broken`: waits and registrations fail.
+    events_broken: bool,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -235,6 +240,7 @@ fn load() -> Result<State, String> {
         control,
         control_offset,
         users: 0,
+        events_broken: false,
     })
 }
 
@@ -300,6 +306,14 @@ impl State {
         let Some((&verb, args)) = words.split_first() else {
             return Ok(());
         };
+        if verb == "events" {
+            self.events_broken = match args.first() {
+                Some(&"broken") => true,
+                Some(&"ok") => false,
+                _ => return Err("events broken|ok".into()),
+            };
+            return Ok(());
+        }
         let gpu = args
             .first()
             .and_then(|w| self.find(w))
@@ -347,15 +361,19 @@ impl State {
     }
 }
 
-/// Runs `f` on the initialised state, or answers `UNINITIALIZED`.
+/// Runs `f` on the initialised state (after applying new control lines), or answers
+/// `UNINITIALIZED`.
 fn with_state(f: impl FnOnce(&mut State) -> Result<(), nvmlReturn_t>) -> nvmlReturn_t {
     let mut guard = lock();
     match guard.as_mut() {
         None => UNINITIALIZED,
-        Some(state) => match f(state) {
-            Ok(()) => SUCCESS,
-            Err(code) => code,
-        },
+        Some(state) => {
+            state.poll_control();
+            match f(state) {
+                Ok(()) => SUCCESS,
+                Err(code) => code,
+            }
+        }
     }
 }
 
@@ -739,6 +757,9 @@ pub extern "C" fn nvmlDeviceRegisterEvents(
 ) -> nvmlReturn_t {
     with_state(|s| {
         s.gpu(device)?;
+        if s.events_broken {
+            return Err(UNKNOWN);
+        }
         let set = set_index(s, set)?;
         let index = (device as usize).saturating_sub(1);
         if let Some(gpu) = s.gpus.get_mut(index) {
@@ -774,7 +795,9 @@ pub extern "C" fn nvmlEventSetWait_v2(
     loop {
         let mut found = None;
         let code = with_state(|s| {
-            s.poll_control();
+            if s.events_broken {
+                return Err(UNKNOWN);
+            }
             let i = set_index(s, set)?;
             let Some(Some(queue)) = s.sets.get_mut(i) else {
                 return Err(INVALID_ARGUMENT);
