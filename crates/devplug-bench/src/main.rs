@@ -1,9 +1,11 @@
 //! Benchmarks of devplug through the kubelet simulator, printed as a table for
-//! `docs/benchmarks.md`. Run with `cargo build --release -p devplug-cli && cargo run --release -p devplug-bench`.
+//! `docs/benchmarks.md`. Run with `cargo build --release -p devplug-cli && cargo run --release -p devplug-bench`
+//! (`-- nvidia` for the NVIDIA backend's figures only).
 //! Figures depend on the machine; this is not a test and asserts nothing.
 
 mod backends;
 mod measure;
+mod nvidia;
 
 use anyhow::Context;
 use devplug::{Health, Host};
@@ -23,13 +25,31 @@ async fn main() -> anyhow::Result<()> {
     let cpu_before = measure::machine_cpu();
     println!("| measurement | n | p50 | p99 | max |");
     println!("|---|---|---|---|---|");
+    if std::env::args().nth(1).as_deref() == Some("nvidia") {
+        nvidia::preferred().await?;
+        nvidia::start_to_registered().await?;
+        nvidia::xid_to_unhealthy().await?;
+        nvidia::process_rss().await?;
+        print_steal(cpu_before);
+        return Ok(());
+    }
     round_trips().await?;
     device_changes().await?;
     restarts().await?;
     start_to_registered().await?;
     backends::file_created().await?;
     backends::hotplug_burst().await?;
+    nvidia::preferred().await?;
+    nvidia::start_to_registered().await?;
+    nvidia::xid_to_unhealthy().await?;
     measure::process_figures().await?;
+    nvidia::process_rss().await?;
+    print_steal(cpu_before);
+    Ok(())
+}
+
+/// How busy the machine was, and how much CPU the hypervisor took, since `cpu_before`.
+fn print_steal(cpu_before: Option<measure::MachineCpu>) {
     if let (Some(before), Some(after)) = (cpu_before, measure::machine_cpu()) {
         println!();
         println!(
@@ -39,7 +59,6 @@ async fn main() -> anyhow::Result<()> {
             after.steal_percent_since(&before)
         );
     }
-    Ok(())
 }
 
 async fn setup(
