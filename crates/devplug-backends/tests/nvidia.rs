@@ -162,7 +162,12 @@ async fn counts(kubelet: &Kubelet, resource: &str, total: usize, healthy: usize)
         .await;
     if got.is_err() {
         let now = kubelet.read(|n| n.capacity(resource));
-        panic!("{resource}: wanted ({total}, {healthy}), the kubelet has {now:?}");
+        let reasons: Vec<String> = kubelet.read(|n| {
+            n.resource(resource)
+                .map(|r| r.devices().values().map(|d| format!("{d:?}")).collect())
+                .unwrap_or_default()
+        });
+        panic!("{resource}: wanted ({total}, {healthy}), the kubelet has {now:?}: {reasons:?}");
     }
 }
 
@@ -445,8 +450,9 @@ async fn xid_makes_every_replica_unhealthy_and_the_recovery_action_brings_it_bac
     node.inject("action 1 0");
     counts(&kubelet, "nvidia.com/gpu", 12, 12).await;
 
-    // Double-bit ECC, then the recovery action goes to NONE by itself (its event).
-    node.inject("ecc 2");
+    // Double-bit ECC (the driver asks for a reset), then the recovery action goes to NONE
+    // (its event).
+    node.inject("ecc 2 1");
     counts(&kubelet, "nvidia.com/gpu", 12, 9).await;
     assert_eq!(
         reason(&backends[0], &format!("{}::0", node.uuid(2))),
@@ -530,4 +536,61 @@ async fn broken_nvml_events_read_as_health_unknown_until_the_event_set_is_rebuil
     // And events flow through the rebuilt set.
     node.inject("xid 3 48 1");
     counts(&kubelet, "nvidia.com/gpu", 4, 3).await;
+}
+
+#[tokio::test]
+async fn health_off_ignores_events_and_models_split_resources() {
+    let node = Node::new("pcie-4gpu", true);
+    let mut watched = node.settings();
+    watched.models = vec!["*L40S*".into()];
+    let mut unwatched = node.settings();
+    unwatched.health.enabled = false;
+    let mut none = node.settings();
+    none.models = vec!["*H100*".into()];
+    let (kubelet, _host, _b) = serve(
+        &node,
+        vec![
+            ("nvidia.com/gpu", watched),
+            ("example.com/unwatched", unwatched),
+            ("nvidia.com/h100", none),
+        ],
+    )
+    .await;
+    counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
+    counts(&kubelet, "example.com/unwatched", 4, 4).await;
+    counts(&kubelet, "nvidia.com/h100", 0, 0).await;
+    node.inject("xid 0 79 1");
+    counts(&kubelet, "nvidia.com/gpu", 4, 3).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        kubelet.read(|n| n.capacity("example.com/unwatched")),
+        (4, 4)
+    );
+}
+
+#[tokio::test]
+async fn a_gpu_lost_while_the_event_set_is_rebuilt_does_not_blind_the_others() {
+    let node = Node::new("dgx-h100", true);
+    let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
+    counts(&kubelet, "nvidia.com/gpu", 8, 8).await;
+    node.inject("events broken");
+    counts(&kubelet, "nvidia.com/gpu", 8, 0).await;
+    node.inject("lost 6");
+    node.inject("events ok");
+    // Rebuilt without GPU 6, which is lost; the other 7 are watched again.
+    counts(&kubelet, "nvidia.com/gpu", 8, 7).await;
+    assert_eq!(
+        reason(&backends[0], &node.uuid(6)),
+        "Unhealthy (GPU is lost (fallen off the bus))"
+    );
+    node.inject("xid 2 79 1");
+    counts(&kubelet, "nvidia.com/gpu", 8, 6).await;
+    node.inject("action 2 0");
+    counts(&kubelet, "nvidia.com/gpu", 8, 7).await;
+    // GPU 6 answers again: healthy, and back in the event set (its XIDs count).
+    node.inject("found 6");
+    counts(&kubelet, "nvidia.com/gpu", 8, 8).await;
+    node.inject("xid 6 79 1");
+    counts(&kubelet, "nvidia.com/gpu", 8, 7).await;
+    assert!(reason(&backends[0], &node.uuid(6)).contains("xid 79"));
 }

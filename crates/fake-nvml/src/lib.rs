@@ -23,7 +23,7 @@
 //! | line | effect |
 //! |---|---|
 //! | `xid <gpu> <code> [action]` | a critical XID event; `action` sets the GPU recovery action |
-//! | `ecc <gpu>` | a double-bit ECC event |
+//! | `ecc <gpu> [action]` | a double-bit ECC event; `action` sets the GPU recovery action |
 //! | `action <gpu> <n>` | sets the GPU recovery action (field 230) and sends its event (0x8000) |
 //! | `lost <gpu>` | the GPU falls off the bus: its calls fail `GPU_IS_LOST`, waits fail once |
 //! | `found <gpu>` | the GPU answers again |
@@ -333,7 +333,13 @@ impl State {
                 }
                 self.send(gpu, EVENT_XID, code);
             }
-            "ecc" => self.send(gpu, EVENT_DBE, 0),
+            "ecc" => {
+                if args.len() > 1 {
+                    let action = u32::try_from(number(1)?).map_err(|e| e.to_string())?;
+                    self.gpus[gpu].recovery_action = action;
+                }
+                self.send(gpu, EVENT_DBE, 0);
+            }
             "action" => {
                 self.gpus[gpu].recovery_action =
                     u32::try_from(number(1)?).map_err(|e| e.to_string())?;

@@ -151,8 +151,9 @@ pub trait GpuSession {
     fn recovery_action(&mut self, index: u32) -> Result<Option<RecoveryAction>, String>;
     /// True if the GPU at `index` answers with this UUID (a probe a lost GPU fails).
     fn probe(&mut self, index: u32, uuid: &str) -> bool;
-    /// (Re)builds the event set for these GPUs; returns the UUIDs that could not be
-    /// registered (NOT_SUPPORTED: unmonitored) with the reason. An error means no events.
+    /// (Re)builds the event set for these GPUs; returns the UUIDs left out of it (no events
+    /// supported, not answering, registration refused) with the reason, so that one bad GPU
+    /// never blinds the others. An error means no events at all.
     fn arm(&mut self, gpus: &[GpuInfo]) -> Result<Vec<(String, String)>, String>;
     /// Waits up to `timeout` for one event.
     fn wait(&mut self, timeout: Duration) -> Result<RawEvent, WaitError>;

@@ -210,38 +210,68 @@ impl GpuSession for NvmlSession<'_> {
 
     fn arm(&mut self, gpus: &[GpuInfo]) -> Result<Vec<(String, String)>, String> {
         self.set = None;
-        let mut set = self
-            .nvml
-            .create_event_set()
-            .map_err(|e| format!("event set: {e}"))?;
-        let mut unmonitored = Vec::new();
         let wanted = EventTypes::CRITICAL_XID_ERROR.bits()
             | EventTypes::DOUBLE_BIT_ECC_ERROR.bits()
             | EVENT_RECOVERY_ACTION;
+        // A GPU that cannot be asked (lost, or no events) is left out, so that one bad GPU
+        // never blinds the others. register_events frees the set on any error, so a GPU whose
+        // registration fails is left out and the set is built again without it.
+        let mut unmonitored: Vec<(String, String)> = Vec::new();
+        let mut masks = Vec::new();
         for gpu in gpus {
-            let device = self
-                .nvml
-                .device_by_index(gpu.index)
-                .map_err(|e| format!("GPU {}: {e}", gpu.uuid))?;
+            let device = match self.nvml.device_by_index(gpu.index) {
+                Ok(d) => d,
+                Err(e) => {
+                    unmonitored.push((gpu.uuid.clone(), e.to_string()));
+                    continue;
+                }
+            };
             // The strict call reports bits nvml-wrapper has no flag for (0x8000) as an error
             // that carries them.
             let supported = match device.supported_event_types_strict() {
                 Ok(types) => types.bits(),
                 Err(NvmlError::IncorrectBits(Bits::U64(raw))) => raw,
                 Err(NvmlError::NotSupported) => 0,
-                Err(e) => return Err(format!("GPU {}: supported events: {e}", gpu.uuid)),
+                Err(e) => {
+                    unmonitored.push((gpu.uuid.clone(), format!("supported events: {e}")));
+                    continue;
+                }
             };
             let mask = supported & wanted;
             if mask == 0 {
                 unmonitored.push((gpu.uuid.clone(), "NVML has no health events for it".into()));
                 continue;
             }
-            set = device
-                .register_events(EventTypes::from_bits_retain(mask), set)
-                .map_err(|e| format!("GPU {}: register events: {}", gpu.uuid, e.error))?;
+            masks.push((gpu, mask));
         }
-        self.set = Some(set);
-        Ok(unmonitored)
+        'build: for _ in 0..=masks.len() {
+            let mut set = self
+                .nvml
+                .create_event_set()
+                .map_err(|e| format!("event set: {e}"))?;
+            for (i, (gpu, mask)) in masks.iter().enumerate() {
+                let registered = self
+                    .nvml
+                    .device_by_index(gpu.index)
+                    .map_err(|e| e.to_string())
+                    .and_then(|device| {
+                        device
+                            .register_events(EventTypes::from_bits_retain(*mask), set)
+                            .map_err(|e| e.error.to_string())
+                    });
+                match registered {
+                    Ok(next) => set = next,
+                    Err(e) => {
+                        unmonitored.push((gpu.uuid.clone(), format!("register events: {e}")));
+                        masks.remove(i);
+                        continue 'build;
+                    }
+                }
+            }
+            self.set = Some(set);
+            return Ok(unmonitored);
+        }
+        Err("no GPU could be registered for events".into())
     }
 
     fn wait(&mut self, timeout: Duration) -> Result<RawEvent, WaitError> {

@@ -12,6 +12,7 @@ use super::settings::NvidiaSettings;
 use super::view::View;
 use crate::cdi::CdiWriter;
 use devplug::{Device, DeviceList, Health};
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex, RwLock};
@@ -172,16 +173,26 @@ fn monitor(
     let mut rearm_backoff = FIRST_RETRY;
     let mut rearm_at = Instant::now();
     let mut last_check = Instant::now();
-    shared.publish(&view, |u| book.health(u));
+    // GPUs left out of the event set; one that comes back makes the set be built again.
+    let mut unmonitored: BTreeSet<String> = BTreeSet::new();
+    let mut first = true;
     loop {
         if shared.stopping() {
             return SessionEnd::Stop;
         }
         if !armed && Instant::now() >= rearm_at {
             match session.arm(&infos) {
-                Ok(unmonitored) => {
-                    for (uuid, why) in unmonitored {
+                Ok(left_out) => {
+                    unmonitored.clear();
+                    for (uuid, why) in left_out {
+                        // Not answering at all: lost, not just unmonitored.
+                        if let Some(g) = view.gpus.iter().find(|g| g.info.uuid == uuid) {
+                            if !session.probe(g.info.index, &uuid) {
+                                log(&uuid, book.lost(&uuid));
+                            }
+                        }
                         tracing::warn!(%uuid, %why, "GPU health is not monitored");
+                        unmonitored.insert(uuid);
                     }
                     armed = true;
                     rearm_backoff = FIRST_RETRY;
@@ -196,6 +207,11 @@ fn monitor(
                 }
             }
             shared.publish(&view, |u| book.health(u));
+        }
+        if first {
+            // The first list goes out once health is watched (or known not to be).
+            shared.publish(&view, |u| book.health(u));
+            first = false;
         }
         let result = if armed && settings.health.enabled {
             session.wait(tick)
@@ -248,10 +264,17 @@ fn monitor(
                 } else {
                     None
                 };
-                changed |= log(&uuid, book.check(&uuid, action, answers));
+                let change = book.check(&uuid, action, answers);
+                if matches!(change, Change::Recovered(_)) && unmonitored.contains(&uuid) {
+                    // Back, but not in the event set: build it again with this GPU before it
+                    // is published healthy (the set's rebuild publishes).
+                    armed = false;
+                    rearm_at = Instant::now();
+                }
+                changed |= log(&uuid, change);
             }
         }
-        if changed {
+        if changed && armed {
             shared.publish(&view, |u| book.health(u));
         }
     }
