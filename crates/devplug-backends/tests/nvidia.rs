@@ -171,6 +171,18 @@ async fn counts(kubelet: &Kubelet, resource: &str, total: usize, healthy: usize)
     }
 }
 
+/// Waits until the backend says why it is not ready, and returns that.
+async fn not_ready(backend: &NvidiaBackend, containing: &str) -> String {
+    let start = std::time::Instant::now();
+    loop {
+        let now = backend.not_ready().unwrap_or_default();
+        if now.contains(containing) || start.elapsed() > WAIT {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 fn reason(backend: &NvidiaBackend, id: &str) -> String {
     let list = backend.devices().borrow().clone();
     list.get(id).unwrap().health.to_string()
@@ -502,7 +514,7 @@ async fn library_missing_then_appearing() {
     let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
     // Registered with nothing, not ready, and the reason says why.
     counts(&kubelet, "nvidia.com/gpu", 0, 0).await;
-    let reason = backends[0].not_ready().unwrap();
+    let reason = not_ready(&backends[0], "NVML not available").await;
     assert!(reason.contains("NVML not available"), "{reason}");
     assert!(reason.contains("libnvidia-ml.so.1"), "{reason}");
     // Let the retry backoff grow past 1 s, so that only the inotify wake can be this quick.
@@ -593,4 +605,28 @@ async fn a_gpu_lost_while_the_event_set_is_rebuilt_does_not_blind_the_others() {
     node.inject("xid 6 79 1");
     counts(&kubelet, "nvidia.com/gpu", 8, 7).await;
     assert!(reason(&backends[0], &node.uuid(6)).contains("xid 79"));
+}
+
+#[tokio::test]
+async fn driver_not_loaded_then_loaded() {
+    // The library is there but the driver is not (the fake's nvmlInit answers
+    // DRIVER_NOT_LOADED while it has no topology).
+    let node = Node::new("pcie-4gpu", false);
+    let config = node.lib_dir.join("fake-nvml.yaml");
+    let topology = std::fs::read_to_string(&config).unwrap();
+    std::fs::remove_file(&config).unwrap();
+    node.install_driver();
+    std::fs::remove_file(node.tree.path("dev/nvidiactl")).unwrap();
+    let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
+    counts(&kubelet, "nvidia.com/gpu", 0, 0).await;
+    let reason = not_ready(&backends[0], "driver").await;
+    assert!(
+        reason.contains("the NVIDIA driver is not loaded"),
+        "{reason}"
+    );
+    // The driver loads: its config appears, then /dev/nvidiactl.
+    std::fs::write(&config, topology).unwrap();
+    node.tree.file("dev/nvidiactl", "").unwrap();
+    counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
+    assert_eq!(backends[0].not_ready(), None);
 }
