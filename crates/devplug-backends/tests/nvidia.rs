@@ -630,3 +630,40 @@ async fn driver_not_loaded_then_loaded() {
     counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
     assert_eq!(backends[0].not_ready(), None);
 }
+
+#[tokio::test]
+async fn the_cdi_spec_follows_control_nodes_made_after_discovery() {
+    let node = Node::new("pcie-4gpu", true);
+    let (kubelet, _host, _b) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
+    counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
+    let path = node.tree.path("cdi/devplug-nvidia.com_gpu.json");
+    let common = || -> Vec<String> {
+        let spec: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        spec["containerEdits"]["deviceNodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["path"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(common(), ["/dev/nvidiactl", "/dev/nvidia-uvm"]);
+    // nvidia-modprobe makes the UVM tools node on first use.
+    node.tree.file("dev/nvidia-uvm-tools", "").unwrap();
+    let start = std::time::Instant::now();
+    while common().len() != 3 {
+        assert!(
+            start.elapsed() < WAIT,
+            "the spec never got nvidia-uvm-tools: {:?}",
+            common()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(common()[2], "/dev/nvidia-uvm-tools");
+    // And when it goes.
+    std::fs::remove_file(node.tree.path("dev/nvidia-uvm-tools")).unwrap();
+    while common().len() != 2 {
+        assert!(start.elapsed() < WAIT, "the spec kept nvidia-uvm-tools");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

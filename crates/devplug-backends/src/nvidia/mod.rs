@@ -86,7 +86,12 @@ impl NvidiaBackend {
         });
         let (wake, wake_rx) = std::sync::mpsc::channel();
         let stop = CancellationToken::new();
-        tokio::spawn(watch_driver(settings.clone(), wake.clone(), stop.clone()));
+        tokio::spawn(watch_driver(
+            settings.clone(),
+            shared.clone(),
+            wake.clone(),
+            stop.clone(),
+        ));
         let for_thread = (settings.clone(), shared.clone());
         std::thread::Builder::new()
             .name("nvml".into())
@@ -117,8 +122,14 @@ impl Drop for NvidiaBackend {
 }
 
 /// Wakes the NVML thread when the driver shows up: `/dev/nvidiactl` made, or the library
-/// copied into a watched folder.
-async fn watch_driver(settings: Arc<NvidiaSettings>, wake: Sender<()>, stop: CancellationToken) {
+/// copied into a watched folder. Rewrites the CDI spec when another control node appears or
+/// goes (`/dev/nvidia-uvm` is made on first use, often after discovery).
+async fn watch_driver(
+    settings: Arc<NvidiaSettings>,
+    shared: Arc<Shared>,
+    wake: Sender<()>,
+    stop: CancellationToken,
+) {
     let mut events = match Batches::new() {
         Ok(e) => e,
         Err(err) => {
@@ -137,7 +148,7 @@ async fn watch_driver(settings: Arc<NvidiaSettings>, wake: Sender<()>, stop: Can
             }
         }
     }
-    let mask = WatchMask::CREATE | WatchMask::MOVED_TO;
+    let mask = WatchMask::CREATE | WatchMask::MOVED_TO | WatchMask::DELETE | WatchMask::MOVED_FROM;
     for dir in dirs.iter().filter(|d| d.is_dir()) {
         if let Err(err) = events.watch(dir, mask) {
             tracing::debug!(dir = %dir.display(), %err, "cannot watch");
@@ -149,11 +160,23 @@ async fn watch_driver(settings: Arc<NvidiaSettings>, wake: Sender<()>, stop: Can
             batch = events.next() => batch,
         };
         let Ok(batch) = batch else { return };
-        let interesting = batch.iter().any(|e| {
+        let control_changed = batch.iter().any(|e| {
             e.name
                 .as_ref()
                 .and_then(|n| n.to_str())
-                .is_some_and(|n| n == "nvidiactl" || n.starts_with("libnvidia-ml.so"))
+                .is_some_and(|n| n != "nvidiactl" && view::CONTROL_NODES.contains(&n))
+        });
+        if control_changed {
+            let (settings, shared) = (settings.clone(), shared.clone());
+            let _ = tokio::task::spawn_blocking(move || shared.refresh_cdi(&settings)).await;
+        }
+        let interesting = batch.iter().any(|e| {
+            !e.mask.contains(inotify::EventMask::DELETE)
+                && !e.mask.contains(inotify::EventMask::MOVED_FROM)
+                && e.name
+                    .as_ref()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n == "nvidiactl" || n.starts_with("libnvidia-ml.so"))
         });
         if !interesting {
             continue;

@@ -89,6 +89,27 @@ impl Shared {
         }
         *self.view.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(view);
     }
+
+    /// Writes the CDI spec again for the current view (a control node such as
+    /// `/dev/nvidia-uvm`, made on first use by nvidia-modprobe, appeared after discovery).
+    pub(crate) fn refresh_cdi(&self, settings: &NvidiaSettings) {
+        let view = self.view();
+        if view.gpus.is_empty() {
+            return;
+        }
+        let mut cdi = self.cdi.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(writer) = cdi.as_mut() {
+            match writer.write(&view.spec(&settings.dev_root)) {
+                Ok(changed) => {
+                    if changed {
+                        tracing::info!(path = %writer.path().display(), "CDI spec rewritten: control nodes changed");
+                    }
+                }
+                Err(err) => tracing::error!(path = %writer.path().display(), %err,
+                    "cannot rewrite the CDI spec"),
+            }
+        }
+    }
 }
 
 /// Waits up to `timeout` for a wake-up; false if the backend is gone.
