@@ -352,3 +352,144 @@ fn log(uuid: &str, change: Change) -> bool {
         Change::None => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The worker on a scripted driver (no NVML): the paths the fake library cannot reach.
+    use super::*;
+    use crate::nvidia::lib::{GpuInfo, RecoveryAction, Snapshot};
+    use std::collections::VecDeque;
+
+    struct Scripted {
+        failures: VecDeque<String>,
+        snapshot: Result<Snapshot, String>,
+        events: Arc<Mutex<VecDeque<RawEvent>>>,
+    }
+
+    struct Session<'a>(&'a mut Scripted);
+
+    impl GpuSession for Session<'_> {
+        fn snapshot(&mut self) -> Result<Snapshot, String> {
+            self.0.snapshot.clone()
+        }
+        fn recovery_action(&mut self, _: u32) -> Result<Option<RecoveryAction>, String> {
+            Ok(Some(RecoveryAction::GpuReset))
+        }
+        fn probe(&mut self, _: u32, _: &str) -> bool {
+            true
+        }
+        fn arm(&mut self, _: &[GpuInfo]) -> Result<Vec<(String, String)>, String> {
+            Ok(Vec::new())
+        }
+        fn wait(&mut self, timeout: Duration) -> Result<RawEvent, WaitError> {
+            let next = self.0.events.lock().unwrap().pop_front();
+            next.ok_or_else(|| {
+                std::thread::sleep(timeout);
+                WaitError::Timeout
+            })
+        }
+    }
+
+    impl GpuDriver for Scripted {
+        fn open(
+            &mut self,
+            body: &mut dyn FnMut(&mut dyn GpuSession) -> SessionEnd,
+        ) -> Result<SessionEnd, String> {
+            if let Some(reason) = self.failures.pop_front() {
+                return Err(reason);
+            }
+            Ok(body(&mut Session(self)))
+        }
+    }
+
+    fn gpu(index: u32) -> GpuInfo {
+        GpuInfo {
+            index,
+            uuid: format!("GPU-{index}"),
+            name: "NVIDIA L4".into(),
+            minor: index,
+            memory_bytes: 1,
+            bus_id: format!("0000:0{index}:00.0"),
+            nvlinks: Vec::new(),
+            mig_enabled: false,
+        }
+    }
+
+    fn start(driver: Scripted) -> (Arc<Shared>, std::sync::mpsc::Sender<()>) {
+        let mut settings = NvidiaSettings::default();
+        settings.health.check_interval_ms = 10;
+        settings.sys_root = std::env::temp_dir();
+        let empty = View::build(&settings, &Snapshot::default());
+        let shared = Arc::new(Shared {
+            view: RwLock::new(Arc::new(empty)),
+            devices: watch::Sender::new(DeviceList::default()),
+            not_ready: RwLock::new(None),
+            cdi_ready: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            cdi: Mutex::new(None),
+        });
+        let (wake, wake_rx) = std::sync::mpsc::channel();
+        let for_thread = shared.clone();
+        std::thread::spawn(move || run(Box::new(driver), Arc::new(settings), for_thread, wake_rx));
+        (shared, wake)
+    }
+
+    fn until(what: &str, f: impl Fn() -> bool) {
+        let start = Instant::now();
+        while !f() {
+            assert!(start.elapsed() < Duration::from_secs(10), "never: {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn not_ready_with_the_reason_until_the_driver_opens_and_a_wake_retries_at_once() {
+        let events = Arc::new(Mutex::new(VecDeque::new()));
+        let driver = Scripted {
+            failures: VecDeque::from(["the NVIDIA driver is not loaded".to_owned()]),
+            snapshot: Ok(Snapshot {
+                gpus: vec![gpu(0), gpu(1)],
+                pcie: vec![vec![None; 2]; 2],
+            }),
+            events: events.clone(),
+        };
+        let (shared, wake) = start(driver);
+        until("not ready", || {
+            shared.not_ready.read().unwrap().as_deref()
+                == Some("NVML not available: the NVIDIA driver is not loaded")
+        });
+        let started = Instant::now();
+        wake.send(()).unwrap();
+        until("2 devices", || shared.devices.borrow().healthy_count() == 2);
+        assert!(
+            started.elapsed() < Duration::from_millis(450),
+            "the wake did not retry"
+        );
+        assert_eq!(*shared.not_ready.read().unwrap(), None);
+        // An XID reaches both devices' health through the event path.
+        events.lock().unwrap().push_back(RawEvent::Xid {
+            uuid: "GPU-1".into(),
+            xid: 48,
+        });
+        until("GPU-1 unhealthy", || {
+            shared.devices.borrow().healthy_count() == 1
+        });
+        shared.stop.store(true, Ordering::Release);
+    }
+
+    #[test]
+    fn a_failed_discovery_is_a_reason_and_a_retry_not_an_exit() {
+        let driver = Scripted {
+            failures: VecDeque::new(),
+            snapshot: Err("GPU 3: uuid: Unknown Error".into()),
+            events: Arc::default(),
+        };
+        let (shared, _wake) = start(driver);
+        until("reason", || {
+            shared.not_ready.read().unwrap().as_deref()
+                == Some("GPU discovery failed: GPU 3: uuid: Unknown Error")
+        });
+        assert!(shared.devices.borrow().is_empty());
+        shared.stop.store(true, Ordering::Release);
+    }
+}
