@@ -47,7 +47,10 @@ pub fn sysfs_bus_id(nvml: &str) -> String {
     let lower = nvml.to_ascii_lowercase();
     match lower.split_once(':') {
         Some((domain, rest)) if domain.len() > 4 => {
-            format!("{}:{rest}", &domain[domain.len() - 4..])
+            match domain.get(domain.len().saturating_sub(4)..) {
+                Some(short) => format!("{short}:{rest}"),
+                None => lower.clone(),
+            }
         }
         _ => lower,
     }
@@ -315,5 +318,7 @@ mod tests {
     fn bus_ids_become_sysfs_names() {
         assert_eq!(sysfs_bus_id("00000000:3B:00.0"), "0000:3b:00.0");
         assert_eq!(sysfs_bus_id("0000:3b:00.0"), "0000:3b:00.0");
+        // Not ASCII (a broken answer): no panic, passed through.
+        assert_eq!(sysfs_bus_id("0000é000:3b:00.0"), "0000é000:3b:00.0");
     }
 }
