@@ -10,6 +10,8 @@
 //!   with exact link-aware preferred allocation and CDI specs.
 //! - [`intel_gpu`] (`intel_gpu:`): Intel GPUs (`i915` or `xe`) from sysfs, with sharing counts,
 //!   SR-IOV virtual functions, `/dev/dri/by-path` mounts and CDI specs.
+//! - [`nvidia`] (`nvidia:`): NVIDIA GPUs through NVML (loaded at run time), with time-slicing
+//!   replicas, NVLink-aware exact preferred allocation, CDI specs and health that recovers.
 //!
 //! Shared pieces: [`placement`] (exact preferred allocation over a pair-weight matrix),
 //! [`cdi`] (CDI spec files, written atomically), `sysfs` (PCI and DRM reading), `sysfs_watch`
@@ -26,6 +28,7 @@ pub mod files;
 pub mod hostdev;
 mod inotify_batch;
 pub mod intel_gpu;
+pub mod nvidia;
 pub mod placement;
 pub mod settings;
 mod sysfs;
@@ -36,5 +39,6 @@ pub use amdgpu::{AmdgpuBackend, AmdgpuSettings};
 pub use files::{FilesBackend, FilesSettings};
 pub use hostdev::{HostdevBackend, HostdevSettings};
 pub use intel_gpu::{IntelGpuBackend, IntelGpuSettings};
+pub use nvidia::{NvidiaBackend, NvidiaSettings};
 pub use settings::SettingsError;
 pub use virtual_devices::{VirtualBackend, VirtualSettings};

@@ -1,11 +1,13 @@
 //! Benchmarks of devplug through the kubelet simulator, printed as a table for
 //! `docs/benchmarks.md`. Run with `cargo build --release -p devplug-cli && cargo run --release -p devplug-bench`;
-//! `devplug-bench gpus` runs only the GPU backend figures (no `devplug` binary needed).
+//! `devplug-bench gpus` runs only the AMD/Intel GPU backend figures (no `devplug` binary needed),
+//! `devplug-bench nvidia` only the NVIDIA backend's.
 //! Figures depend on the machine; this is not a test and asserts nothing.
 
 mod backends;
 mod gpus;
 mod measure;
+mod nvidia;
 
 use anyhow::Context;
 use devplug::{Health, Host};
@@ -32,6 +34,14 @@ async fn main() -> anyhow::Result<()> {
     if std::env::args().nth(1).as_deref() == Some("gpus") {
         return gpu_figures(cpu_before).await;
     }
+    if std::env::args().nth(1).as_deref() == Some("nvidia") {
+        nvidia::preferred().await?;
+        nvidia::start_to_registered().await?;
+        nvidia::xid_to_unhealthy().await?;
+        nvidia::process_rss().await?;
+        print_machine(cpu_before);
+        return Ok(());
+    }
     round_trips().await?;
     device_changes().await?;
     restarts().await?;
@@ -43,7 +53,11 @@ async fn main() -> anyhow::Result<()> {
     gpus::late_driver().await?;
     gpus::change_latency().await?;
     gpus::preferred().await?;
+    nvidia::preferred().await?;
+    nvidia::start_to_registered().await?;
+    nvidia::xid_to_unhealthy().await?;
     measure::process_figures().await?;
+    nvidia::process_rss().await?;
     print_machine(cpu_before);
     Ok(())
 }

@@ -31,7 +31,7 @@ pub fn percentiles(samples: &mut [Duration]) -> Sample {
 
 /// The `devplug` binary: `$DEVPLUG_BIN` (e.g. the static musl build the image ships), else the
 /// one built next to this one (`cargo build --release -p devplug-cli`).
-fn devplug_binary() -> anyhow::Result<PathBuf> {
+pub(crate) fn devplug_binary() -> anyhow::Result<PathBuf> {
     if let Some(bin) = std::env::var_os("DEVPLUG_BIN") {
         return Ok(PathBuf::from(bin));
     }
@@ -99,7 +99,7 @@ impl MachineCpu {
     }
 }
 
-fn status_field(pid: u32, field: &str) -> Option<u64> {
+pub(crate) fn status_field(pid: u32, field: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let line = status.lines().find(|l| l.starts_with(field))?;
     line.split_whitespace().nth(1)?.parse().ok()
@@ -119,7 +119,7 @@ const RESOURCES: [&str; 3] = ["bench.example/a", "bench.example/b", "bench.examp
 const START_SAMPLES: usize = 10;
 
 /// Sends SIGTERM to a `devplug run` child and waits for it to exit.
-fn stop(mut child: std::process::Child) {
+pub(crate) fn stop(mut child: std::process::Child) {
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();

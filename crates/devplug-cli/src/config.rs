@@ -12,7 +12,8 @@
 use devplug::Backend;
 use devplug_backends::{
     AmdgpuBackend, AmdgpuSettings, FilesBackend, FilesSettings, HostdevBackend, HostdevSettings,
-    IntelGpuBackend, IntelGpuSettings, SettingsError, VirtualBackend, VirtualSettings,
+    IntelGpuBackend, IntelGpuSettings, NvidiaBackend, NvidiaSettings, SettingsError,
+    VirtualBackend, VirtualSettings,
 };
 use devplug_proto::resource_name;
 use serde::Deserialize;
@@ -21,7 +22,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// The backend keys a resource can have, one of which it must.
-const BACKEND_KEYS: [&str; 5] = ["virtual", "files", "hostdev", "amdgpu", "intel_gpu"];
+const BACKEND_KEYS: [&str; 6] = [
+    "virtual",
+    "files",
+    "hostdev",
+    "amdgpu",
+    "intel_gpu",
+    "nvidia",
+];
 
 /// The longest `health_hold_down`: a recovered device kept from pods for more than an hour is
 /// a mistake in the file, not a policy.
@@ -52,6 +60,8 @@ pub struct ResourceConfig {
     pub amdgpu: Option<AmdgpuSettings>,
     /// Intel GPUs from sysfs (`gpu.intel.com/i915` or `gpu.intel.com/xe`).
     pub intel_gpu: Option<IntelGpuSettings>,
+    /// NVIDIA GPUs through NVML, loaded at run time (e.g. `nvidia.com/gpu`).
+    pub nvidia: Option<NvidiaSettings>,
     /// How long a recovered device must stay healthy before the kubelet is told (e.g. `5s`;
     /// default 5s; at most [`MAX_HEALTH_HOLD_DOWN`]).
     #[serde(default, deserialize_with = "crate::duration::deserialize_opt")]
@@ -217,6 +227,9 @@ impl ResourceConfig {
         if self.intel_gpu.is_some() {
             keys.push("intel_gpu");
         }
+        if self.nvidia.is_some() {
+            keys.push("nvidia");
+        }
         keys
     }
 
@@ -260,6 +273,9 @@ impl ResourceConfig {
         if let Some(settings) = &self.intel_gpu {
             settings.validate().map_err(|e| ("intel_gpu", e))?;
         }
+        if let Some(settings) = &self.nvidia {
+            settings.validate().map_err(|e| ("nvidia", e))?;
+        }
         Ok(())
     }
 
@@ -284,6 +300,10 @@ impl ResourceConfig {
         }
         if let Some(settings) = &self.intel_gpu {
             let backend = IntelGpuBackend::start(settings).map_err(|e| ("intel_gpu", e))?;
+            return Ok(Arc::new(backend));
+        }
+        if let Some(settings) = &self.nvidia {
+            let backend = NvidiaBackend::start(&self.name, settings).map_err(|e| ("nvidia", e))?;
             return Ok(Arc::new(backend));
         }
         Err((
@@ -365,13 +385,49 @@ mod tests {
     }
 
     #[test]
+    fn the_nvidia_shapes_parse() {
+        let config = parse(
+            "resources:
+  - name: nvidia.com/gpu
+    nvidia:
+      exclude_models: [\"*H100*\"]
+      replicas: 4
+      replica_overrides: [ { gpus: [\"GPU-8a6e\", \"3\", \"*A10*\"], replicas: 2 } ]
+      replica_policy: pack
+      device_list_strategy: [cdi-cri, device-specs]
+      health: { ignored_xids: [13, 43], check_interval_ms: 500 }
+  - name: nvidia.com/h100
+    nvidia: { models: [\"*H100*\"], library: /run/nvidia/driver/usr/lib64/libnvidia-ml.so.1 }
+",
+        )
+        .unwrap();
+        let gpu = config.resources[0].nvidia.as_ref().unwrap();
+        assert_eq!(gpu.replicas, 4);
+        assert_eq!(gpu.replica_overrides[0].gpus.len(), 3);
+        assert_eq!(
+            gpu.replica_policy,
+            devplug_backends::hostdev::SharePolicy::Pack
+        );
+        assert_eq!(gpu.health.ignored_xids, [13, 43]);
+        assert!(gpu.health.enabled);
+        assert!(!gpu.sends(devplug_backends::nvidia::ListStrategy::Envvar));
+        let h100 = config.resources[1].nvidia.as_ref().unwrap();
+        assert_eq!(h100.models, ["*H100*"]);
+        assert_eq!(h100.mig_strategy, "none");
+        assert_eq!(
+            h100.health.ignored_xids,
+            devplug_backends::nvidia::DEFAULT_IGNORED_XIDS
+        );
+    }
+
+    #[test]
     fn errors_name_the_resource_and_field() {
         let cases = [
             ("resources:\n  - name: example.com/npu\n    virtual: { cout: 3 }\n", "cout"),
             ("resources:\n  - name: example.com/npu\n    virtual: { count: 0 }\n", "resources[0] (example.com/npu): virtual.count: must be between 1"),
             ("resources:\n  - name: npu\n    virtual: { count: 1 }\n", "resources[0] (npu): name: invalid resource name"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/x\n    virtual: { count: 1 }\n", "resources[1] (a.com/x): name: this resource is listed twice"),
-            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files, hostdev, amdgpu, intel_gpu"),
+            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files, hostdev, amdgpu, intel_gpu, nvidia"),
             ("resources:\n  - name: a.com/x\n    hostdev: { groups: [ { paths: [ttyUSB0] } ] }\n", "resources[0] (a.com/x): hostdev.groups[0].paths[0]: \"ttyUSB0\" must be a device node path under /dev/"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    files: { dir: /x }\n", "2 backends (virtual, files)"),
             ("resources:\n  - name: a.com/x\n    files: { dir: colas }\n", "resources[0] (a.com/x): files.dir: colas must be an absolute path"),
@@ -383,6 +439,9 @@ mod tests {
             ("resources:\n  - name: amd.com/gpu\n    amdgpu: { partition_type: CPX }\n", "resources[0] (amd.com/gpu): amdgpu.partition_type: \"CPX\" must be"),
             ("resources:\n  - name: gpu.intel.com/i915\n    intel_gpu: { count: 0 }\n", "resources[0] (gpu.intel.com/i915): intel_gpu.count: must be between 1 and 1000"),
             ("resources:\n  - name: gpu.intel.com/xe\n    intel_gpu: { driver: nvidia }\n", "driver"),
+            ("resources:\n  - name: nvidia.com/mig-1g.10gb\n    nvidia: { mig_strategy: mixed }\n", "resources[0] (nvidia.com/mig-1g.10gb): nvidia.mig_strategy: \"mixed\" is not implemented"),
+            ("resources:\n  - name: nvidia.com/gpu\n    nvidia: { device_list_strategy: [volume-mounts] }\n", "volume-mounts"),
+            ("resources:\n  - name: nvidia.com/gpu\n    nvidia: { replica_overrides: [ { gpus: [], replicas: 2 } ] }\n", "nvidia.replica_overrides[0].gpus: is empty"),
         ];
         for (text, needle) in cases {
             let err = parse(text).unwrap_err();

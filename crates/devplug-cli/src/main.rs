@@ -6,6 +6,7 @@
 mod check_config;
 mod config;
 mod demo;
+mod demo_nvidia;
 mod duration;
 mod endpoints;
 mod http;
@@ -46,8 +47,9 @@ struct Cli {
 enum Command {
     /// Serve every resource in a config file to the kubelet until SIGTERM.
     Run(run::RunArgs),
-    /// Show a virtual plugin's whole life on a simulated kubelet (no cluster, no root).
-    Demo,
+    /// Show a virtual plugin's whole life on a simulated kubelet (no cluster, no root);
+    /// `demo nvidia`: the nvidia backend on a fake DGX-1 through the real NVML loading path.
+    Demo(DemoArgs),
     /// Look at device plugin sockets as the kubelet would: options, devices, health changes,
     /// allocations. Works with any vendor's plugin.
     Inspect(inspect::InspectArgs),
@@ -78,6 +80,17 @@ fn man() -> anyhow::Result<()> {
     output::print(&String::from_utf8_lossy(&page))
 }
 
+/// Which demo.
+#[derive(Debug, clap::Args)]
+struct DemoArgs {
+    /// `npu` (default): a virtual NPU plugin; `nvidia`: NVIDIA GPUs on the fake NVML.
+    #[arg(default_value = "npu", value_parser = ["npu", "nvidia"])]
+    what: String,
+    /// The fake NVML library for `nvidia` (default: libfake_nvml.so next to this binary).
+    #[arg(long)]
+    library: Option<std::path::PathBuf>,
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_current_thread()
@@ -95,9 +108,13 @@ fn main() -> ExitCode {
             logging::init(cli.log_format, "info");
             runtime.block_on(run::run(args))
         }
-        Command::Demo => {
+        Command::Demo(args) => {
             logging::init(cli.log_format, "error");
-            runtime.block_on(demo::demo())
+            if args.what == "nvidia" {
+                runtime.block_on(demo_nvidia::demo(args.library.as_deref()))
+            } else {
+                runtime.block_on(demo::demo())
+            }
         }
         Command::Inspect(args) => {
             logging::init(cli.log_format, "warn");

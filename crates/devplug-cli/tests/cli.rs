@@ -23,6 +23,45 @@ fn write(dir: &Path, name: &str, text: &str) -> String {
 }
 
 #[test]
+fn nvidia_demo_runs_on_the_fake_nvml_and_exits_0() {
+    let exe = std::env::current_exe().unwrap();
+    let lib = exe.parent().unwrap().join("libfake_nvml.so");
+    let out = devplug(&["demo", "nvidia", "--library", lib.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "node capacity nvidia.com/gpu: 8, allocatable 8",
+        "NVIDIA_VISIBLE_DEVICES=GPU-",
+        "CDI device nvidia.com/gpu=GPU-",
+        "allocatable 7; GPU-",
+        "Unhealthy (xid 79: GPU has fallen off the bus (recovery action GPU_RESET))",
+        "allocatable 8",
+        "done.",
+    ] {
+        assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
+    }
+    // The 4 GPUs are one of the DGX-1's two fully NVLinked quads (indexes 0-3 or 4-7).
+    let quad: Vec<char> = stdout
+        .lines()
+        .filter_map(|l| {
+            l.trim()
+                .strip_prefix("GPU-1d0c0000-0000-4000-8000-00000000000")
+        })
+        .filter_map(|rest| rest.chars().next())
+        .collect();
+    assert_eq!(quad.len(), 4, "{stdout}");
+    assert!(
+        quad.iter().all(|c| ('0'..='3').contains(c))
+            || quad.iter().all(|c| ('4'..='7').contains(c)),
+        "{stdout}"
+    );
+}
+
+#[test]
 fn demo_runs_the_whole_story_and_exits_0() {
     let out = devplug(&["demo"]);
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -160,3 +160,98 @@ async fn metrics_addr_takes_a_bare_port_as_kubernetes_components_do() {
     assert!(status.success(), "{log}");
     assert!(log.contains(&format!("0.0.0.0:{port}")), "{log}");
 }
+
+/// The nvidia backend in the real binary: NVML missing keeps the process up, serving its other
+/// resources, with /readyz 503 and the reason; the library appearing (the fake NVML, with
+/// /dev/nvidiactl made) makes it ready; an injected XID shows in the metrics with its reason.
+#[tokio::test]
+async fn nvidia_not_ready_until_the_driver_appears_and_xid_reasons_in_metrics() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plugins = tmp.path().join("device-plugins");
+    let lib_dir = tmp.path().join("driver/usr/lib64");
+    let dev = tmp.path().join("dev");
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    std::fs::create_dir_all(&dev).unwrap();
+    let topology = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fake-nvml/topologies/pcie-4gpu.yaml");
+    std::fs::copy(&topology, lib_dir.join("fake-nvml.yaml")).unwrap();
+    let config = tmp.path().join("config.yaml");
+    let text = format!(
+        "resources:\n  - name: {RESOURCE}\n    virtual: {{ count: 2 }}\n  - name: nvidia.com/gpu\n    health_hold_down: 0s\n    nvidia: {{ library: {}, dev_root: {}, sys_root: {}, cdi_dir: {} }}\n",
+        lib_dir.join("libnvidia-ml.so.1").display(),
+        dev.display(),
+        tmp.path().join("sys").display(),
+        tmp.path().join("cdi").display(),
+    );
+    std::fs::write(&config, text).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let kubelet = Kubelet::start(&plugins).await.unwrap();
+    let devplug = Devplug::run_with(&config, &plugins, &["--metrics-addr", &addr]);
+
+    // The virtual resource is served; nvidia registers with nothing and holds readiness.
+    kubelet
+        .wait_for(WAIT, |n| (n.capacity(RESOURCE) == (2, 2)).then_some(()))
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let body = loop {
+        let body = until(port, "/readyz", 503).await;
+        if body.contains("NVML not available") || start.elapsed() > WAIT {
+            break body;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        body.contains("nvidia.com/gpu: NVML not available"),
+        "{body}"
+    );
+
+    // The driver arrives.
+    let exe = std::env::current_exe().unwrap();
+    let fake = exe.parent().unwrap().join("libfake_nvml.so");
+    // Installed as package managers do (a half-written library must not be dlopened).
+    std::fs::copy(&fake, lib_dir.join(".libnvidia-ml.so.1.new")).unwrap();
+    std::fs::rename(
+        lib_dir.join(".libnvidia-ml.so.1.new"),
+        lib_dir.join("libnvidia-ml.so.1"),
+    )
+    .unwrap();
+    std::fs::write(dev.join("nvidiactl"), "").unwrap();
+    if kubelet
+        .wait_for(WAIT, |n| {
+            (n.capacity("nvidia.com/gpu") == (4, 4)).then_some(())
+        })
+        .await
+        .is_err()
+    {
+        let (_, log) = devplug.terminate(WAIT).await;
+        panic!("the GPUs never came: {log}");
+    }
+    until(port, "/readyz", 200).await;
+
+    // An XID: the kubelet sees one fewer, the metrics say why.
+    let control = lib_dir.join("pcie-4gpu.control");
+    std::fs::write(&control, "xid 2 79 1\n").unwrap();
+    kubelet
+        .wait_for(WAIT, |n| {
+            (n.capacity("nvidia.com/gpu") == (4, 3)).then_some(())
+        })
+        .await
+        .unwrap();
+    let text = until(port, "/metrics", 200).await;
+    assert!(
+        text.contains(
+            "reason=\"xid 79: GPU has fallen off the bus (recovery action GPU_RESET)\"} 1"
+        ),
+        "{text}"
+    );
+    drop(kubelet);
+    let (status, log) = devplug.terminate(WAIT).await;
+    assert!(status.success(), "{log}");
+    assert!(log.contains("NVML loaded"), "{log}");
+}

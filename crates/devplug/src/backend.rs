@@ -43,6 +43,13 @@ pub trait Backend: Send + Sync + 'static {
         Options::default()
     }
 
+    /// Why the backend cannot serve its devices right now (e.g. a driver that is not loaded
+    /// yet), or `None` when it can. The process keeps serving either way; readiness probes
+    /// report the reason.
+    fn not_ready(&self) -> Option<String> {
+        None
+    }
+
     /// Problems that do not stop the backend but that an operator should see, such as a
     /// device pattern that matches nothing (often a typo). Exported as metrics; the backend
     /// logs each once itself. Read on every metrics scrape: keep it cheap.

@@ -54,7 +54,8 @@ pub struct MetricsSnapshot {
     pub streams: usize,
     /// Why the device list cannot be sent to the kubelet (over its 4 MiB limit), if so.
     pub list_error: Option<String>,
-    /// Why the resource is not ready, if it is not.
+    /// Why the resource is not ready, if it is not: the backend's reason
+    /// ([`crate::Backend::not_ready`]) first, else the connection's.
     pub not_ready: Option<String>,
     /// Problems the backend reports that do not stop it, as (kind, detail).
     pub warnings: Vec<(String, String)>,

@@ -346,7 +346,11 @@ impl Host {
                     registered: status.registered,
                     streams: status.streams,
                     list_error: status.list_error.clone(),
-                    not_ready: status.not_ready_reason(),
+                    not_ready: r
+                        .shared
+                        .backend()
+                        .not_ready()
+                        .or_else(|| status.not_ready_reason()),
                     warnings: r
                         .shared
                         .backend()
@@ -376,13 +380,14 @@ impl Host {
         matches!(*self.folder.borrow(), FolderState::Present)
     }
 
-    /// Ready when every resource is registered and streaming to the kubelet.
+    /// Ready when every resource is registered and streaming to the kubelet, and no backend
+    /// says it cannot serve its devices ([`Backend::not_ready`]).
     pub fn is_ready(&self) -> bool {
         let resources = self.lock();
         !resources.is_empty()
-            && resources
-                .values()
-                .all(|r| r.status.subscribe().borrow().is_ready())
+            && resources.values().all(|r| {
+                r.status.subscribe().borrow().is_ready() && r.shared.backend().not_ready().is_none()
+            })
     }
 
     /// Stops every resource: ends streams, closes listeners and removes our sockets. The report

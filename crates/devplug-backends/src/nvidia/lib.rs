@@ -1,0 +1,180 @@
+//! The seam between the `nvidia` backend and NVML: a small trait over owned data (no
+//! lifetimes, no NVML types), implemented by [`super::nvml`] with `nvml-wrapper`. Everything
+//! else in the backend (discovery into devices, health, allocation) works on these types.
+
+use std::time::Duration;
+
+/// One GPU as NVML reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// NVML index.
+    pub index: u32,
+    /// `GPU-…` UUID: the device id, as NVIDIA's plugin uses.
+    pub uuid: String,
+    /// Product name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub name: String,
+    /// Minor number: the node is `/dev/nvidia<minor>`.
+    pub minor: u32,
+    /// Total memory in bytes.
+    pub memory_bytes: u64,
+    /// PCI address as sysfs names it (`0000:3b:00.0`).
+    pub bus_id: String,
+    /// One entry per active NVLink: the PCI address at the other end (a GPU or an NVSwitch).
+    pub nvlinks: Vec<String>,
+    /// Whether MIG mode is on (then, with `mig_strategy: none`, it is still served whole).
+    pub mig_enabled: bool,
+}
+
+/// NVML's PCIe common-ancestor level between two GPUs, best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum PcieLevel {
+    /// The same board (e.g. two GPUs of one card).
+    Internal,
+    /// One PCIe switch between them.
+    Single,
+    /// Several PCIe switches, no host bridge.
+    Multiple,
+    /// The same host bridge.
+    HostBridge,
+    /// The same NUMA node.
+    Node,
+    /// Across the CPU interconnect.
+    System,
+}
+
+impl PcieLevel {
+    /// go-gpuallocator's score for the level (higher is better).
+    pub fn score(self) -> u32 {
+        match self {
+            PcieLevel::Internal => 60,
+            PcieLevel::Single => 50,
+            PcieLevel::Multiple => 40,
+            PcieLevel::HostBridge => 30,
+            PcieLevel::Node => 20,
+            PcieLevel::System => 10,
+        }
+    }
+}
+
+/// Everything discovery learns in one pass.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Snapshot {
+    /// The GPUs, in index order.
+    pub gpus: Vec<GpuInfo>,
+    /// `pcie[i][j]`: the level between GPUs `i` and `j` (by position in `gpus`); `None` where
+    /// NVML could not tell.
+    pub pcie: Vec<Vec<Option<PcieLevel>>>,
+}
+
+/// An event NVML delivered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RawEvent {
+    /// A critical XID on a GPU.
+    Xid {
+        /// The GPU's UUID.
+        uuid: String,
+        /// The XID.
+        xid: u64,
+    },
+    /// A double-bit ECC error.
+    DoubleBitEcc {
+        /// The GPU's UUID.
+        uuid: String,
+    },
+    /// Anything else about a GPU, e.g. a change of its recovery action (event 0x8000, which
+    /// nvml-wrapper hands over with an empty type): look at the GPU again.
+    Other {
+        /// The GPU's UUID.
+        uuid: String,
+    },
+}
+
+/// Why a wait ended without an event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WaitError {
+    /// Nothing happened before the timeout.
+    Timeout,
+    /// A GPU fell off the bus; which one is not said.
+    GpuLost,
+    /// NVML failed; the event set must be rebuilt.
+    Failed(String),
+}
+
+/// NVML's GPU recovery action (field 230).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecoveryAction {
+    /// Nothing to do: the GPU is usable.
+    None,
+    /// Reset the GPU.
+    GpuReset,
+    /// Reboot the node.
+    NodeReboot,
+    /// Drain peer-to-peer traffic.
+    DrainP2p,
+    /// Drain, then reset.
+    DrainAndReset,
+    /// A value this code does not know.
+    Other(u32),
+}
+
+impl RecoveryAction {
+    /// From the raw field value.
+    pub fn from_raw(v: u32) -> Self {
+        match v {
+            0 => RecoveryAction::None,
+            1 => RecoveryAction::GpuReset,
+            2 => RecoveryAction::NodeReboot,
+            3 => RecoveryAction::DrainP2p,
+            4 => RecoveryAction::DrainAndReset,
+            other => RecoveryAction::Other(other),
+        }
+    }
+
+    /// NVML's name for it.
+    pub fn name(self) -> String {
+        match self {
+            RecoveryAction::None => "NONE".into(),
+            RecoveryAction::GpuReset => "GPU_RESET".into(),
+            RecoveryAction::NodeReboot => "NODE_REBOOT".into(),
+            RecoveryAction::DrainP2p => "DRAIN_P2P".into(),
+            RecoveryAction::DrainAndReset => "DRAIN_AND_RESET".into(),
+            RecoveryAction::Other(v) => format!("unknown ({v})"),
+        }
+    }
+}
+
+/// An open NVML: what the backend asks of it. All answers are owned data.
+pub trait GpuSession {
+    /// Enumerates the GPUs with their links and PCIe levels.
+    fn snapshot(&mut self) -> Result<Snapshot, String>;
+    /// The GPU's recovery action; `Ok(None)` where the driver does not have it.
+    fn recovery_action(&mut self, index: u32) -> Result<Option<RecoveryAction>, String>;
+    /// True if the GPU at `index` answers with this UUID (a probe a lost GPU fails).
+    fn probe(&mut self, index: u32, uuid: &str) -> bool;
+    /// (Re)builds the event set for these GPUs; returns the UUIDs left out of it (no events
+    /// supported, not answering, registration refused) with the reason, so that one bad GPU
+    /// never blinds the others. An error means no events at all.
+    fn arm(&mut self, gpus: &[GpuInfo]) -> Result<Vec<(String, String)>, String>;
+    /// Waits up to `timeout` for one event.
+    fn wait(&mut self, timeout: Duration) -> Result<RawEvent, WaitError>;
+}
+
+/// Opens NVML and runs a session on it. `Err` means the driver is not there or not ready,
+/// with the reason.
+pub trait GpuDriver: Send + 'static {
+    /// Loads the library and initialises NVML, then hands the session to `body` and returns
+    /// what it returns (NVML is shut down after).
+    fn open(
+        &mut self,
+        body: &mut dyn FnMut(&mut dyn GpuSession) -> SessionEnd,
+    ) -> Result<SessionEnd, String>;
+}
+
+/// Why a session ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionEnd {
+    /// The backend is stopping.
+    Stop,
+    /// Start again (re-open NVML), for this reason.
+    Reopen(String),
+}

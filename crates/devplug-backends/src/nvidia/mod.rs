@@ -1,0 +1,383 @@
+//! The `nvidia` backend: NVIDIA GPUs through NVML, a drop-in for NVIDIA's device plugin.
+//!
+//! - `lib`: the seam, a small trait over owned data ([`GpuDriver`], [`GpuSession`]).
+//! - `nvml`: its real implementation with `nvml-wrapper`, loaded at run time.
+//! - `view`: one resource's GPUs, replica ids, CDI spec and pair matrix.
+//! - `health`: one state per physical GPU, recovering on a positive signal.
+//! - `worker`: the dedicated thread that owns NVML.
+//! - `settings`: the config keys.
+//!
+//! Ids are GPU UUIDs, or `<uuid>::<n>` for time-slicing replicas. `Allocate` sends
+//! `NVIDIA_VISIBLE_DEVICES` (deduplicated UUIDs), CDI names `nvidia.com/gpu=<uuid>` backed by a
+//! spec file written atomically, and/or the device nodes, as configured. Preferred allocation
+//! is the exact search of [`crate::placement`] over NVLink and PCIe scores for whole GPUs, and
+//! `spread`/`pack` over replicas. NVML missing or failing never ends the process: the resource
+//! serves nothing (or Unhealthy devices) and retries.
+
+mod health;
+pub mod lib;
+mod nvml;
+pub mod settings;
+mod view;
+mod worker;
+
+pub use health::xid_description;
+pub use lib::{GpuDriver, GpuInfo, GpuSession, PcieLevel, Snapshot};
+pub use nvml::{sysfs_bus_id, NvmlDriver};
+pub use settings::{ListStrategy, NvidiaSettings, DEFAULT_IGNORED_XIDS};
+pub use view::{CDI_KIND, NVLINK_SCORE};
+
+use crate::cdi::{qualified_name, CdiWriter};
+use crate::hostdev::SharePolicy;
+use crate::inotify_batch::Batches;
+use crate::settings::SettingsError;
+use crate::sysfs::dev_node;
+use devplug::{AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest};
+use inotify::WatchMask;
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, RwLock};
+use tokio::sync::watch;
+use tokio_util::sync::{CancellationToken, DropGuard};
+use view::View;
+use worker::Shared;
+
+/// The env var NVIDIA's container runtime reads.
+pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
+
+/// NVIDIA GPUs as devices of one resource.
+pub struct NvidiaBackend {
+    settings: Arc<NvidiaSettings>,
+    shared: Arc<Shared>,
+    wake: Sender<()>,
+    _watch: DropGuard,
+}
+
+impl NvidiaBackend {
+    /// Starts the backend with the real NVML. `resource` names the CDI spec file. Never fails
+    /// for a missing driver: it is retried. Must be called inside a tokio runtime.
+    pub fn start(resource: &str, settings: &NvidiaSettings) -> Result<Self, SettingsError> {
+        let for_candidates = settings.clone();
+        let driver = NvmlDriver::new(move || for_candidates.library_candidates());
+        Self::start_with(resource, settings, Box::new(driver))
+    }
+
+    /// Starts the backend on any [`GpuDriver`].
+    pub fn start_with(
+        resource: &str,
+        settings: &NvidiaSettings,
+        driver: Box<dyn GpuDriver>,
+    ) -> Result<Self, SettingsError> {
+        settings.validate()?;
+        let settings = Arc::new(settings.clone());
+        let cdi = settings
+            .sends(ListStrategy::CdiCri)
+            .then(|| CdiWriter::new(&settings.cdi_dir, &format!("devplug-{resource}")));
+        let empty = View::build(&settings, &Snapshot::default());
+        let shared = Arc::new(Shared {
+            view: RwLock::new(Arc::new(empty)),
+            devices: watch::Sender::new(DeviceList::default()),
+            not_ready: RwLock::new(Some("NVML not loaded yet".into())),
+            cdi_ready: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            cdi: Mutex::new(cdi),
+        });
+        let (wake, wake_rx) = std::sync::mpsc::channel();
+        let stop = CancellationToken::new();
+        tokio::spawn(watch_driver(
+            settings.clone(),
+            shared.clone(),
+            wake.clone(),
+            stop.clone(),
+        ));
+        let for_thread = (settings.clone(), shared.clone());
+        std::thread::Builder::new()
+            .name("nvml".into())
+            .spawn(move || worker::run(driver, for_thread.0, for_thread.1, wake_rx))
+            .map_err(|e| SettingsError::new("", format!("cannot start the NVML thread: {e}")))?;
+        Ok(NvidiaBackend {
+            settings,
+            shared,
+            wake,
+            _watch: stop.drop_guard(),
+        })
+    }
+
+    fn view(&self) -> Arc<View> {
+        self.shared
+            .view
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+impl Drop for NvidiaBackend {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        let _ = self.wake.send(());
+    }
+}
+
+/// Wakes the NVML thread when the driver shows up: `/dev/nvidiactl` made, or the library
+/// copied into a watched folder. Rewrites the CDI spec when another control node appears or
+/// goes (`/dev/nvidia-uvm` is made on first use, often after discovery).
+async fn watch_driver(
+    settings: Arc<NvidiaSettings>,
+    shared: Arc<Shared>,
+    wake: Sender<()>,
+    stop: CancellationToken,
+) {
+    let mut events = match Batches::new() {
+        Ok(e) => e,
+        Err(err) => {
+            tracing::warn!(%err, "no inotify: the driver is found by retrying only");
+            return;
+        }
+    };
+    let mut dirs: BTreeSet<PathBuf> = BTreeSet::from([settings.dev_root.clone()]);
+    match &settings.library {
+        Some(lib) => dirs.extend(lib.parent().map(PathBuf::from)),
+        None => {
+            for root in &settings.driver_roots {
+                for dir in ["usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib"] {
+                    dirs.insert(root.join(dir));
+                }
+            }
+        }
+    }
+    let mask = WatchMask::CREATE | WatchMask::MOVED_TO | WatchMask::DELETE | WatchMask::MOVED_FROM;
+    for dir in dirs.iter().filter(|d| d.is_dir()) {
+        if let Err(err) = events.watch(dir, mask) {
+            tracing::debug!(dir = %dir.display(), %err, "cannot watch");
+        }
+    }
+    loop {
+        let batch = tokio::select! {
+            _ = stop.cancelled() => return,
+            batch = events.next() => batch,
+        };
+        let Ok(batch) = batch else { return };
+        let control_changed = batch.iter().any(|e| {
+            e.name
+                .as_ref()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n != "nvidiactl" && view::CONTROL_NODES.contains(&n))
+        });
+        if control_changed {
+            let (settings, shared) = (settings.clone(), shared.clone());
+            let _ = tokio::task::spawn_blocking(move || shared.refresh_cdi(&settings)).await;
+        }
+        let interesting = batch.iter().any(|e| {
+            !e.mask.contains(inotify::EventMask::DELETE)
+                && !e.mask.contains(inotify::EventMask::MOVED_FROM)
+                && e.name
+                    .as_ref()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n == "nvidiactl" || n.starts_with("libnvidia-ml.so"))
+        });
+        if !interesting {
+            continue;
+        }
+        // Let a driver installation settle (more nodes, a library still being written) before
+        // the NVML thread tries: quiet for 50 ms, at most 500 ms.
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(500);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(std::time::Duration::from_millis(50)) => break,
+                _ = tokio::time::sleep_until(deadline) => break,
+                more = events.next() => if more.is_err() { break },
+            }
+        }
+        if wake.send(()).is_err() {
+            return;
+        }
+    }
+}
+
+impl Backend for NvidiaBackend {
+    fn devices(&self) -> watch::Receiver<DeviceList> {
+        self.shared.devices.subscribe()
+    }
+
+    fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
+        let view = self.view();
+        if self.settings.fail_requests_greater_than_one && view.shared && ids.len() > 1 {
+            return Err(AllocateError::InvalidRequest(format!(
+                "{} shared GPUs requested; fail_requests_greater_than_one allows one replica per \
+                 container (replicas share a GPU, they add no compute)",
+                ids.len()
+            )));
+        }
+        let mut gpus = Vec::new();
+        let mut seen = HashSet::new();
+        for id in ids {
+            let gpu = view
+                .index
+                .get(id)
+                .and_then(|&i| view.gpus.get(i))
+                .ok_or_else(|| {
+                    AllocateError::InvalidRequest(format!("device {id:?} is no longer present"))
+                })?;
+            if seen.insert(gpu.info.uuid.as_str()) {
+                gpus.push(gpu);
+            }
+        }
+        let mut edits = ContainerEdits::default();
+        if self.settings.sends(ListStrategy::Envvar) {
+            let uuids: Vec<&str> = gpus.iter().map(|g| g.info.uuid.as_str()).collect();
+            edits
+                .envs
+                .insert(VISIBLE_DEVICES_ENV.into(), uuids.join(","));
+        }
+        if self.settings.sends(ListStrategy::DeviceSpecs) {
+            let dev_root = &self.settings.dev_root;
+            for node in View::control_nodes(dev_root) {
+                edits.devices.push(dev_node(dev_root, &node));
+            }
+            for gpu in &gpus {
+                edits
+                    .devices
+                    .push(dev_node(dev_root, &View::gpu_node(&gpu.info)));
+            }
+        }
+        if self.settings.sends(ListStrategy::CdiCri)
+            && self.shared.cdi_ready.load(Ordering::Acquire)
+        {
+            edits.cdi_devices = gpus
+                .iter()
+                .map(|g| qualified_name(CDI_KIND, &g.info.uuid))
+                .collect();
+        }
+        Ok(edits)
+    }
+
+    fn preferred(&self, request: &PreferenceRequest<'_>) -> Vec<String> {
+        let view = self.view();
+        let mut out = if view.shared {
+            prefer_replicas(&view, request, self.settings.replica_policy)
+        } else {
+            let index = |ids: &[String]| -> Vec<usize> {
+                ids.iter()
+                    .filter_map(|id| view.index.get(id).copied())
+                    .collect()
+            };
+            let selection = view.matrix.best(
+                &index(request.available),
+                &index(request.must_include),
+                request.size,
+            );
+            selection
+                .devices
+                .iter()
+                .filter_map(|&i| view.gpus.get(i).map(|g| g.ids[0].clone()))
+                .collect()
+        };
+        // Must-include ids this backend does not know (anymore) still go first; the host
+        // trims the answer to the size.
+        for id in request.must_include {
+            if !view.index.contains_key(id) {
+                out.insert(0, id.clone());
+            }
+        }
+        out
+    }
+
+    fn options(&self) -> Options {
+        Options {
+            preferred_allocation: true,
+            pre_start_required: false,
+        }
+    }
+
+    /// Why the resource cannot serve GPUs now (NVML not loaded, driver not ready), if so.
+    fn not_ready(&self) -> Option<String> {
+        self.shared
+            .not_ready
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+/// Replicas: must-include first; then, per pick, `spread` takes a GPU this request has not
+/// used yet with the fewest replicas in use (by other containers: its replicas not in
+/// `available`), `pack` the GPU with the most in use (this request's picks included), NUMA
+/// node of the request's first GPU as the tie-break, then GPU order.
+fn prefer_replicas(
+    view: &View,
+    request: &PreferenceRequest<'_>,
+    policy: SharePolicy,
+) -> Vec<String> {
+    let mut chosen: Vec<String> = request.must_include.to_vec();
+    let mut free: HashMap<usize, Vec<&String>> = HashMap::new();
+    let taken: HashSet<&str> = chosen.iter().map(String::as_str).collect();
+    for id in request.available {
+        if taken.contains(id.as_str()) {
+            continue;
+        }
+        if let Some(&g) = view.index.get(id) {
+            free.entry(g).or_default().push(id);
+        }
+    }
+    for ids in free.values_mut() {
+        ids.sort();
+        ids.dedup();
+        ids.reverse(); // pop() gives the lowest id
+    }
+    let mut in_use: HashMap<usize, usize> = HashMap::new();
+    let mut mine: HashMap<usize, usize> = HashMap::new();
+    for (g, gpu) in view.gpus.iter().enumerate() {
+        let available = free.get(&g).map_or(0, Vec::len);
+        in_use.insert(g, gpu.ids.len().saturating_sub(available));
+    }
+    for id in &chosen {
+        if let Some(&g) = view.index.get(id) {
+            *mine.entry(g).or_default() += 1;
+        }
+    }
+    let home = chosen
+        .first()
+        .and_then(|id| view.index.get(id))
+        .and_then(|&g| view.gpus[g].numa);
+    while chosen.len() < request.size {
+        let need = request.size.saturating_sub(chosen.len());
+        let best = free
+            .iter()
+            .filter(|(_, ids)| !ids.is_empty())
+            .map(|(&g, ids)| (g, ids.len()))
+            .min_by_key(|&(g, left)| {
+                let used = in_use.get(&g).copied().unwrap_or(0) as i64;
+                let here = mine.get(&g).copied().unwrap_or(0) as i64;
+                let left = left as i64;
+                let numa_miss = home.is_some() && view.gpus[g].numa != home;
+                match policy {
+                    SharePolicy::Spread => (here, used, -left, numa_miss, g),
+                    // The most used GPU; among equals, the smallest that holds the rest of
+                    // the request, else the one with the most left.
+                    SharePolicy::Pack => {
+                        let fits = left >= need as i64;
+                        (
+                            -used,
+                            i64::from(!fits),
+                            if fits { left } else { -left },
+                            numa_miss,
+                            g,
+                        )
+                    }
+                }
+            })
+            .map(|(g, _)| g);
+        let Some(g) = best else { break };
+        let Some(id) = free.get_mut(&g).and_then(Vec::pop) else {
+            break;
+        };
+        *mine.entry(g).or_default() += 1;
+        *in_use.entry(g).or_default() += 1;
+        chosen.push(id.clone());
+    }
+    chosen
+}

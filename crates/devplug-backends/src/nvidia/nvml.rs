@@ -1,0 +1,324 @@
+//! The real [`GpuDriver`]: NVML through `nvml-wrapper`, loaded at run time (`dlopen`), so the
+//! binary starts and serves its other resources on a node without the library.
+//!
+//! `Nvml` lives on the stack of [`NvmlDriver::open`], on the backend's own thread, and the
+//! session borrows it: no `'static` NVML, no leaked handle, and `nvmlShutdown` runs when the
+//! session ends. `register_events` frees the event set on any error (nvml-wrapper's contract),
+//! so a failed registration rebuilds the whole set.
+
+use super::lib::{
+    GpuDriver, GpuInfo, GpuSession, PcieLevel, RawEvent, RecoveryAction, SessionEnd, Snapshot,
+    WaitError,
+};
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enum_wrappers::device::TopologyLevel;
+use nvml_wrapper::enums::device::SampleValue;
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::{Bits, NvmlError};
+use nvml_wrapper::structs::device::FieldId;
+use nvml_wrapper::{EventSet, Nvml};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// `NVML_NVLINK_MAX_LINKS`.
+const MAX_LINKS: u32 = 18;
+/// `NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`.
+const FIELD_RECOVERY_ACTION: u32 = 230;
+/// `nvmlEventTypeGpuRecoveryAction` (driver 565+; nvml-wrapper has no flag for it).
+const EVENT_RECOVERY_ACTION: u64 = 0x8000;
+
+/// Loads `libnvidia-ml.so.1` from the first candidate path that works.
+pub struct NvmlDriver {
+    candidates: Box<dyn Fn() -> Vec<PathBuf> + Send>,
+}
+
+impl NvmlDriver {
+    /// A driver that tries the paths `candidates` returns (asked again at every attempt, as a
+    /// driver container may appear later).
+    pub fn new(candidates: impl Fn() -> Vec<PathBuf> + Send + 'static) -> Self {
+        NvmlDriver {
+            candidates: Box::new(candidates),
+        }
+    }
+}
+
+/// nvml-wrapper's PCI bus id (`00000000:3B:00.0`) as sysfs names it (`0000:3b:00.0`).
+pub fn sysfs_bus_id(nvml: &str) -> String {
+    let lower = nvml.to_ascii_lowercase();
+    match lower.split_once(':') {
+        Some((domain, rest)) if domain.len() > 4 => {
+            match domain.get(domain.len().saturating_sub(4)..) {
+                Some(short) => format!("{short}:{rest}"),
+                None => lower.clone(),
+            }
+        }
+        _ => lower,
+    }
+}
+
+impl GpuDriver for NvmlDriver {
+    fn open(
+        &mut self,
+        body: &mut dyn FnMut(&mut dyn GpuSession) -> SessionEnd,
+    ) -> Result<SessionEnd, String> {
+        let mut reasons = Vec::new();
+        for path in (self.candidates)() {
+            match Nvml::builder().lib_path(path.as_os_str()).init() {
+                Ok(nvml) => {
+                    tracing::info!(library = %path.display(), "NVML loaded");
+                    let mut session = NvmlSession {
+                        nvml: &nvml,
+                        set: None,
+                    };
+                    let end = body(&mut session);
+                    drop(session);
+                    if let Err(err) = nvml.shutdown() {
+                        tracing::debug!(%err, "nvmlShutdown failed");
+                    }
+                    return Ok(end);
+                }
+                Err(err) => reasons.push(format!("{}: {}", path.display(), describe(&err))),
+            }
+        }
+        Err(reasons.join("; "))
+    }
+}
+
+fn describe(err: &NvmlError) -> String {
+    match err {
+        NvmlError::LibloadingError(e) => format!("library not loadable ({e})"),
+        NvmlError::DriverNotLoaded => "the NVIDIA driver is not loaded".into(),
+        NvmlError::LibRmVersionMismatch => {
+            "NVML and the kernel driver differ in version (a driver update in progress?)".into()
+        }
+        other => other.to_string(),
+    }
+}
+
+struct NvmlSession<'n> {
+    nvml: &'n Nvml,
+    set: Option<EventSet<'n>>,
+}
+
+fn level(l: TopologyLevel) -> PcieLevel {
+    match l {
+        TopologyLevel::Internal => PcieLevel::Internal,
+        TopologyLevel::Single => PcieLevel::Single,
+        TopologyLevel::Multiple => PcieLevel::Multiple,
+        TopologyLevel::HostBridge => PcieLevel::HostBridge,
+        TopologyLevel::Node => PcieLevel::Node,
+        TopologyLevel::System => PcieLevel::System,
+    }
+}
+
+impl GpuSession for NvmlSession<'_> {
+    fn snapshot(&mut self) -> Result<Snapshot, String> {
+        let nvml = self.nvml;
+        let count = nvml
+            .device_count()
+            .map_err(|e| format!("device count: {e}"))?;
+        let mut gpus = Vec::new();
+        let mut devices = Vec::new();
+        for index in 0..count {
+            let device = nvml
+                .device_by_index(index)
+                .map_err(|e| format!("GPU {index}: {e}"))?;
+            let field = |what: &str, e: NvmlError| format!("GPU {index}: {what}: {e}");
+            let uuid = device.uuid().map_err(|e| field("uuid", e))?;
+            let name = device.name().map_err(|e| field("name", e))?;
+            let minor = device
+                .minor_number()
+                .map_err(|e| field("minor number", e))?;
+            let memory_bytes = device.memory_info().map(|m| m.total).unwrap_or(0);
+            let bus_id = sysfs_bus_id(&device.pci_info().map_err(|e| field("PCI info", e))?.bus_id);
+            let mut nvlinks = Vec::new();
+            for link in 0..MAX_LINKS {
+                let wrapper = device.link_wrapper_for(link);
+                match wrapper.is_active() {
+                    Ok(true) => {
+                        if let Ok(remote) = wrapper.remote_pci_info() {
+                            nvlinks.push(sysfs_bus_id(&remote.bus_id));
+                        }
+                    }
+                    Ok(false) => {}
+                    // No NVLink on this GPU, or no more links.
+                    Err(_) => break,
+                }
+            }
+            let mig_enabled = device.mig_mode().is_ok_and(|m| m.current == 1);
+            gpus.push(GpuInfo {
+                index,
+                uuid,
+                name,
+                minor,
+                memory_bytes,
+                bus_id,
+                nvlinks,
+                mig_enabled,
+            });
+            devices.push(device);
+        }
+        let n = devices.len();
+        let mut pcie = vec![vec![None; n]; n];
+        for i in 0..n {
+            for j in (i + 1)..n {
+                let other = nvml.device_by_index(gpus[j].index);
+                let l = other
+                    .and_then(|o| devices[i].topology_common_ancestor(o))
+                    .ok()
+                    .map(level);
+                pcie[i][j] = l;
+                pcie[j][i] = l;
+            }
+        }
+        Ok(Snapshot { gpus, pcie })
+    }
+
+    fn recovery_action(&mut self, index: u32) -> Result<Option<RecoveryAction>, String> {
+        let device = self
+            .nvml
+            .device_by_index(index)
+            .map_err(|e| e.to_string())?;
+        let values = match device.field_values_for(&[FieldId(FIELD_RECOVERY_ACTION)]) {
+            Ok(values) => values,
+            Err(NvmlError::NotSupported) | Err(NvmlError::FailedToLoadSymbol(_)) => {
+                return Ok(None)
+            }
+            Err(e) => return Err(e.to_string()),
+        };
+        match values.into_iter().next() {
+            Some(Ok(sample)) => match sample.value {
+                Ok(SampleValue::U32(v)) => Ok(Some(RecoveryAction::from_raw(v))),
+                Ok(SampleValue::U64(v)) => Ok(Some(RecoveryAction::from_raw(
+                    u32::try_from(v).unwrap_or(u32::MAX),
+                ))),
+                Ok(_) => Ok(None),
+                Err(NvmlError::NotSupported) => Ok(None),
+                Err(e) => Err(e.to_string()),
+            },
+            Some(Err(NvmlError::NotSupported)) | None => Ok(None),
+            Some(Err(e)) => Err(e.to_string()),
+        }
+    }
+
+    fn probe(&mut self, index: u32, uuid: &str) -> bool {
+        self.nvml
+            .device_by_index(index)
+            .and_then(|d| {
+                d.pci_info()?;
+                d.uuid()
+            })
+            .is_ok_and(|u| u == uuid)
+    }
+
+    fn arm(&mut self, gpus: &[GpuInfo]) -> Result<Vec<(String, String)>, String> {
+        self.set = None;
+        let wanted = EventTypes::CRITICAL_XID_ERROR.bits()
+            | EventTypes::DOUBLE_BIT_ECC_ERROR.bits()
+            | EVENT_RECOVERY_ACTION;
+        // A GPU that cannot be asked (lost, or no events) is left out, so that one bad GPU
+        // never blinds the others. register_events frees the set on any error, so a GPU whose
+        // registration fails is left out and the set is built again without it.
+        let mut unmonitored: Vec<(String, String)> = Vec::new();
+        let mut masks = Vec::new();
+        for gpu in gpus {
+            let device = match self.nvml.device_by_index(gpu.index) {
+                Ok(d) => d,
+                Err(e) => {
+                    unmonitored.push((gpu.uuid.clone(), e.to_string()));
+                    continue;
+                }
+            };
+            // The strict call reports bits nvml-wrapper has no flag for (0x8000) as an error
+            // that carries them.
+            let supported = match device.supported_event_types_strict() {
+                Ok(types) => types.bits(),
+                Err(NvmlError::IncorrectBits(Bits::U64(raw))) => raw,
+                Err(NvmlError::NotSupported) => 0,
+                Err(e) => {
+                    unmonitored.push((gpu.uuid.clone(), format!("supported events: {e}")));
+                    continue;
+                }
+            };
+            let mask = supported & wanted;
+            if mask == 0 {
+                unmonitored.push((gpu.uuid.clone(), "NVML has no health events for it".into()));
+                continue;
+            }
+            masks.push((gpu, mask));
+        }
+        'build: for _ in 0..=masks.len() {
+            let mut set = self
+                .nvml
+                .create_event_set()
+                .map_err(|e| format!("event set: {e}"))?;
+            for (i, (gpu, mask)) in masks.iter().enumerate() {
+                let registered = self
+                    .nvml
+                    .device_by_index(gpu.index)
+                    .map_err(|e| e.to_string())
+                    .and_then(|device| {
+                        device
+                            .register_events(EventTypes::from_bits_retain(*mask), set)
+                            .map_err(|e| e.error.to_string())
+                    });
+                match registered {
+                    Ok(next) => set = next,
+                    Err(e) => {
+                        unmonitored.push((gpu.uuid.clone(), format!("register events: {e}")));
+                        masks.remove(i);
+                        continue 'build;
+                    }
+                }
+            }
+            self.set = Some(set);
+            return Ok(unmonitored);
+        }
+        Err("no GPU could be registered for events".into())
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<RawEvent, WaitError> {
+        let Some(set) = &self.set else {
+            std::thread::sleep(timeout);
+            return Err(WaitError::Timeout);
+        };
+        let ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+        match set.wait(ms) {
+            Ok(event) => {
+                let Ok(uuid) = event.device.uuid() else {
+                    return Err(WaitError::GpuLost);
+                };
+                if event.event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
+                    let xid = match event.event_data {
+                        Some(XidError::Value(v)) => v,
+                        _ => 999,
+                    };
+                    Ok(RawEvent::Xid { uuid, xid })
+                } else if event.event_type.contains(EventTypes::DOUBLE_BIT_ECC_ERROR) {
+                    Ok(RawEvent::DoubleBitEcc { uuid })
+                } else {
+                    Ok(RawEvent::Other { uuid })
+                }
+            }
+            Err(NvmlError::Timeout) => Err(WaitError::Timeout),
+            Err(NvmlError::GpuLost) => Err(WaitError::GpuLost),
+            Err(e) => {
+                self.set = None;
+                Err(WaitError::Failed(e.to_string()))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_ids_become_sysfs_names() {
+        assert_eq!(sysfs_bus_id("00000000:3B:00.0"), "0000:3b:00.0");
+        assert_eq!(sysfs_bus_id("0000:3b:00.0"), "0000:3b:00.0");
+        // Not ASCII (a broken answer): no panic, passed through.
+        assert_eq!(sysfs_bus_id("0000é000:3b:00.0"), "0000é000:3b:00.0");
+    }
+}

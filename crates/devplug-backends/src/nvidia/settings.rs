@@ -1,0 +1,352 @@
+//! Settings of the `nvidia` backend: where NVML is, which GPUs this resource serves, what
+//! `Allocate` sends, time-slicing replicas (with per-GPU counts), and the health policy.
+
+use crate::hostdev::SharePolicy;
+use crate::settings::{check_absolute, default_cdi_dir, default_dev_root, default_sys_root};
+use crate::SettingsError;
+use serde::Deserialize;
+use std::path::PathBuf;
+
+/// The most replicas one GPU may be split into (bounds the device list and the env var).
+pub const MAX_REPLICAS: u32 = 256;
+
+/// Where drivers live, in the order they are tried (NVIDIA's driver container mounts its root
+/// at `/run/nvidia/driver`; the GPU Operator's plugin sees it at `/driver-root`).
+pub const DEFAULT_DRIVER_ROOTS: [&str; 3] = ["/", "/run/nvidia/driver", "/driver-root"];
+
+/// XIDs that mean "the application failed, the GPU is fine" (docs/gpus.md, "XID policy"):
+/// NVIDIA's list (13, 31, 43, 45, 68) without 109 (a context-switch timeout: NVIDIA's XID
+/// catalog says reset the GPU), plus 94 (a contained ECC error: the catalog says restart the
+/// application), as NVIDIA/k8s-device-plugin#1974 argues.
+pub const DEFAULT_IGNORED_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 94];
+
+/// Settings of the `nvidia` backend.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NvidiaSettings {
+    /// The `libnvidia-ml.so.1` to load. Default: the first that exists under a driver root
+    /// (`<root>/usr/lib/x86_64-linux-gnu`, `<root>/usr/lib64`, `<root>/usr/lib`), else the
+    /// dynamic loader's search path.
+    #[serde(default)]
+    pub library: Option<PathBuf>,
+    /// Driver roots to look for the library under (default `/`, `/run/nvidia/driver`,
+    /// `/driver-root`).
+    #[serde(default = "default_driver_roots")]
+    pub driver_roots: Vec<PathBuf>,
+    /// Serve only GPUs whose product name matches one of these globs (e.g. `"*H100*"`), so
+    /// mixed nodes get one resource per model. Default: every GPU.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Leave out GPUs whose product name matches one of these globs.
+    #[serde(default)]
+    pub exclude_models: Vec<String>,
+    /// MIG: only `none` (MIG GPUs are served whole, as NVIDIA's `none`). `single` and
+    /// `mixed` are refused: not implemented yet.
+    #[serde(default = "default_mig")]
+    pub mig_strategy: String,
+    /// What `Allocate` sends, any of `envvar` (`NVIDIA_VISIBLE_DEVICES=<uuids>`), `cdi-cri`
+    /// (CDI names `nvidia.com/gpu=<uuid>` plus the spec file), `device-specs` (the device
+    /// nodes). Default `[envvar, cdi-cri]`.
+    #[serde(default = "default_strategies")]
+    pub device_list_strategy: Vec<ListStrategy>,
+    /// Where the CDI spec goes (default `/var/run/cdi`).
+    #[serde(default = "default_cdi_dir")]
+    pub cdi_dir: PathBuf,
+    /// Time-slicing: each GPU is advertised this many times, as `<uuid>::<n>` (default 1: the
+    /// UUID alone).
+    #[serde(default = "one")]
+    pub replicas: u32,
+    /// Per-GPU replica counts; the first entry that matches a GPU wins.
+    #[serde(default)]
+    pub replica_overrides: Vec<ReplicaOverride>,
+    /// Which replicas a container gets: `spread` (fewest used replicas first, distinct GPUs
+    /// where possible; default) or `pack`.
+    #[serde(default)]
+    pub replica_policy: SharePolicy,
+    /// Refuse a request for more than one replica (NVIDIA's `failRequestsGreaterThanOne`).
+    #[serde(default)]
+    pub fail_requests_greater_than_one: bool,
+    /// Health checking.
+    #[serde(default)]
+    pub health: HealthSettings,
+    /// The host's /dev (for tests: a fake tree).
+    #[serde(default = "default_dev_root")]
+    pub dev_root: PathBuf,
+    /// The host's /sys (for tests: a fake tree).
+    #[serde(default = "default_sys_root")]
+    pub sys_root: PathBuf,
+    /// Longest wait between attempts to load the driver (ms, default 30000; the first retry
+    /// comes after 500 ms, then doubling).
+    #[serde(default = "default_retry_max_ms")]
+    pub retry_max_ms: u64,
+}
+
+/// One per-GPU replica count.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaOverride {
+    /// GPUs by UUID, by index (`"3"`) or by product-name glob (`"*A100*"`).
+    pub gpus: Vec<String>,
+    /// Replicas for these GPUs.
+    pub replicas: u32,
+}
+
+/// One thing `Allocate` can send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ListStrategy {
+    /// `NVIDIA_VISIBLE_DEVICES` with the UUIDs (for NVIDIA's container runtime or hook).
+    Envvar,
+    /// CDI device names in the response, and the CDI spec file.
+    CdiCri,
+    /// The device nodes as device specs.
+    DeviceSpecs,
+}
+
+/// Health checking.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthSettings {
+    /// Watch NVML events (default true). Off: every GPU NVML lists is Healthy.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// XIDs that leave the GPU healthy (default: 13, 31, 43, 45, 68, 94). A recovery action
+    /// other than NONE still makes any XID count.
+    #[serde(default = "default_ignored")]
+    pub ignored_xids: Vec<u64>,
+    /// How often faulted GPUs are checked for recovery, and the longest single event wait (ms,
+    /// default 1000).
+    #[serde(default = "default_check_ms")]
+    pub check_interval_ms: u64,
+}
+
+impl Default for HealthSettings {
+    fn default() -> Self {
+        HealthSettings {
+            enabled: true,
+            ignored_xids: default_ignored(),
+            check_interval_ms: default_check_ms(),
+        }
+    }
+}
+
+impl Default for NvidiaSettings {
+    /// Every GPU, NVML from the driver roots, envvar + CDI, no replicas, health on.
+    fn default() -> Self {
+        NvidiaSettings {
+            library: None,
+            driver_roots: default_driver_roots(),
+            models: Vec::new(),
+            exclude_models: Vec::new(),
+            mig_strategy: default_mig(),
+            device_list_strategy: default_strategies(),
+            cdi_dir: default_cdi_dir(),
+            replicas: 1,
+            replica_overrides: Vec::new(),
+            replica_policy: SharePolicy::Spread,
+            fail_requests_greater_than_one: false,
+            health: HealthSettings::default(),
+            dev_root: default_dev_root(),
+            sys_root: default_sys_root(),
+            retry_max_ms: default_retry_max_ms(),
+        }
+    }
+}
+
+fn default_driver_roots() -> Vec<PathBuf> {
+    DEFAULT_DRIVER_ROOTS.iter().map(PathBuf::from).collect()
+}
+
+fn default_mig() -> String {
+    "none".to_owned()
+}
+
+fn default_strategies() -> Vec<ListStrategy> {
+    vec![ListStrategy::Envvar, ListStrategy::CdiCri]
+}
+
+fn default_ignored() -> Vec<u64> {
+    DEFAULT_IGNORED_XIDS.to_vec()
+}
+
+fn default_check_ms() -> u64 {
+    1000
+}
+
+fn default_retry_max_ms() -> u64 {
+    30_000
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn check_replicas(field: &str, n: u32) -> Result<(), SettingsError> {
+    if (1..=MAX_REPLICAS).contains(&n) {
+        Ok(())
+    } else {
+        Err(SettingsError::new(
+            field,
+            format!("{n} must be between 1 and {MAX_REPLICAS}"),
+        ))
+    }
+}
+
+fn check_globs(field: &str, globs: &[String]) -> Result<(), SettingsError> {
+    for (i, g) in globs.iter().enumerate() {
+        glob::Pattern::new(g).map_err(|e| {
+            SettingsError::new(format!("{field}[{i}]"), format!("{g:?} is not a glob: {e}"))
+        })?;
+    }
+    Ok(())
+}
+
+impl NvidiaSettings {
+    /// Checks every field.
+    pub fn validate(&self) -> Result<(), SettingsError> {
+        if let Some(lib) = &self.library {
+            check_absolute("library", lib)?;
+        }
+        for (i, root) in self.driver_roots.iter().enumerate() {
+            check_absolute(&format!("driver_roots[{i}]"), root)?;
+        }
+        check_globs("models", &self.models)?;
+        check_globs("exclude_models", &self.exclude_models)?;
+        match self.mig_strategy.as_str() {
+            "none" => {}
+            "single" | "mixed" => {
+                return Err(SettingsError::new(
+                    "mig_strategy",
+                    format!(
+                        "{:?} is not implemented in devplug yet; use none (GPUs in MIG mode are \
+                         then served whole, as NVIDIA's none does)",
+                        self.mig_strategy
+                    ),
+                ))
+            }
+            other => {
+                return Err(SettingsError::new(
+                    "mig_strategy",
+                    format!("{other:?} must be none"),
+                ))
+            }
+        }
+        if self.device_list_strategy.is_empty() {
+            return Err(SettingsError::new(
+                "device_list_strategy",
+                "is empty: name at least one of envvar, cdi-cri, device-specs",
+            ));
+        }
+        check_absolute("cdi_dir", &self.cdi_dir)?;
+        check_replicas("replicas", self.replicas)?;
+        for (i, o) in self.replica_overrides.iter().enumerate() {
+            check_replicas(&format!("replica_overrides[{i}].replicas"), o.replicas)?;
+            if o.gpus.is_empty() {
+                return Err(SettingsError::new(
+                    format!("replica_overrides[{i}].gpus"),
+                    "is empty: name GPUs by UUID, index or model glob",
+                ));
+            }
+            check_globs(&format!("replica_overrides[{i}].gpus"), &o.gpus)?;
+        }
+        if self.health.check_interval_ms == 0 || self.health.check_interval_ms > 60_000 {
+            return Err(SettingsError::new(
+                "health.check_interval_ms",
+                "must be between 1 and 60000",
+            ));
+        }
+        if self.retry_max_ms < 100 {
+            return Err(SettingsError::new("retry_max_ms", "must be at least 100"));
+        }
+        check_absolute("dev_root", &self.dev_root)?;
+        check_absolute("sys_root", &self.sys_root)
+    }
+
+    /// True if `strategy` is among those configured.
+    pub fn sends(&self, strategy: ListStrategy) -> bool {
+        self.device_list_strategy.contains(&strategy)
+    }
+
+    /// The library paths to try, in order.
+    pub fn library_candidates(&self) -> Vec<PathBuf> {
+        if let Some(lib) = &self.library {
+            return vec![lib.clone()];
+        }
+        let mut out = Vec::new();
+        for root in &self.driver_roots {
+            for dir in [
+                "usr/lib/x86_64-linux-gnu",
+                "usr/lib/aarch64-linux-gnu",
+                "usr/lib64",
+                "usr/lib",
+            ] {
+                let path = root.join(dir).join("libnvidia-ml.so.1");
+                if path.exists() {
+                    out.push(path);
+                }
+            }
+        }
+        // The dynamic loader's own search (ldconfig cache, LD_LIBRARY_PATH).
+        out.push(PathBuf::from("libnvidia-ml.so.1"));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mig_single_and_mixed_are_refused_clearly() {
+        let s = NvidiaSettings {
+            mig_strategy: "mixed".into(),
+            ..Default::default()
+        };
+        let err = s.validate().unwrap_err();
+        assert_eq!(err.field, "mig_strategy");
+        assert!(err.problem.contains("not implemented"), "{err}");
+        assert!(NvidiaSettings::default().validate().is_ok());
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let cases = [
+            NvidiaSettings {
+                replicas: 0,
+                ..Default::default()
+            },
+            NvidiaSettings {
+                models: vec!["[".into()],
+                ..Default::default()
+            },
+            NvidiaSettings {
+                device_list_strategy: vec![],
+                ..Default::default()
+            },
+            NvidiaSettings {
+                replica_overrides: vec![ReplicaOverride {
+                    gpus: vec!["0".into()],
+                    replicas: 999,
+                }],
+                ..Default::default()
+            },
+        ];
+        let fields: Vec<String> = cases
+            .iter()
+            .map(|s| s.validate().unwrap_err().field)
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                "replicas",
+                "models[0]",
+                "device_list_strategy",
+                "replica_overrides[0].replicas"
+            ]
+        );
+    }
+}

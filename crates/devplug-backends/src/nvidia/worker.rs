@@ -1,0 +1,495 @@
+//! The backend's own thread: NVML calls block (`nvmlEventSetWait` for up to a second at a
+//! time), so they never run on the async runtime. The thread loads NVML (retrying with
+//! backoff, woken early when `/dev/nvidiactl` appears), discovers the GPUs, publishes the
+//! device list and CDI spec, then waits for health events and checks faulted GPUs for
+//! recovery until it is stopped. If NVML cannot be opened, the resource serves zero devices
+//! (or, once it has served some, keeps them listed as Unhealthy with the reason) and reports
+//! itself not ready.
+
+use super::health::{Change, HealthBook};
+use super::lib::{GpuDriver, GpuSession, RawEvent, SessionEnd, WaitError};
+use super::settings::NvidiaSettings;
+use super::view::View;
+use crate::cdi::CdiWriter;
+use devplug::{Device, DeviceList, Health};
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// First retry delay after a failure; doubles up to `retry_max_ms`.
+const FIRST_RETRY: Duration = Duration::from_millis(500);
+
+/// What the thread shares with the backend.
+pub(crate) struct Shared {
+    /// The latest view (for allocation).
+    pub(crate) view: RwLock<Arc<View>>,
+    /// The published device list.
+    pub(crate) devices: watch::Sender<DeviceList>,
+    /// Why the resource is not ready (NVML not open), if it is not.
+    pub(crate) not_ready: RwLock<Option<String>>,
+    /// True when the CDI spec for the published devices is on disk.
+    pub(crate) cdi_ready: AtomicBool,
+    /// Set to stop the thread.
+    pub(crate) stop: AtomicBool,
+    /// The CDI writer (None when CDI is off).
+    pub(crate) cdi: Mutex<Option<CdiWriter>>,
+}
+
+impl Shared {
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    fn set_not_ready(&self, reason: Option<String>) {
+        *self.not_ready.write().unwrap_or_else(|e| e.into_inner()) = reason;
+    }
+
+    fn view(&self) -> Arc<View> {
+        self.view.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Publishes `view` with health from `health` (a function of the UUID).
+    fn publish(&self, view: &View, health: impl Fn(&str) -> Health) {
+        let mut devices = Vec::new();
+        for gpu in &view.gpus {
+            let h = health(&gpu.info.uuid);
+            for id in &gpu.ids {
+                devices.push(
+                    Device::new(id.clone())
+                        .with_health(h.clone())
+                        .with_numa_nodes(gpu.numa),
+                );
+            }
+        }
+        let list = DeviceList::new(devices);
+        self.devices.send_if_modified(|current| {
+            let modified = *current != list;
+            if modified {
+                *current = list;
+            }
+            modified
+        });
+    }
+
+    /// Writes the CDI spec for a new view, then makes the view current.
+    fn install(&self, view: View, settings: &NvidiaSettings) {
+        let mut cdi = self.cdi.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(writer) = cdi.as_mut() {
+            match writer.write(&view.spec(&settings.dev_root)) {
+                Ok(_) => self.cdi_ready.store(true, Ordering::Release),
+                Err(err) => {
+                    tracing::error!(path = %writer.path().display(), %err,
+                        "cannot write the CDI spec; allocations carry no CDI names");
+                    self.cdi_ready.store(false, Ordering::Release);
+                }
+            }
+        }
+        *self.view.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(view);
+    }
+
+    /// Writes the CDI spec again for the current view (a control node such as
+    /// `/dev/nvidia-uvm`, made on first use by nvidia-modprobe, appeared after discovery).
+    pub(crate) fn refresh_cdi(&self, settings: &NvidiaSettings) {
+        let view = self.view();
+        if view.gpus.is_empty() {
+            return;
+        }
+        let mut cdi = self.cdi.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(writer) = cdi.as_mut() {
+            match writer.write(&view.spec(&settings.dev_root)) {
+                Ok(changed) => {
+                    if changed {
+                        tracing::info!(path = %writer.path().display(), "CDI spec rewritten: control nodes changed");
+                    }
+                }
+                Err(err) => tracing::error!(path = %writer.path().display(), %err,
+                    "cannot rewrite the CDI spec"),
+            }
+        }
+    }
+}
+
+/// Waits up to `timeout` for a wake-up; false if the backend is gone.
+fn pause(wake: &Receiver<()>, timeout: Duration) -> bool {
+    match wake.recv_timeout(timeout) {
+        Ok(()) | Err(RecvTimeoutError::Timeout) => true,
+        Err(RecvTimeoutError::Disconnected) => false,
+    }
+}
+
+/// The thread's body.
+pub(crate) fn run(
+    mut driver: Box<dyn GpuDriver>,
+    settings: Arc<NvidiaSettings>,
+    shared: Arc<Shared>,
+    wake: Receiver<()>,
+) {
+    let retry_max = Duration::from_millis(settings.retry_max_ms);
+    let mut backoff = FIRST_RETRY;
+    let mut logged: Option<String> = None;
+    loop {
+        if shared.stopping() {
+            return;
+        }
+        let mut opened = false;
+        let outcome = driver.open(&mut |session| {
+            opened = true;
+            monitor(session, &settings, &shared, &wake)
+        });
+        let reason = match outcome {
+            Ok(SessionEnd::Stop) => return,
+            Ok(SessionEnd::Reopen(reason)) => reason,
+            Err(reason) => format!("NVML not available: {reason}"),
+        };
+        if opened {
+            backoff = FIRST_RETRY;
+        }
+        if logged.as_ref() != Some(&reason) {
+            tracing::warn!(%reason, retry_in_ms = backoff.as_millis() as u64,
+                "NVIDIA GPUs are not served; retrying (also when /dev/nvidiactl appears)");
+            logged = Some(reason.clone());
+        }
+        shared.set_not_ready(Some(reason.clone()));
+        // Devices served before stay listed, Unhealthy with the reason; never served: none.
+        let view = shared.view();
+        shared.publish(&view, |_| Health::unhealthy(reason.clone()));
+        if !pause(&wake, backoff) {
+            return;
+        }
+        backoff = backoff.saturating_mul(2).min(retry_max);
+    }
+}
+
+/// One NVML session: discover, publish, watch health.
+fn monitor(
+    session: &mut dyn GpuSession,
+    settings: &NvidiaSettings,
+    shared: &Shared,
+    wake: &Receiver<()>,
+) -> SessionEnd {
+    let snapshot = match session.snapshot() {
+        Ok(s) => s,
+        Err(e) => return SessionEnd::Reopen(format!("GPU discovery failed: {e}")),
+    };
+    let view = View::build(settings, &snapshot);
+    for gpu in view.gpus.iter().filter(|g| g.info.mig_enabled) {
+        tracing::warn!(uuid = %gpu.info.uuid, "MIG mode is on; served whole (mig_strategy none)");
+    }
+    tracing::info!(
+        gpus = view.gpus.len(),
+        devices = view.index.len(),
+        "NVIDIA GPUs discovered"
+    );
+    shared.install(view, settings);
+    shared.set_not_ready(None);
+    let view = shared.view();
+    let mut book = HealthBook::new(&settings.health.ignored_xids);
+    let infos: Vec<_> = view.gpus.iter().map(|g| g.info.clone()).collect();
+    let tick = Duration::from_millis(settings.health.check_interval_ms);
+    let retry_max = Duration::from_millis(settings.retry_max_ms);
+    let mut armed = !settings.health.enabled;
+    let mut rearm_backoff = FIRST_RETRY;
+    let mut rearm_at = Instant::now();
+    let mut last_check = Instant::now();
+    // GPUs left out of the event set; one that comes back makes the set be built again.
+    let mut unmonitored: BTreeSet<String> = BTreeSet::new();
+    let mut first = true;
+    loop {
+        if shared.stopping() {
+            return SessionEnd::Stop;
+        }
+        if !armed && Instant::now() >= rearm_at {
+            match session.arm(&infos) {
+                Ok(left_out) => {
+                    unmonitored.clear();
+                    for (uuid, why) in left_out {
+                        // Not answering at all: lost, not just unmonitored.
+                        if let Some(g) = view.gpus.iter().find(|g| g.info.uuid == uuid) {
+                            if !session.probe(g.info.index, &uuid) {
+                                log(&uuid, book.lost(&uuid));
+                            }
+                        }
+                        tracing::warn!(%uuid, %why, "GPU health is not monitored");
+                        unmonitored.insert(uuid);
+                    }
+                    armed = true;
+                    rearm_backoff = FIRST_RETRY;
+                    book.set_unknown(None);
+                }
+                Err(e) => {
+                    let reason = format!("health unknown: cannot watch NVML events: {e}");
+                    tracing::error!(%reason, retry_in_ms = rearm_backoff.as_millis() as u64);
+                    book.set_unknown(Some(reason));
+                    rearm_at = Instant::now() + rearm_backoff;
+                    rearm_backoff = rearm_backoff.saturating_mul(2).min(retry_max);
+                }
+            }
+            shared.publish(&view, |u| book.health(u));
+        }
+        if first {
+            // The first list goes out once health is watched (or known not to be).
+            shared.publish(&view, |u| book.health(u));
+            first = false;
+        }
+        let result = if armed && settings.health.enabled {
+            session.wait(tick)
+        } else {
+            let until = if armed {
+                tick
+            } else {
+                rearm_at.saturating_duration_since(Instant::now()).min(tick)
+            };
+            if !pause(wake, until) {
+                return SessionEnd::Stop;
+            }
+            Err(WaitError::Timeout)
+        };
+        let mut changed = false;
+        match result {
+            Ok(event) => changed |= handle(session, &view, &mut book, event),
+            Err(WaitError::Timeout) => {}
+            Err(WaitError::GpuLost) => {
+                for gpu in &view.gpus {
+                    if !session.probe(gpu.info.index, &gpu.info.uuid) {
+                        changed |= log(&gpu.info.uuid, book.lost(&gpu.info.uuid));
+                    }
+                }
+            }
+            Err(WaitError::Failed(e)) => {
+                let reason = format!("health unknown: NVML event wait failed: {e}");
+                tracing::error!(%reason, "rebuilding the event set");
+                book.set_unknown(Some(reason));
+                armed = false;
+                rearm_at = Instant::now() + rearm_backoff;
+                rearm_backoff = rearm_backoff.saturating_mul(2).min(retry_max);
+                changed = true;
+            }
+        }
+        // Publish a fault before anything can clear it, then look for recovery once a tick.
+        if changed {
+            shared.publish(&view, |u| book.health(u));
+            changed = false;
+        }
+        if last_check.elapsed() >= tick {
+            last_check = Instant::now();
+            for (uuid, _) in book.pending() {
+                let Some(gpu) = view.gpus.iter().find(|g| g.info.uuid == uuid) else {
+                    continue;
+                };
+                let answers = session.probe(gpu.info.index, &uuid);
+                let action = if answers {
+                    session.recovery_action(gpu.info.index).ok().flatten()
+                } else {
+                    None
+                };
+                let change = book.check(&uuid, action, answers);
+                if matches!(change, Change::Recovered(_)) && unmonitored.contains(&uuid) {
+                    // Back, but not in the event set: build it again with this GPU before it
+                    // is published healthy (the set's rebuild publishes).
+                    armed = false;
+                    rearm_at = Instant::now();
+                }
+                changed |= log(&uuid, change);
+            }
+        }
+        if changed && armed {
+            shared.publish(&view, |u| book.health(u));
+        }
+    }
+}
+
+/// Applies one event; true if a GPU's health changed.
+fn handle(
+    session: &mut dyn GpuSession,
+    view: &View,
+    book: &mut HealthBook,
+    event: RawEvent,
+) -> bool {
+    let index_of = |uuid: &str| {
+        view.gpus
+            .iter()
+            .find(|g| g.info.uuid == uuid)
+            .map(|g| g.info.index)
+    };
+    match event {
+        RawEvent::Xid { uuid, xid } => {
+            let action = index_of(&uuid).and_then(|i| session.recovery_action(i).ok().flatten());
+            log(&uuid, book.xid(&uuid, xid, action))
+        }
+        RawEvent::DoubleBitEcc { uuid } => log(&uuid, book.ecc(&uuid)),
+        RawEvent::Other { uuid } => {
+            let Some(index) = index_of(&uuid) else {
+                return false;
+            };
+            let action = session.recovery_action(index).ok().flatten();
+            match action {
+                Some(a) if a != super::lib::RecoveryAction::None => {
+                    log(&uuid, book.xid(&uuid, 154, Some(a)))
+                }
+                _ => log(&uuid, book.check(&uuid, action, true)),
+            }
+        }
+    }
+}
+
+fn log(uuid: &str, change: Change) -> bool {
+    match change {
+        Change::Unhealthy(reason) => {
+            tracing::warn!(%uuid, %reason, "GPU unhealthy");
+            true
+        }
+        Change::Ignored(what) => {
+            tracing::info!(%uuid, %what, "XID ignored by policy: the application failed, the GPU is fine");
+            false
+        }
+        Change::Recovered(was) => {
+            tracing::info!(%uuid, %was, "GPU recovered (healthy after the hold-down)");
+            true
+        }
+        Change::None => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The worker on a scripted driver (no NVML): the paths the fake library cannot reach.
+    use super::*;
+    use crate::nvidia::lib::{GpuInfo, RecoveryAction, Snapshot};
+    use std::collections::VecDeque;
+
+    struct Scripted {
+        failures: VecDeque<String>,
+        snapshot: Result<Snapshot, String>,
+        events: Arc<Mutex<VecDeque<RawEvent>>>,
+    }
+
+    struct Session<'a>(&'a mut Scripted);
+
+    impl GpuSession for Session<'_> {
+        fn snapshot(&mut self) -> Result<Snapshot, String> {
+            self.0.snapshot.clone()
+        }
+        fn recovery_action(&mut self, _: u32) -> Result<Option<RecoveryAction>, String> {
+            Ok(Some(RecoveryAction::GpuReset))
+        }
+        fn probe(&mut self, _: u32, _: &str) -> bool {
+            true
+        }
+        fn arm(&mut self, _: &[GpuInfo]) -> Result<Vec<(String, String)>, String> {
+            Ok(Vec::new())
+        }
+        fn wait(&mut self, timeout: Duration) -> Result<RawEvent, WaitError> {
+            let next = self.0.events.lock().unwrap().pop_front();
+            next.ok_or_else(|| {
+                std::thread::sleep(timeout);
+                WaitError::Timeout
+            })
+        }
+    }
+
+    impl GpuDriver for Scripted {
+        fn open(
+            &mut self,
+            body: &mut dyn FnMut(&mut dyn GpuSession) -> SessionEnd,
+        ) -> Result<SessionEnd, String> {
+            if let Some(reason) = self.failures.pop_front() {
+                return Err(reason);
+            }
+            Ok(body(&mut Session(self)))
+        }
+    }
+
+    fn gpu(index: u32) -> GpuInfo {
+        GpuInfo {
+            index,
+            uuid: format!("GPU-{index}"),
+            name: "NVIDIA L4".into(),
+            minor: index,
+            memory_bytes: 1,
+            bus_id: format!("0000:0{index}:00.0"),
+            nvlinks: Vec::new(),
+            mig_enabled: false,
+        }
+    }
+
+    fn start(driver: Scripted) -> (Arc<Shared>, std::sync::mpsc::Sender<()>) {
+        let mut settings = NvidiaSettings::default();
+        settings.health.check_interval_ms = 10;
+        settings.sys_root = std::env::temp_dir();
+        let empty = View::build(&settings, &Snapshot::default());
+        let shared = Arc::new(Shared {
+            view: RwLock::new(Arc::new(empty)),
+            devices: watch::Sender::new(DeviceList::default()),
+            not_ready: RwLock::new(None),
+            cdi_ready: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            cdi: Mutex::new(None),
+        });
+        let (wake, wake_rx) = std::sync::mpsc::channel();
+        let for_thread = shared.clone();
+        std::thread::spawn(move || run(Box::new(driver), Arc::new(settings), for_thread, wake_rx));
+        (shared, wake)
+    }
+
+    fn until(what: &str, f: impl Fn() -> bool) {
+        let start = Instant::now();
+        while !f() {
+            assert!(start.elapsed() < Duration::from_secs(10), "never: {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn not_ready_with_the_reason_until_the_driver_opens_and_a_wake_retries_at_once() {
+        let events = Arc::new(Mutex::new(VecDeque::new()));
+        let driver = Scripted {
+            failures: VecDeque::from(["the NVIDIA driver is not loaded".to_owned()]),
+            snapshot: Ok(Snapshot {
+                gpus: vec![gpu(0), gpu(1)],
+                pcie: vec![vec![None; 2]; 2],
+            }),
+            events: events.clone(),
+        };
+        let (shared, wake) = start(driver);
+        until("not ready", || {
+            shared.not_ready.read().unwrap().as_deref()
+                == Some("NVML not available: the NVIDIA driver is not loaded")
+        });
+        let started = Instant::now();
+        wake.send(()).unwrap();
+        until("2 devices", || shared.devices.borrow().healthy_count() == 2);
+        assert!(
+            started.elapsed() < Duration::from_millis(450),
+            "the wake did not retry"
+        );
+        assert_eq!(*shared.not_ready.read().unwrap(), None);
+        // An XID reaches both devices' health through the event path.
+        events.lock().unwrap().push_back(RawEvent::Xid {
+            uuid: "GPU-1".into(),
+            xid: 48,
+        });
+        until("GPU-1 unhealthy", || {
+            shared.devices.borrow().healthy_count() == 1
+        });
+        shared.stop.store(true, Ordering::Release);
+    }
+
+    #[test]
+    fn a_failed_discovery_is_a_reason_and_a_retry_not_an_exit() {
+        let driver = Scripted {
+            failures: VecDeque::new(),
+            snapshot: Err("GPU 3: uuid: Unknown Error".into()),
+            events: Arc::default(),
+        };
+        let (shared, _wake) = start(driver);
+        until("reason", || {
+            shared.not_ready.read().unwrap().as_deref()
+                == Some("GPU discovery failed: GPU 3: uuid: Unknown Error")
+        });
+        assert!(shared.devices.borrow().is_empty());
+        shared.stop.store(true, Ordering::Release);
+    }
+}

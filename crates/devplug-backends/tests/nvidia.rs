@@ -1,0 +1,669 @@
+//! The nvidia backend through the kubelet simulator over real Unix sockets, with the real
+//! NVML path: nvml-wrapper dlopens the fake `libnvidia-ml.so.1` (crates/fake-nvml, copied into
+//! a temporary driver root per test so tests run in parallel, each with its own topology), on
+//! fake sysfs and /dev trees. Faults go in through the fake's control file and come back out
+//! of `nvmlEventSetWait`, as they would from a driver.
+#![allow(clippy::unwrap_used)] // a panic in a test is a failed test
+
+use devplug::{Backend, Host, PreferenceRequest, ResourceSettings};
+use devplug_backends::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
+use devplug_backends::hostdev::SharePolicy;
+use devplug_backends::nvidia::{sysfs_bus_id, ListStrategy, NvidiaBackend, NvidiaSettings};
+use kubelet_sim::Kubelet;
+use serde::Deserialize;
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+#[derive(Deserialize)]
+struct Topology {
+    gpus: Vec<TopoGpu>,
+}
+
+#[derive(Deserialize)]
+struct TopoGpu {
+    uuid: String,
+    bus_id: String,
+    numa: i64,
+    #[serde(default)]
+    nvlinks: Vec<u32>,
+}
+
+/// The fake NVML that cargo built for this test run (a dev-dependency of this crate).
+fn fake_library() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let lib = exe.parent().unwrap().join("libfake_nvml.so");
+    assert!(
+        lib.exists(),
+        "{} is missing: cargo builds it as a dev-dependency",
+        lib.display()
+    );
+    lib
+}
+
+/// A node: a fake sysfs and /dev, a driver root with (optionally) the fake NVML in it.
+struct Node {
+    _tmp: tempfile::TempDir,
+    tree: FakeSysfs,
+    topology: Topology,
+    lib_dir: PathBuf,
+    name: String,
+}
+
+impl Node {
+    fn new(name: &str, with_library: bool) -> Node {
+        let tmp = tempfile::tempdir_in(scratch_dir()).unwrap();
+        let tree = FakeSysfs::new(tmp.path()).unwrap();
+        let source = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fake-nvml/topologies")
+            .join(format!("{name}.yaml"));
+        let text = std::fs::read_to_string(&source).unwrap();
+        let topology: Topology = serde_saphyr::from_str(&text).unwrap();
+        for (i, gpu) in topology.gpus.iter().enumerate() {
+            tree.pci(&PciSpec {
+                address: sysfs_bus_id(&gpu.bus_id),
+                vendor: 0x10de,
+                device: 0x1db1,
+                class: 0x030200,
+                numa: gpu.numa,
+                iommu_group: i as u32,
+            })
+            .unwrap();
+            tree.file(&format!("dev/nvidia{i}"), "").unwrap();
+        }
+        tree.file("dev/nvidia-uvm", "").unwrap();
+        let lib_dir = tmp.path().join("driver/usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&lib_dir).unwrap();
+        std::fs::write(lib_dir.join("fake-nvml.yaml"), text).unwrap();
+        let node = Node {
+            _tmp: tmp,
+            tree,
+            topology,
+            lib_dir,
+            name: name.to_owned(),
+        };
+        if with_library {
+            node.install_driver();
+        }
+        node
+    }
+
+    /// Puts the library in the driver root and makes /dev/nvidiactl, as a driver container
+    /// does when it is ready.
+    fn install_driver(&self) {
+        let tmp = self.lib_dir.join(".libnvidia-ml.so.1.tmp");
+        std::fs::copy(fake_library(), &tmp).unwrap();
+        std::fs::rename(&tmp, self.lib_dir.join("libnvidia-ml.so.1")).unwrap();
+        self.tree.file("dev/nvidiactl", "").unwrap();
+    }
+
+    /// Appends a fault line to the fake's control file.
+    fn inject(&self, line: &str) {
+        let path = self.lib_dir.join(format!("{}.control", self.name));
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .unwrap();
+        writeln!(file, "{line}").unwrap();
+    }
+
+    fn uuid(&self, i: usize) -> String {
+        self.topology.gpus[i].uuid.clone()
+    }
+
+    fn settings(&self) -> NvidiaSettings {
+        let mut s = NvidiaSettings {
+            driver_roots: vec![self._tmp.path().join("driver")],
+            sys_root: self.tree.sys_root(),
+            dev_root: self.tree.dev_root(),
+            cdi_dir: self.tree.path("cdi"),
+            ..Default::default()
+        };
+        s.health.check_interval_ms = 20;
+        s
+    }
+}
+
+async fn serve(
+    node: &Node,
+    resources: Vec<(&str, NvidiaSettings)>,
+) -> (Kubelet, Host, Vec<Arc<NvidiaBackend>>) {
+    let plugins = node.tree.path("kubelet/device-plugins");
+    let kubelet = Kubelet::start(&plugins).await.unwrap();
+    let host = Host::new(&plugins).unwrap();
+    let mut backends = Vec::new();
+    for (name, settings) in resources {
+        let backend = Arc::new(NvidiaBackend::start(name, &settings).unwrap());
+        host.add_with(
+            name,
+            backend.clone(),
+            ResourceSettings {
+                health_hold_down: Duration::ZERO,
+            },
+        )
+        .unwrap();
+        backends.push(backend);
+    }
+    (kubelet, host, backends)
+}
+
+/// Waits until the kubelet has `healthy` healthy devices out of `total`.
+async fn counts(kubelet: &Kubelet, resource: &str, total: usize, healthy: usize) {
+    let got = kubelet
+        .wait_for(WAIT, |n| {
+            (n.resource(resource).is_some() && n.capacity(resource) == (total, healthy))
+                .then_some(())
+        })
+        .await;
+    if got.is_err() {
+        let now = kubelet.read(|n| n.capacity(resource));
+        let reasons: Vec<String> = kubelet.read(|n| {
+            n.resource(resource)
+                .map(|r| r.devices().values().map(|d| format!("{d:?}")).collect())
+                .unwrap_or_default()
+        });
+        panic!("{resource}: wanted ({total}, {healthy}), the kubelet has {now:?}: {reasons:?}");
+    }
+}
+
+/// Waits until the backend says why it is not ready, and returns that.
+async fn not_ready(backend: &NvidiaBackend, containing: &str) -> String {
+    let start = std::time::Instant::now();
+    loop {
+        let now = backend.not_ready().unwrap_or_default();
+        if now.contains(containing) || start.elapsed() > WAIT {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn reason(backend: &NvidiaBackend, id: &str) -> String {
+    let list = backend.devices().borrow().clone();
+    list.get(id).unwrap().health.to_string()
+}
+
+#[tokio::test]
+async fn dgx1_discovery_allocate_cdi_and_a_fully_nvlinked_quad() {
+    let node = Node::new("dgx1-v100", true);
+    let mut settings = node.settings();
+    settings.device_list_strategy = vec![
+        ListStrategy::Envvar,
+        ListStrategy::CdiCri,
+        ListStrategy::DeviceSpecs,
+    ];
+    let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", settings)]).await;
+    counts(&kubelet, "nvidia.com/gpu", 8, 8).await;
+    assert_eq!(backends[0].not_ready(), None);
+    kubelet.read(|n| {
+        let devices = n.resource("nvidia.com/gpu").unwrap().devices();
+        assert_eq!(devices[&node.uuid(0)].numa_nodes, [0]);
+        assert_eq!(devices[&node.uuid(7)].numa_nodes, [1]);
+    });
+
+    // 4 GPUs: one of the two quads whose 6 pairs all have NVLinks.
+    let first = kubelet
+        .allocate("pod-a", "main", "nvidia.com/gpu", 4)
+        .await
+        .unwrap();
+    let index_of = |uuid: &str| {
+        node.topology
+            .gpus
+            .iter()
+            .position(|g| g.uuid == uuid)
+            .unwrap()
+    };
+    let picked: BTreeSet<usize> = first.device_ids.iter().map(|u| index_of(u)).collect();
+    for &a in &picked {
+        for &b in &picked {
+            if a != b {
+                assert!(
+                    node.topology.gpus[a].nvlinks.contains(&(b as u32)),
+                    "{picked:?}: GPUs {a} and {b} have no NVLink"
+                );
+            }
+        }
+    }
+    assert!(picked == BTreeSet::from([0, 1, 2, 3]) || picked == BTreeSet::from([4, 5, 6, 7]));
+    // The env var, CDI names, device nodes.
+    let env = first.env("NVIDIA_VISIBLE_DEVICES").unwrap();
+    assert_eq!(env.split(',').count(), 4);
+    let cdi: Vec<&str> = first
+        .response
+        .cdi_devices
+        .iter()
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(cdi.len(), 4);
+    assert!(cdi.iter().all(|c| c.starts_with("nvidia.com/gpu=GPU-")));
+    let nodes: Vec<&str> = first
+        .response
+        .devices
+        .iter()
+        .map(|d| d.container_path.as_str())
+        .collect();
+    assert_eq!(nodes[..2], ["/dev/nvidiactl", "/dev/nvidia-uvm"]);
+    assert_eq!(nodes.len(), 6);
+    // The CDI spec: one device per GPU with its node, the control nodes in common.
+    let spec = std::fs::read_to_string(node.tree.path("cdi/devplug-nvidia.com_gpu.json")).unwrap();
+    let spec: serde_json::Value = serde_json::from_str(&spec).unwrap();
+    assert_eq!(spec["kind"], "nvidia.com/gpu");
+    let devices = spec["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 8);
+    assert_eq!(devices[3]["name"], node.uuid(3));
+    assert_eq!(
+        devices[3]["containerEdits"]["deviceNodes"][0]["path"],
+        "/dev/nvidia3"
+    );
+    let common = spec["containerEdits"]["deviceNodes"].as_array().unwrap();
+    assert_eq!(
+        common.len(),
+        2,
+        "nvidiactl and nvidia-uvm exist, the others do not"
+    );
+
+    // 4 more: the other quad.
+    let second = kubelet
+        .allocate("pod-b", "main", "nvidia.com/gpu", 4)
+        .await
+        .unwrap();
+    let other: BTreeSet<usize> = second.device_ids.iter().map(|u| index_of(u)).collect();
+    assert!(other.is_disjoint(&picked));
+    assert!(other == BTreeSet::from([0, 1, 2, 3]) || other == BTreeSet::from([4, 5, 6, 7]));
+
+    // Must-include GPU 5 with one more: its best partner is GPU 6 (2 NVLinks, same host
+    // bridge) rather than GPU 1 (2 NVLinks, other socket).
+    let all: Vec<String> = (0..8).map(|i| node.uuid(i)).collect();
+    let got = backends[0].preferred(&PreferenceRequest {
+        available: &all,
+        must_include: &[node.uuid(5)],
+        size: 2,
+    });
+    assert_eq!(got, [node.uuid(5), node.uuid(6)]);
+}
+
+#[tokio::test]
+async fn each_list_strategy_alone() {
+    let node = Node::new("pcie-4gpu", true);
+    let only = |s: ListStrategy| {
+        let mut settings = node.settings();
+        settings.device_list_strategy = vec![s];
+        settings
+    };
+    let (kubelet, _host, _backends) = serve(
+        &node,
+        vec![
+            ("nvidia.com/gpu", only(ListStrategy::Envvar)),
+            ("example.com/gpu-cdi", only(ListStrategy::CdiCri)),
+            ("example.com/gpu-nodes", only(ListStrategy::DeviceSpecs)),
+        ],
+    )
+    .await;
+    for r in [
+        "nvidia.com/gpu",
+        "example.com/gpu-cdi",
+        "example.com/gpu-nodes",
+    ] {
+        counts(&kubelet, r, 4, 4).await;
+    }
+    let env = kubelet
+        .allocate("p1", "c", "nvidia.com/gpu", 2)
+        .await
+        .unwrap();
+    assert_eq!(env.response.envs.len(), 1);
+    assert!(env.response.cdi_devices.is_empty() && env.response.devices.is_empty());
+    // PCIe only: the pair under one switch.
+    let pair: BTreeSet<String> = env.device_ids.iter().cloned().collect();
+    assert!(
+        pair == BTreeSet::from([node.uuid(0), node.uuid(1)])
+            || pair == BTreeSet::from([node.uuid(2), node.uuid(3)])
+    );
+
+    let cdi = kubelet
+        .allocate("p2", "c", "example.com/gpu-cdi", 1)
+        .await
+        .unwrap();
+    assert!(cdi.response.envs.is_empty() && cdi.response.devices.is_empty());
+    assert_eq!(cdi.response.cdi_devices.len(), 1);
+    assert!(node
+        .tree
+        .path("cdi/devplug-example.com_gpu-cdi.json")
+        .exists());
+    assert!(!node.tree.path("cdi/devplug-nvidia.com_gpu.json").exists());
+
+    let nodes = kubelet
+        .allocate("p3", "c", "example.com/gpu-nodes", 1)
+        .await
+        .unwrap();
+    assert!(nodes.response.envs.is_empty() && nodes.response.cdi_devices.is_empty());
+    assert_eq!(
+        nodes.response.devices.len(),
+        3,
+        "nvidiactl, nvidia-uvm, the GPU"
+    );
+}
+
+#[tokio::test]
+async fn replicas_with_per_gpu_counts_spread_pack_and_fail_greater_than_one() {
+    let node = Node::new("pcie-4gpu", true);
+    let shared = |policy: SharePolicy, fail: bool| {
+        let mut s = node.settings();
+        s.replicas = 2;
+        s.replica_overrides = vec![devplug_backends::nvidia::settings::ReplicaOverride {
+            gpus: vec!["3".into()],
+            replicas: 4,
+        }];
+        s.replica_policy = policy;
+        s.fail_requests_greater_than_one = fail;
+        s
+    };
+    let (kubelet, _host, _b) = serve(
+        &node,
+        vec![
+            ("nvidia.com/gpu", shared(SharePolicy::Spread, false)),
+            ("example.com/packed", shared(SharePolicy::Pack, false)),
+            ("example.com/strict", shared(SharePolicy::Spread, true)),
+        ],
+    )
+    .await;
+    counts(&kubelet, "nvidia.com/gpu", 10, 10).await;
+    kubelet.read(|n| {
+        let ids: Vec<&String> = n
+            .resource("nvidia.com/gpu")
+            .unwrap()
+            .devices()
+            .keys()
+            .collect();
+        assert!(ids.contains(&&format!("{}::3", node.uuid(3))));
+        assert!(ids.contains(&&format!("{}::1", node.uuid(0))));
+    });
+
+    // spread: 3 replicas on 3 different GPUs; NVIDIA_VISIBLE_DEVICES has each UUID once.
+    let a = kubelet
+        .allocate("a", "c", "nvidia.com/gpu", 3)
+        .await
+        .unwrap();
+    let gpus: BTreeSet<&str> = a
+        .device_ids
+        .iter()
+        .map(|id| id.split("::").next().unwrap())
+        .collect();
+    assert_eq!(gpus.len(), 3, "{:?}", a.device_ids);
+    // The next container goes to the least used GPU first: the 4th one (or GPU 3, with 4).
+    let b = kubelet
+        .allocate("b", "c", "nvidia.com/gpu", 1)
+        .await
+        .unwrap();
+    let b_gpu = b.device_ids[0].split("::").next().unwrap();
+    assert!(
+        !gpus.contains(b_gpu),
+        "{:?} after {:?}",
+        b.device_ids,
+        a.device_ids
+    );
+
+    // pack: 3 replicas on one GPU (the one with 4), deduplicated in the env var.
+    let p = kubelet
+        .allocate("p", "c", "example.com/packed", 3)
+        .await
+        .unwrap();
+    let gpus: BTreeSet<&str> = p
+        .device_ids
+        .iter()
+        .map(|id| id.split("::").next().unwrap())
+        .collect();
+    assert_eq!(gpus.len(), 1, "{:?}", p.device_ids);
+    assert_eq!(p.env("NVIDIA_VISIBLE_DEVICES"), Some(node.uuid(3).as_str()));
+    assert_eq!(p.response.cdi_devices.len(), 1);
+
+    // fail_requests_greater_than_one: 2 replicas refused, 1 fine.
+    let err = kubelet
+        .allocate("s", "c", "example.com/strict", 2)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("fail_requests_greater_than_one"),
+        "{err}"
+    );
+    kubelet
+        .allocate("s2", "c", "example.com/strict", 1)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn xid_makes_every_replica_unhealthy_and_the_recovery_action_brings_it_back() {
+    let node = Node::new("pcie-4gpu", true);
+    let mut settings = node.settings();
+    settings.replicas = 3;
+    let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", settings)]).await;
+    counts(&kubelet, "nvidia.com/gpu", 12, 12).await;
+
+    // An application XID: ignored by the default policy (the recovery action stays NONE).
+    node.inject("xid 0 13");
+    // A fatal one with GPU_RESET: all 3 replicas of GPU 1 go.
+    node.inject("xid 1 79 1");
+    counts(&kubelet, "nvidia.com/gpu", 12, 9).await;
+    let id = format!("{}::2", node.uuid(1));
+    assert_eq!(
+        reason(&backends[0], &id),
+        "Unhealthy (xid 79: GPU has fallen off the bus (recovery action GPU_RESET))"
+    );
+    assert!(reason(&backends[0], &format!("{}::0", node.uuid(0))) == "Healthy");
+    // Still needs a reset: it stays down, whatever the wait.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(kubelet.read(|n| n.capacity("nvidia.com/gpu")), (12, 9));
+    // The driver reports the reset done (recovery action NONE): back.
+    node.inject("action 1 0");
+    counts(&kubelet, "nvidia.com/gpu", 12, 12).await;
+
+    // Double-bit ECC (the driver asks for a reset), then the recovery action goes to NONE
+    // (its event).
+    node.inject("ecc 2 1");
+    counts(&kubelet, "nvidia.com/gpu", 12, 9).await;
+    assert_eq!(
+        reason(&backends[0], &format!("{}::0", node.uuid(2))),
+        "Unhealthy (double-bit ECC error)"
+    );
+    node.inject("action 2 0");
+    counts(&kubelet, "nvidia.com/gpu", 12, 12).await;
+}
+
+#[tokio::test]
+async fn a_lost_gpu_is_unhealthy_until_it_answers_again() {
+    let node = Node::new("dgx-h100", true);
+    let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
+    counts(&kubelet, "nvidia.com/gpu", 8, 8).await;
+    node.inject("lost 6");
+    counts(&kubelet, "nvidia.com/gpu", 8, 7).await;
+    assert_eq!(
+        reason(&backends[0], &node.uuid(6)),
+        "Unhealthy (GPU is lost (fallen off the bus))"
+    );
+    node.inject("found 6");
+    counts(&kubelet, "nvidia.com/gpu", 8, 8).await;
+
+    // NVSwitch: every pair has 18 links; NUMA and PCIe decide, so 4 GPUs come from one socket.
+    let four = kubelet
+        .allocate("p", "c", "nvidia.com/gpu", 4)
+        .await
+        .unwrap();
+    let sockets: BTreeSet<i64> = four
+        .device_ids
+        .iter()
+        .map(|u| {
+            node.topology
+                .gpus
+                .iter()
+                .find(|g| &g.uuid == u)
+                .unwrap()
+                .numa
+        })
+        .collect();
+    assert_eq!(sockets.len(), 1, "{:?}", four.device_ids);
+}
+
+#[tokio::test]
+async fn library_missing_then_appearing() {
+    let node = Node::new("pcie-4gpu", false);
+    let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
+    // Registered with nothing, not ready, and the reason says why.
+    counts(&kubelet, "nvidia.com/gpu", 0, 0).await;
+    let reason = not_ready(&backends[0], "NVML not available").await;
+    assert!(reason.contains("NVML not available"), "{reason}");
+    assert!(reason.contains("libnvidia-ml.so.1"), "{reason}");
+    // Let the retry backoff grow past 1 s, so that only the inotify wake can be this quick.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let started = std::time::Instant::now();
+    node.install_driver();
+    counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
+    assert!(
+        started.elapsed() < Duration::from_millis(900),
+        "found after {:?}: the wake on /dev/nvidiactl did not work",
+        started.elapsed()
+    );
+    assert_eq!(backends[0].not_ready(), None);
+}
+
+#[tokio::test]
+async fn broken_nvml_events_read_as_health_unknown_until_the_event_set_is_rebuilt() {
+    let node = Node::new("pcie-4gpu", true);
+    let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
+    counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
+    node.inject("events broken");
+    // Never silently Healthy: every GPU is Unhealthy, with the reason.
+    counts(&kubelet, "nvidia.com/gpu", 4, 0).await;
+    let why = reason(&backends[0], &node.uuid(0));
+    assert!(why.contains("health unknown"), "{why}");
+    // Registration keeps failing while it is broken (retried with backoff, not in a loop).
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(kubelet.read(|n| n.capacity("nvidia.com/gpu")), (4, 0));
+    node.inject("events ok");
+    counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
+    // And events flow through the rebuilt set.
+    node.inject("xid 3 48 1");
+    counts(&kubelet, "nvidia.com/gpu", 4, 3).await;
+}
+
+#[tokio::test]
+async fn health_off_ignores_events_and_models_split_resources() {
+    let node = Node::new("pcie-4gpu", true);
+    let mut watched = node.settings();
+    watched.models = vec!["*L40S*".into()];
+    let mut unwatched = node.settings();
+    unwatched.health.enabled = false;
+    let mut none = node.settings();
+    none.models = vec!["*H100*".into()];
+    let (kubelet, _host, _b) = serve(
+        &node,
+        vec![
+            ("nvidia.com/gpu", watched),
+            ("example.com/unwatched", unwatched),
+            ("nvidia.com/h100", none),
+        ],
+    )
+    .await;
+    counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
+    counts(&kubelet, "example.com/unwatched", 4, 4).await;
+    counts(&kubelet, "nvidia.com/h100", 0, 0).await;
+    node.inject("xid 0 79 1");
+    counts(&kubelet, "nvidia.com/gpu", 4, 3).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        kubelet.read(|n| n.capacity("example.com/unwatched")),
+        (4, 4)
+    );
+}
+
+#[tokio::test]
+async fn a_gpu_lost_while_the_event_set_is_rebuilt_does_not_blind_the_others() {
+    let node = Node::new("dgx-h100", true);
+    let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
+    counts(&kubelet, "nvidia.com/gpu", 8, 8).await;
+    node.inject("events broken");
+    counts(&kubelet, "nvidia.com/gpu", 8, 0).await;
+    node.inject("lost 6");
+    node.inject("events ok");
+    // Rebuilt without GPU 6, which is lost; the other 7 are watched again.
+    counts(&kubelet, "nvidia.com/gpu", 8, 7).await;
+    assert_eq!(
+        reason(&backends[0], &node.uuid(6)),
+        "Unhealthy (GPU is lost (fallen off the bus))"
+    );
+    node.inject("xid 2 79 1");
+    counts(&kubelet, "nvidia.com/gpu", 8, 6).await;
+    node.inject("action 2 0");
+    counts(&kubelet, "nvidia.com/gpu", 8, 7).await;
+    // GPU 6 answers again: healthy, and back in the event set (its XIDs count).
+    node.inject("found 6");
+    counts(&kubelet, "nvidia.com/gpu", 8, 8).await;
+    node.inject("xid 6 79 1");
+    counts(&kubelet, "nvidia.com/gpu", 8, 7).await;
+    assert!(reason(&backends[0], &node.uuid(6)).contains("xid 79"));
+}
+
+#[tokio::test]
+async fn driver_not_loaded_then_loaded() {
+    // The library is there but the driver is not (the fake's nvmlInit answers
+    // DRIVER_NOT_LOADED while it has no topology).
+    let node = Node::new("pcie-4gpu", false);
+    let config = node.lib_dir.join("fake-nvml.yaml");
+    let topology = std::fs::read_to_string(&config).unwrap();
+    std::fs::remove_file(&config).unwrap();
+    node.install_driver();
+    std::fs::remove_file(node.tree.path("dev/nvidiactl")).unwrap();
+    let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
+    counts(&kubelet, "nvidia.com/gpu", 0, 0).await;
+    let reason = not_ready(&backends[0], "driver").await;
+    assert!(
+        reason.contains("the NVIDIA driver is not loaded"),
+        "{reason}"
+    );
+    // The driver loads: its config appears, then /dev/nvidiactl.
+    std::fs::write(&config, topology).unwrap();
+    node.tree.file("dev/nvidiactl", "").unwrap();
+    counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
+    assert_eq!(backends[0].not_ready(), None);
+}
+
+#[tokio::test]
+async fn the_cdi_spec_follows_control_nodes_made_after_discovery() {
+    let node = Node::new("pcie-4gpu", true);
+    let (kubelet, _host, _b) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
+    counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
+    let path = node.tree.path("cdi/devplug-nvidia.com_gpu.json");
+    let common = || -> Vec<String> {
+        let spec: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        spec["containerEdits"]["deviceNodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["path"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(common(), ["/dev/nvidiactl", "/dev/nvidia-uvm"]);
+    // nvidia-modprobe makes the UVM tools node on first use.
+    node.tree.file("dev/nvidia-uvm-tools", "").unwrap();
+    let start = std::time::Instant::now();
+    while common().len() != 3 {
+        assert!(
+            start.elapsed() < WAIT,
+            "the spec never got nvidia-uvm-tools: {:?}",
+            common()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(common()[2], "/dev/nvidia-uvm-tools");
+    // And when it goes.
+    std::fs::remove_file(node.tree.path("dev/nvidia-uvm-tools")).unwrap();
+    while common().len() != 2 {
+        assert!(start.elapsed() < WAIT, "the spec kept nvidia-uvm-tools");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
