@@ -1,11 +1,20 @@
 //! inotify for backends: watch several folders and receive events in batches (everything that
-//! is ready at once), so that a burst of changes becomes one rescan and one published list.
+//! is ready at once), or in bursts (batches until things are quiet), so that a burst of changes
+//! becomes one rescan and one published list.
 
 use inotify::{Event, EventStream, Inotify, WatchDescriptor, WatchMask};
 use std::ffi::OsString;
 use std::io;
 use std::path::Path;
+use std::time::Duration;
+use tokio::time::{sleep, sleep_until, Instant};
 use tokio_stream::StreamExt;
+use tokio_util::sync::CancellationToken;
+
+/// A burst ends after this long without events...
+const QUIET: Duration = Duration::from_millis(10);
+/// ...or this long after it began, whichever comes first.
+const MAX_BURST: Duration = Duration::from_millis(100);
 
 /// An inotify instance with its event stream.
 pub(crate) struct Batches {
@@ -45,5 +54,24 @@ impl Batches {
             }
         }
         Ok(batch)
+    }
+
+    /// Waits for events, then until they have been quiet for 10 ms (at most 100 ms after the
+    /// first): a driver loading or a hub plugged in becomes one wake-up. `Ok(false)` when
+    /// `stop` fires; an error when inotify failed.
+    pub(crate) async fn next_burst(&mut self, stop: &CancellationToken) -> io::Result<bool> {
+        tokio::select! {
+            _ = stop.cancelled() => return Ok(false),
+            batch = self.next() => { batch?; }
+        }
+        let deadline = Instant::now() + MAX_BURST;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return Ok(false),
+                _ = sleep(QUIET) => return Ok(true),
+                _ = sleep_until(deadline) => return Ok(true),
+                more = self.next() => if more.is_err() { return Ok(true) },
+            }
+        }
     }
 }

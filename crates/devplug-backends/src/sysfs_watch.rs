@@ -17,13 +17,9 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
-use std::time::Duration;
 use tokio::sync::watch;
-use tokio::time::{sleep, sleep_until, Instant};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-const QUIET: Duration = Duration::from_millis(10);
-const MAX_DEBOUNCE: Duration = Duration::from_millis(100);
 /// Rescans in a row while new folders keep appearing (a folder made between a scan and its
 /// watch would otherwise hide what was made in it).
 const MAX_SETTLE_SCANS: usize = 4;
@@ -224,23 +220,14 @@ impl<T: Send + Sync + 'static> Follower<T> {
             self.rescan(&mut events);
         }
         loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                batch = events.next() => if let Err(err) = batch {
+            match events.next_burst(&stop).await {
+                Ok(true) => self.rescan(&mut events),
+                Ok(false) => return,
+                Err(err) => {
                     tracing::error!(backend = self.what, %err, "inotify failed; changes are not followed");
                     return;
-                },
-            }
-            let deadline = Instant::now() + MAX_DEBOUNCE;
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = sleep(QUIET) => break,
-                    _ = sleep_until(deadline) => break,
-                    more = events.next() => if more.is_err() { break },
                 }
             }
-            self.rescan(&mut events);
         }
     }
 

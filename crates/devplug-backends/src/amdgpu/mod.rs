@@ -101,18 +101,13 @@ impl Backend for AmdgpuBackend {
             &index(request.must_include),
             request.size,
         );
-        let mut out: Vec<String> = selection
+        let out: Vec<String> = selection
             .devices
             .iter()
             .filter_map(|&i| state.devices.get(i).map(|d| d.id.clone()))
             .collect();
-        // Must-include ids this backend does not know (anymore) still go first; the host
-        // trims the answer to the size.
-        for id in request.must_include {
-            if !state.index.contains_key(id) {
-                out.insert(0, id.clone());
-            }
-        }
+        // The host puts every must-include id first (ones this backend no longer knows too)
+        // and trims the answer to the size.
         out
     }
 

@@ -30,13 +30,8 @@ use prefer::ShareInfo;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
 use tokio::sync::watch;
-use tokio::time::{sleep, sleep_until, Instant};
 use tokio_util::sync::{CancellationToken, DropGuard};
-
-const QUIET: Duration = Duration::from_millis(10);
-const MAX_DEBOUNCE: Duration = Duration::from_millis(100);
 
 /// Host device nodes as devices.
 pub struct HostdevBackend {
@@ -266,21 +261,12 @@ impl Follower {
         let mut scan_now = true;
         loop {
             if !std::mem::take(&mut scan_now) {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    batch = events.next() => if let Err(err) = batch {
+                match events.next_burst(&stop).await {
+                    Ok(true) => {}
+                    Ok(false) => return,
+                    Err(err) => {
                         tracing::error!(%err, "inotify failed; hotplug is not followed");
                         return;
-                    },
-                }
-                // Debounce: wait for a quiet moment, but not forever.
-                let deadline = Instant::now() + MAX_DEBOUNCE;
-                loop {
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = sleep(QUIET) => break,
-                        _ = sleep_until(deadline) => break,
-                        more = events.next() => if more.is_err() { break },
                     }
                 }
             }

@@ -257,7 +257,7 @@ impl Backend for NvidiaBackend {
 
     fn preferred(&self, request: &PreferenceRequest<'_>) -> Vec<String> {
         let view = self.view();
-        let mut out = if view.shared {
+        let out = if view.shared {
             prefer_replicas(&view, request, self.settings.replica_policy)
         } else {
             let index = |ids: &[String]| -> Vec<usize> {
@@ -276,13 +276,8 @@ impl Backend for NvidiaBackend {
                 .filter_map(|&i| view.gpus.get(i).map(|g| g.ids[0].clone()))
                 .collect()
         };
-        // Must-include ids this backend does not know (anymore) still go first; the host
-        // trims the answer to the size.
-        for id in request.must_include {
-            if !view.index.contains_key(id) {
-                out.insert(0, id.clone());
-            }
-        }
+        // The host puts every must-include id first (ones this backend no longer knows too)
+        // and trims the answer to the size.
         out
     }
 
