@@ -151,6 +151,24 @@ fn rss_by_mapping(pid: u32) -> Vec<(String, u64)> {
     sums
 }
 
+/// Starts `devplug run` quietly with `config` against the kubelet folder `plugins`.
+pub(crate) fn spawn_run(
+    bin: &std::path::Path,
+    config: &std::path::Path,
+    plugins: &std::path::Path,
+) -> std::io::Result<std::process::Child> {
+    Command::new(bin)
+        .arg("run")
+        .arg("--config")
+        .arg(config)
+        .arg("--kubelet-dir")
+        .arg(plugins)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+}
+
 /// Peak RSS of `devplug run` serving one resource of 64 virtual devices after 64 Allocate calls:
 /// the scenario in which the issue measured a Go plugin (squat/generic-device-plugin) at
 /// 10.4 MiB. Returns (peak, anonymous, file-backed) in KiB.
@@ -164,16 +182,7 @@ pub async fn small_process_memory() -> anyhow::Result<(u64, u64, u64)> {
         &config,
         "resources:\n  - name: bench.example/small\n    virtual: { count: 64 }\n",
     )?;
-    let child = Command::new(&bin)
-        .arg("run")
-        .arg("--config")
-        .arg(&config)
-        .arg("--kubelet-dir")
-        .arg(&plugins)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
+    let child = spawn_run(&bin, &config, &plugins)?;
     kubelet
         .wait_for(Duration::from_secs(10), |n| {
             (n.capacity("bench.example/small") == (64, 64)).then_some(())
@@ -214,16 +223,7 @@ pub async fn process_figures() -> anyhow::Result<()> {
     let mut child = None;
     for round in 0..START_SAMPLES {
         let started = Instant::now();
-        let spawned = Command::new(&bin)
-            .arg("run")
-            .arg("--config")
-            .arg(&config)
-            .arg("--kubelet-dir")
-            .arg(&plugins)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?;
+        let spawned = spawn_run(&bin, &config, &plugins)?;
         kubelet
             .wait_for(Duration::from_secs(10), |n| {
                 RESOURCES

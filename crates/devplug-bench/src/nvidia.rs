@@ -13,7 +13,6 @@ use devplug_backends::placement::{brute_force, PairMatrix};
 use kubelet_sim::Kubelet;
 use std::io::Write;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -355,15 +354,7 @@ pub async fn process_rss() -> anyhow::Result<()> {
         ),
     )?;
     let started = Instant::now();
-    let child = Command::new(&bin)
-        .args(["run", "--config"])
-        .arg(&config)
-        .arg("--kubelet-dir")
-        .arg(&plugins)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
+    let child = crate::measure::spawn_run(&bin, &config, &plugins)?;
     kubelet
         .wait_for(WAIT, |n| (n.capacity(RESOURCE) == (80, 80)).then_some(()))
         .await?;
