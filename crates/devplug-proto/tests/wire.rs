@@ -271,14 +271,15 @@ impl pb::device_plugin_server::DevicePlugin for Unimplemented {
     }
 }
 
-/// Field numbers of a message in a compiled `.proto`.
-fn fields_of(
-    proto: &str,
-) -> (
+/// A compiled `.proto`: package, (message, field, number) and (service, methods).
+type Described = (
     String,
     Vec<(String, String, i32)>,
     Vec<(String, Vec<String>)>,
-) {
+);
+
+/// The package, field numbers and services of a compiled `.proto`.
+fn fields_of(proto: &str) -> Described {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../proto");
     let fds = protox::compile([proto], [root]).unwrap();
     let file = fds.file.iter().find(|f| f.name() == proto).unwrap();
