@@ -1,11 +1,13 @@
 //! Benchmarks of devplug through the kubelet simulator, printed as a table for
 //! `docs/benchmarks.md`. Run with `cargo build --release -p devplug-cli && cargo run --release -p devplug-bench`;
-//! `devplug-bench gpus` runs only the GPU backend figures (no `devplug` binary needed).
+//! `devplug-bench gpus` runs only the GPU backend figures (no `devplug` binary needed);
+//! `devplug-bench routes` only kubelet restart → streaming by registration route.
 //! Figures depend on the machine; this is not a test and asserts nothing.
 
 mod backends;
 mod gpus;
 mod measure;
+mod routes;
 
 use anyhow::Context;
 use devplug::{Health, Host};
@@ -32,9 +34,15 @@ async fn main() -> anyhow::Result<()> {
     if std::env::args().nth(1).as_deref() == Some("gpus") {
         return gpu_figures(cpu_before).await;
     }
+    if std::env::args().nth(1).as_deref() == Some("routes") {
+        routes::restart_by_route(200).await?;
+        print_machine(cpu_before);
+        return Ok(());
+    }
     round_trips().await?;
     device_changes().await?;
     restarts().await?;
+    routes::restart_by_route(200).await?;
     rolling_upgrades().await?;
     start_to_registered().await?;
     backends::file_created().await?;
@@ -80,6 +88,7 @@ async fn setup(
     // No hold-down: these figures are about the pipeline, not the recovery policy.
     let settings = devplug::ResourceSettings {
         health_hold_down: Duration::ZERO,
+        ..Default::default()
     };
     host.add_with(RESOURCE, backend.clone(), settings)?;
     kubelet

@@ -8,6 +8,9 @@
 //!       count: 64
 //!       env: DUMMY_VISIBLE_DEVICES
 //! ```
+//!
+//! `registration: socket | watcher` (top level, or per resource; default `socket`) picks how the
+//! kubelet learns of a resource: `kubelet.sock`, or a socket in its plugin-watcher folder.
 
 use devplug::Backend;
 use devplug_backends::{
@@ -27,8 +30,30 @@ const BACKEND_KEYS: [&str; 5] = ["virtual", "files", "hostdev", "amdgpu", "intel
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// How resources register with the kubelet unless they say otherwise (default `socket`).
+    #[serde(default)]
+    pub registration: Option<RegistrationRoute>,
     /// The resources to serve, each on its own socket.
     pub resources: Vec<ResourceConfig>,
+}
+
+/// How a resource registers with the kubelet (reliability.md §1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RegistrationRoute {
+    /// `Register` on `device-plugins/kubelet.sock`, the documented route.
+    Socket,
+    /// A registration socket in the kubelet's `plugins_registry/` (the plugin watcher).
+    Watcher,
+}
+
+impl From<RegistrationRoute> for devplug::Registration {
+    fn from(route: RegistrationRoute) -> Self {
+        match route {
+            RegistrationRoute::Socket => devplug::Registration::Socket,
+            RegistrationRoute::Watcher => devplug::Registration::Watcher,
+        }
+    }
 }
 
 /// One resource and its backend. Exactly one backend key must be set.
@@ -52,6 +77,10 @@ pub struct ResourceConfig {
     /// default 5s).
     #[serde(default, deserialize_with = "crate::duration::deserialize_opt")]
     pub health_hold_down: Option<std::time::Duration>,
+    /// How this resource registers with the kubelet (default: the file's `registration`, else
+    /// `socket`).
+    #[serde(default)]
+    pub registration: Option<RegistrationRoute>,
 }
 
 /// Why a config file cannot be used.
@@ -101,11 +130,17 @@ impl Config {
 
     /// Parses and validates `text`; `path` is only used in messages.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
-        let config: Config = serde_saphyr::from_str(text).map_err(|err| ConfigError::Parse {
-            path: path.to_owned(),
-            message: err.to_string().trim_start_matches("error: ").to_owned(),
-        })?;
+        let mut config: Config =
+            serde_saphyr::from_str(text).map_err(|err| ConfigError::Parse {
+                path: path.to_owned(),
+                message: err.to_string().trim_start_matches("error: ").to_owned(),
+            })?;
         config.validate(path)?;
+        // Each resource carries its route, so that a reload sees a changed default as a change.
+        let default_route = config.registration.unwrap_or(RegistrationRoute::Socket);
+        for resource in &mut config.resources {
+            resource.registration.get_or_insert(default_route);
+        }
         Ok(config)
     }
 
@@ -290,6 +325,38 @@ mod tests {
             ["intel_gpu"],
             "the YAML key is intel_gpu"
         );
+    }
+
+    #[test]
+    fn registration_route_defaults_and_overrides() {
+        let config = parse(
+            "registration: watcher
+resources:
+  - name: a.com/x
+    virtual: { count: 1 }
+  - name: a.com/y
+    virtual: { count: 1 }
+    registration: socket
+",
+        )
+        .unwrap();
+        assert_eq!(
+            config.resources[0].registration,
+            Some(RegistrationRoute::Watcher)
+        );
+        assert_eq!(
+            config.resources[1].registration,
+            Some(RegistrationRoute::Socket)
+        );
+        let plain = parse("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n").unwrap();
+        assert_eq!(
+            plain.resources[0].registration,
+            Some(RegistrationRoute::Socket)
+        );
+        let err =
+            parse("registration: dra\nresources:\n  - name: a.com/x\n    virtual: { count: 1 }\n")
+                .unwrap_err();
+        assert!(err.contains("registration"), "{err}");
     }
 
     #[test]

@@ -28,6 +28,23 @@ pub struct RunArgs {
     /// Off by default: nothing listens on TCP unless this is set.
     #[arg(long, env = "DEVPLUG_METRICS_ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// The kubelet's plugin-watcher folder, for resources with `registration: watcher`
+    /// (default: `plugins_registry` beside the kubelet folder).
+    #[arg(long, env = "DEVPLUG_PLUGINS_REGISTRY_DIR")]
+    pub plugins_registry_dir: Option<PathBuf>,
+    /// Where resources with `registration: watcher` put their plugin sockets; never the
+    /// device-plugins folder (default: `plugins/devplug` beside the kubelet folder).
+    #[arg(long, env = "DEVPLUG_PLUGIN_SOCKET_DIR")]
+    pub plugin_socket_dir: Option<PathBuf>,
+}
+
+/// The plugin-watcher folders from the flags, defaulting beside the kubelet folder.
+fn watcher_dirs(args: &RunArgs) -> devplug::WatcherDirs {
+    let beside = devplug::WatcherDirs::beside(&args.kubelet_dir);
+    devplug::WatcherDirs {
+        registry: args.plugins_registry_dir.clone().unwrap_or(beside.registry),
+        sockets: args.plugin_socket_dir.clone().unwrap_or(beside.sockets),
+    }
 }
 
 /// Runs until a shutdown signal, then removes our sockets and returns.
@@ -39,7 +56,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot watch config file {}", args.config.display()))?;
     warn_if_no_kubelet_folder(&args.kubelet_dir);
     let mut runner = Runner {
-        host: Arc::new(Host::new(&args.kubelet_dir)?),
+        host: Arc::new(Host::new(&args.kubelet_dir)?.with_watcher_dirs(watcher_dirs(&args))),
         current: BTreeMap::new(),
         text,
         reloads: Arc::default(),
@@ -134,6 +151,10 @@ fn settings_of(resource: &ResourceConfig) -> ResourceSettings {
         health_hold_down: resource
             .health_hold_down
             .unwrap_or(devplug::DEFAULT_HEALTH_HOLD_DOWN),
+        registration: resource
+            .registration
+            .map(devplug::Registration::from)
+            .unwrap_or_default(),
     }
 }
 

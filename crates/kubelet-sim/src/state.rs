@@ -166,6 +166,9 @@ pub struct RegistrationRecord {
     pub endpoint: String,
     /// When the kubelet accepted it.
     pub at: Instant,
+    /// True when it came through the plugin watcher (`plugins_registry/`), false for a
+    /// `Register` call on kubelet.sock.
+    pub via_watcher: bool,
 }
 
 /// One pod's device assignments.

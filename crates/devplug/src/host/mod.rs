@@ -10,6 +10,8 @@
 //! - `resource`: one resource's serve-and-register loop.
 //! - `service`: the `DevicePlugin` gRPC service (ListAndWatch, Allocate, ...).
 //! - `status`: what each resource is doing, for readiness, metrics and tests.
+//! - `watcher`: one resource registered through the kubelet's plugin watcher instead
+//!   (`plugins_registry/`), chosen per resource with [`Registration`].
 
 mod backoff;
 mod dir_watch;
@@ -20,9 +22,11 @@ mod resource;
 mod service;
 mod socket;
 mod status;
+mod watcher;
 
 pub use metrics::{MetricsSnapshot, ALLOCATE_BUCKETS};
 pub use status::ResourceStatus;
+pub use watcher::{RefusedRetry, WatcherDirs, RELINK_WAIT};
 
 use crate::backend::{Backend, Options};
 use crate::device::DeviceList;
@@ -33,11 +37,12 @@ use resource::ResourceTask;
 use status::StatusCell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use watcher::WatcherTask;
 
 /// Why the host could not start or add a resource.
 #[derive(Debug, thiserror::Error)]
@@ -83,6 +88,10 @@ pub struct Host {
     folder: watch::Receiver<FolderState>,
     resources: Mutex<BTreeMap<String, Running>>,
     stop: CancellationToken,
+    watcher_dirs: WatcherDirs,
+    refused_retry: RefusedRetry,
+    /// The plugin-watcher folder's follower, started with the first watcher-route resource.
+    registry: OnceLock<(broadcast::Sender<DirEvent>, watch::Receiver<FolderState>)>,
 }
 
 struct Running {
@@ -108,11 +117,27 @@ impl ShutdownReport {
     }
 }
 
+/// How a resource registers with the kubelet (reliability.md §1). Both routes exist on every
+/// kubelet since 1.13; use one per resource, never both.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Registration {
+    /// `Register` on `device-plugins/kubelet.sock`, the documented route; the plugin socket
+    /// lives in `device-plugins/`.
+    #[default]
+    Socket,
+    /// A registration socket in the kubelet's `plugins_registry/` ([`WatcherDirs`]), found by
+    /// the kubelet's plugin watcher; the plugin socket lives outside `device-plugins/`, so a
+    /// restarting kubelet does not delete it.
+    Watcher,
+}
+
 /// How the host treats one resource.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResourceSettings {
     /// How long a device that came back must stay healthy before the kubelet is told.
     pub health_hold_down: Duration,
+    /// How the resource registers with the kubelet.
+    pub registration: Registration,
 }
 
 /// The hold-down used by [`Host::add`]: long enough to ride out a flapping device, short enough
@@ -123,6 +148,7 @@ impl Default for ResourceSettings {
     fn default() -> Self {
         ResourceSettings {
             health_hold_down: DEFAULT_HEALTH_HOLD_DOWN,
+            registration: Registration::Socket,
         }
     }
 }
@@ -178,12 +204,51 @@ impl Host {
             tracing::info!(dir = %dir.display(), watching = %watching.display(), "the kubelet folder does not exist yet; waiting for it");
         }
         Ok(Host {
+            watcher_dirs: WatcherDirs::beside(&dir),
             dir,
             events: folder.events,
             folder: folder.state,
             resources: Mutex::new(BTreeMap::new()),
             stop,
+            refused_retry: RefusedRetry::default(),
+            registry: OnceLock::new(),
         })
+    }
+
+    /// Uses `dirs` for resources that register through the plugin watcher (default:
+    /// [`WatcherDirs::beside`] the kubelet folder). Call before adding resources.
+    pub fn with_watcher_dirs(mut self, dirs: WatcherDirs) -> Host {
+        self.watcher_dirs = dirs;
+        self
+    }
+
+    /// How long a watcher-route resource waits before offering itself again after the kubelet
+    /// refused it (default 1 s doubling to 60 s).
+    pub fn with_refused_retry(mut self, retry: RefusedRetry) -> Host {
+        self.refused_retry = retry;
+        self
+    }
+
+    /// The folders of the plugin-watcher route.
+    pub fn watcher_dirs(&self) -> &WatcherDirs {
+        &self.watcher_dirs
+    }
+
+    /// The plugin-watcher folder's follower, started on first use.
+    fn registry_watch(
+        &self,
+    ) -> Result<(broadcast::Receiver<DirEvent>, watch::Receiver<FolderState>), HostError> {
+        if let Some((events, state)) = self.registry.get() {
+            return Ok((events.subscribe(), state.clone()));
+        }
+        let dir = &self.watcher_dirs.registry;
+        let folder =
+            dir_watch::watch(dir, self.stop.clone()).map_err(|source| HostError::Folder {
+                path: dir.clone(),
+                source,
+            })?;
+        let (events, state) = self.registry.get_or_init(|| (folder.events, folder.state));
+        Ok((events.subscribe(), state.clone()))
     }
 
     /// The kubelet folder this host serves in.
@@ -236,16 +301,42 @@ impl Host {
             backend: RwLock::new(backend),
             devices,
         });
-        let task = ResourceTask {
-            shared: shared.clone(),
-            dir: self.dir.clone(),
-            socket_name: socket::instance_name(resource),
-            events: self.events.subscribe(),
-            folder: self.folder.clone(),
-            status: status.clone(),
-            stop: stop.clone(),
+        let task = match settings.registration {
+            Registration::Socket => tokio::spawn(
+                ResourceTask {
+                    shared: shared.clone(),
+                    dir: self.dir.clone(),
+                    socket_name: socket::instance_name(resource),
+                    events: self.events.subscribe(),
+                    folder: self.folder.clone(),
+                    status: status.clone(),
+                    stop: stop.clone(),
+                }
+                .run(),
+            ),
+            Registration::Watcher => {
+                let (events, folder) = match self.registry_watch() {
+                    Ok(watch) => watch,
+                    Err(err) => {
+                        stop.cancel();
+                        return Err(err);
+                    }
+                };
+                tokio::spawn(
+                    WatcherTask {
+                        shared: shared.clone(),
+                        dirs: self.watcher_dirs.clone(),
+                        socket_name: socket::instance_name(resource),
+                        events,
+                        folder,
+                        status: status.clone(),
+                        stop: stop.clone(),
+                        refused_retry: self.refused_retry,
+                    }
+                    .run(),
+                )
+            }
         };
-        let task = tokio::spawn(task.run());
         let receiver = status.subscribe();
         let running = Running {
             shared,
@@ -260,7 +351,7 @@ impl Host {
     }
 
     /// Replaces the backend and settings of a served resource. When the new backend asks for the
-    /// same [`Options`], the swap is in place: the socket and the kubelet's stream stay, and the
+    /// same [`Options`] and the registration route is the same, the swap is in place: the socket and the kubelet's stream stay, and the
     /// kubelet sees one new device list. Otherwise the resource is restarted and registers again,
     /// because the kubelet reads options only at registration.
     pub async fn update(
@@ -275,7 +366,9 @@ impl Host {
                 return Err(HostError::UnknownResource(resource.to_owned()));
             };
             let old_options: Options = running.shared.backend().options();
-            if old_options == backend.options() {
+            if old_options == backend.options()
+                && running.settings.registration == settings.registration
+            {
                 let source = backend.devices();
                 running.shared.set_backend(backend.clone());
                 let _ = running.feed.send(FeedControl::Source(source));

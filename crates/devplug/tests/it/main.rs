@@ -9,3 +9,4 @@ mod lifecycle;
 mod old_kubelet;
 mod raw_h2;
 mod support;
+mod watcher;
