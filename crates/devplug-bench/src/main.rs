@@ -36,6 +36,7 @@ async fn main() -> anyhow::Result<()> {
     }
     if std::env::args().nth(1).as_deref() == Some("routes") {
         routes::restart_by_route(200).await?;
+        routes::pod_resources_cost().await?;
         print_machine(cpu_before);
         return Ok(());
     }
@@ -43,6 +44,7 @@ async fn main() -> anyhow::Result<()> {
     device_changes().await?;
     restarts().await?;
     routes::restart_by_route(200).await?;
+    routes::pod_resources_cost().await?;
     rolling_upgrades().await?;
     start_to_registered().await?;
     backends::file_created().await?;

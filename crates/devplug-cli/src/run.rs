@@ -36,6 +36,16 @@ pub struct RunArgs {
     /// device-plugins folder (default: `plugins/devplug` beside the kubelet folder).
     #[arg(long, env = "DEVPLUG_PLUGIN_SOCKET_DIR")]
     pub plugin_socket_dir: Option<PathBuf>,
+    /// Follow the kubelet's pod resources API on this socket (usually
+    /// /var/lib/kubelet/pod-resources/kubelet.sock): devices allocated per resource in /metrics,
+    /// and re-registering when the kubelet's allocatable falls short of our healthy devices.
+    /// Off when not set.
+    #[arg(long, env = "DEVPLUG_POD_RESOURCES_SOCKET")]
+    pub pod_resources_socket: Option<PathBuf>,
+    /// Seconds between two pod resources polls (each poll is two calls, paced one a second: the
+    /// kubelet's 100 calls a second are shared by every client on the node).
+    #[arg(long, value_name = "SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub pod_resources_interval: u64,
 }
 
 /// The plugin-watcher folders from the flags, defaulting beside the kubelet folder.
@@ -62,6 +72,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         reloads: Arc::default(),
     };
     runner.start(&config)?;
+    if let Some(socket) = &args.pod_resources_socket {
+        // Two calls per poll, each at least `interval / 2` apart (and never under a second).
+        let interval = std::time::Duration::from_secs(args.pod_resources_interval)
+            .div_f64(2.0)
+            .max(devplug::podresources::MIN_INTERVAL);
+        runner.host.watch_pod_resources(socket.clone(), interval);
+    }
     let stop_http = CancellationToken::new();
     if let Some(addr) = args.metrics_addr {
         let endpoints = Endpoints {

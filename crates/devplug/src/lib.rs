@@ -10,12 +10,14 @@
 //! - [`backend`]: the trait a vendor implements.
 //! - [`health`]: health that recovers, after a hold-down.
 //! - [`host`]: the kubelet lifecycle.
+//! - [`podresources`]: a client of the kubelet's pod resources API (who holds which device).
 
 pub mod backend;
 pub mod device;
 pub mod edits;
 pub mod health;
 pub mod host;
+pub mod podresources;
 mod signal;
 
 pub use backend::{

@@ -31,6 +31,7 @@
 mod allocation;
 pub mod fake_plugin;
 mod plugin_watcher;
+mod pod_resources;
 mod registration;
 mod state;
 
@@ -67,6 +68,9 @@ pub struct SimConfig {
     pub plugins_registry: Option<PathBuf>,
     /// How often the plugin manager's reconciler registers new sockets (the kubelet: 1 s).
     pub watcher_reconcile: Duration,
+    /// Where to serve the pod resources API v1 (the kubelet:
+    /// `/var/lib/kubelet/pod-resources/kubelet.sock`); `None` serves none.
+    pub pod_resources_socket: Option<PathBuf>,
 }
 
 impl Default for SimConfig {
@@ -77,6 +81,7 @@ impl Default for SimConfig {
             listen_delay: Duration::from_millis(1),
             plugins_registry: None,
             watcher_reconcile: Duration::from_secs(1),
+            pod_resources_socket: None,
         }
     }
 }
@@ -89,6 +94,16 @@ impl SimConfig {
             .parent()
             .map_or_else(|| PathBuf::from("/"), Path::to_path_buf);
         self.plugins_registry = Some(root.join("plugins_registry"));
+        self
+    }
+
+    /// This config serving the pod resources API at `pod-resources/kubelet.sock` beside the
+    /// device-plugins folder `dir`.
+    pub fn with_pod_resources_beside(mut self, dir: &Path) -> SimConfig {
+        let root = dir
+            .parent()
+            .map_or_else(|| PathBuf::from("/"), Path::to_path_buf);
+        self.pod_resources_socket = Some(root.join("pod-resources").join("kubelet.sock"));
         self
     }
 }
@@ -315,6 +330,11 @@ impl Kubelet {
             .store(count, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// The pod resources socket, when served.
+    pub fn pod_resources_socket(&self) -> Option<&Path> {
+        self.shared.config.pod_resources_socket.as_deref()
+    }
+
     /// Removes a terminated pod; its devices become free.
     pub fn remove_pod(&self, pod: &str) -> bool {
         self.shared.modify(|node| node.pods.remove(pod).is_some())
@@ -384,6 +404,29 @@ impl Kubelet {
             .unwrap_or_else(|e| e.into_inner()) = stop.clone();
         if let Some(registry) = &self.shared.config.plugins_registry {
             plugin_watcher::spawn(self.shared.clone(), registry.clone(), stop.clone());
+        }
+        if let Some(path) = &self.shared.config.pod_resources_socket {
+            let io_error = |what| {
+                let path = path.clone();
+                move |source| SimError::Io { what, path, source }
+            };
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(io_error("cannot create"))?;
+            }
+            let _ = std::fs::remove_file(path);
+            let listener = tokio::net::UnixListener::bind(path).map_err(io_error("cannot bind"))?;
+            let service = pod_resources::PodResourcesService {
+                shared: self.shared.clone(),
+                limit: Arc::new(Mutex::new(pod_resources::RateLimit::new())),
+            };
+            devplug_proto::uds::spawn_server(
+                tonic::transport::Server::builder().add_service(
+                    devplug_proto::podresources::pod_resources_lister_server::PodResourcesListerServer::new(service),
+                ),
+                listener,
+                stop.clone().cancelled_owned(),
+                "the pod resources server".to_owned(),
+            );
         }
         let service = RegistrationService {
             shared: self.shared.clone(),

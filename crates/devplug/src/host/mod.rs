@@ -10,6 +10,8 @@
 //! - `resource`: one resource's serve-and-register loop.
 //! - `service`: the `DevicePlugin` gRPC service (ListAndWatch, Allocate, ...).
 //! - `status`: what each resource is doing, for readiness, metrics and tests.
+//! - `watchdog`: the pod resources follower: allocated counts, devices in use, and re-registering
+//!   when the kubelet's allocatable falls short of what we stream.
 //! - `watcher`: one resource registered through the kubelet's plugin watcher instead
 //!   (`plugins_registry/`), chosen per resource with [`Registration`].
 
@@ -22,6 +24,7 @@ mod resource;
 mod service;
 mod socket;
 mod status;
+mod watchdog;
 mod watcher;
 
 pub use metrics::{MetricsSnapshot, ALLOCATE_BUCKETS};
@@ -86,8 +89,10 @@ pub struct Host {
     dir: PathBuf,
     events: broadcast::Sender<DirEvent>,
     folder: watch::Receiver<FolderState>,
-    resources: Mutex<BTreeMap<String, Running>>,
+    resources: Arc<Mutex<BTreeMap<String, Running>>>,
     stop: CancellationToken,
+    pod_resources: Arc<Mutex<watchdog::PodResourcesView>>,
+    in_use: Arc<watch::Sender<crate::podresources::InUse>>,
     watcher_dirs: WatcherDirs,
     refused_retry: RefusedRetry,
     /// The plugin-watcher folder's follower, started with the first watcher-route resource.
@@ -208,8 +213,10 @@ impl Host {
             dir,
             events: folder.events,
             folder: folder.state,
-            resources: Mutex::new(BTreeMap::new()),
+            resources: Arc::default(),
             stop,
+            pod_resources: Arc::default(),
+            in_use: Arc::new(watch::Sender::new(Default::default())),
             refused_retry: RefusedRetry::default(),
             registry: OnceLock::new(),
         })
@@ -232,6 +239,31 @@ impl Host {
     /// The folders of the plugin-watcher route.
     pub fn watcher_dirs(&self) -> &WatcherDirs {
         &self.watcher_dirs
+    }
+
+    /// Follows the kubelet's pod resources API on `socket` until shutdown, one call per
+    /// `interval` at most (use [`crate::podresources::MIN_INTERVAL`] or more in production: the
+    /// kubelet's 100 QPS are shared by every client on the node). It gives
+    /// [`MetricsSnapshot::allocated`], [`Host::in_use`], and a watchdog: a resource whose
+    /// allocatable at the kubelet stays below the healthy devices we stream registers again
+    /// ([`MetricsSnapshot::watchdog_reregistrations`]). A kubelet without the API (or a wrong
+    /// path) is logged and retried; nothing else is affected.
+    pub fn watch_pod_resources(&self, socket: PathBuf, interval: Duration) {
+        tokio::spawn(watchdog::run(
+            socket,
+            interval,
+            self.resources.clone(),
+            self.pod_resources.clone(),
+            self.in_use.clone(),
+            self.stop.clone(),
+        ));
+    }
+
+    /// Devices in use by pods, per resource (any resource on the node, not only ours), from
+    /// [`Host::watch_pod_resources`]; empty until it answers. For backends that act on use
+    /// (sharing, cleanup of freed devices).
+    pub fn in_use(&self) -> watch::Receiver<crate::podresources::InUse> {
+        self.in_use.subscribe()
     }
 
     /// The plugin-watcher folder's follower, started on first use.
@@ -418,6 +450,10 @@ impl Host {
 
     /// Counters and state of every resource, in name order, for exporting as metrics.
     pub fn metrics(&self) -> Vec<(String, MetricsSnapshot)> {
+        let (allocated, known) = {
+            let view = self.pod_resources.lock().unwrap_or_else(|e| e.into_inner());
+            (view.allocated.clone(), view.known)
+        };
         self.lock()
             .iter()
             .map(|(name, r)| {
@@ -447,6 +483,7 @@ impl Host {
                         .into_iter()
                         .map(|w| (w.kind.to_owned(), w.detail))
                         .collect(),
+                    allocated: known.then(|| allocated.get(name).copied().unwrap_or(0)),
                     ..r.status.counters.snapshot()
                 };
                 (name.clone(), snapshot)

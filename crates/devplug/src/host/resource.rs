@@ -130,6 +130,7 @@ impl ResourceTask {
         let mut folder_logged = false;
         let mut last_error: Option<String> = None;
         let mut lost_streams = self.status.lost_streams();
+        let mut relinks = self.status.relinks();
         // A kubelet restart shows as our socket deleted and/or a new kubelet.sock. Count it once,
         // and only if we had registered with the kubelet before (a first kubelet start that wipes
         // the socket we bound while waiting is not a restart).
@@ -270,6 +271,13 @@ impl ResourceTask {
                             retry_at = Some(Instant::now() + relink_backoff.next_delay());
                         }
                         tracing::info!(resource = %resource, "the kubelet closed our device stream; registering again");
+                    }
+                }
+                changed = relinks.changed() => {
+                    if changed.is_ok() && registered_with.is_some() {
+                        registered_with = None;
+                        retry_at = None;
+                        tracing::warn!(resource = %resource, "the kubelet's allocatable is short of our healthy devices; registering again");
                     }
                 }
                 changed = self.folder.changed() => {

@@ -146,6 +146,7 @@ impl WatcherTask {
         let registration_path = self.dirs.registry.join(&self.socket_name);
         let (notes_tx, mut notes) = mpsc::unbounded_channel();
         let mut lost_streams = self.status.lost_streams();
+        let mut relinks = self.status.relinks();
 
         let mut plugin: Option<Served> = None;
         let mut registration: Option<Served> = None;
@@ -302,6 +303,15 @@ impl WatcherTask {
                         self.status.update(|s| s.registered = false);
                         relink_check = Some(Instant::now() + RELINK_WAIT);
                         tracing::info!(resource = %resource, "the kubelet closed our device stream; waiting for it to come back");
+                    }
+                }
+                changed = relinks.changed() => {
+                    if changed.is_ok() {
+                        if let Some(old) = registration.take() {
+                            tracing::warn!(resource = %resource, "the kubelet's allocatable is short of our healthy devices; offering the registration socket again");
+                            let _ = old.stop().await;
+                            self.status.update(|s| s.registered = false);
+                        }
                     }
                 }
                 changed = self.folder.changed() => {
