@@ -1,7 +1,9 @@
 //! The `devplug` command: `run` serves device plugins from a config file; `demo` shows the whole
 //! lifecycle on the embedded kubelet simulator, with no cluster and no root; `inspect` looks at
-//! any device plugin socket as the kubelet would; `check-config` validates a config file.
+//! any device plugin socket as the kubelet would; `check-config` validates a config file;
+//! `capacity` sets, removes and lists extended resources on a Node through the API server.
 
+mod capacity;
 mod check_config;
 mod config;
 mod demo;
@@ -46,6 +48,9 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Check a config file as `run` would load it, then exit: 0 if valid, 1 with the error.
     CheckConfig(check_config::CheckConfigArgs),
+    /// Extended resources on a Node's status, through the API server: set, remove (also the
+    /// clean uninstall of a device plugin's leftover capacity 0), list.
+    Capacity(capacity::CapacityArgs),
 }
 
 fn main() -> ExitCode {
@@ -72,6 +77,10 @@ fn main() -> ExitCode {
         Command::Inspect(args) => {
             logging::init(cli.log_format, "warn");
             runtime.block_on(inspect::inspect(args))
+        }
+        Command::Capacity(args) => {
+            logging::init(cli.log_format, "warn");
+            runtime.block_on(capacity::capacity(args))
         }
         Command::CheckConfig(args) => {
             logging::init(cli.log_format, "warn");

@@ -1,0 +1,45 @@
+//! The cluster side of devplug, through kube-rs, kept out of the core crate (DESIGN.md §2).
+//!
+//! - [`capacity`]: extended resources on a Node's status by JSON patch (seed 003): set, remove
+//!   (a missing key is "already gone"), list.
+//! - [`testenv`]: a real etcd + kube-apiserver for tests (`KUBEBUILDER_ASSETS`, as envtest).
+//!
+//! Clients come from the usual places: `--kubeconfig`, else `KUBECONFIG` / `~/.kube/config`, else
+//! the in-cluster service account ([`connect`]).
+
+pub mod capacity;
+pub mod testenv;
+
+use std::path::Path;
+
+/// Why a client could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The kubeconfig file could not be read or used.
+    #[error("kubeconfig {path}: {message}")]
+    Kubeconfig {
+        /// The file.
+        path: String,
+        /// What was wrong.
+        message: String,
+    },
+    /// No kubeconfig and not in a cluster.
+    #[error("no cluster to talk to: {0} (give --kubeconfig, set KUBECONFIG, or run in a pod)")]
+    Infer(String),
+}
+
+/// A client from `kubeconfig` if given, else inferred (KUBECONFIG, `~/.kube/config`, then the
+/// in-cluster service account).
+pub async fn connect(kubeconfig: Option<&Path>) -> Result<kube::Client, ConnectError> {
+    match kubeconfig {
+        Some(path) => testenv::client(path)
+            .await
+            .map_err(|message| ConnectError::Kubeconfig {
+                path: path.display().to_string(),
+                message,
+            }),
+        None => kube::Client::try_default()
+            .await
+            .map_err(|e| ConnectError::Infer(e.to_string())),
+    }
+}

