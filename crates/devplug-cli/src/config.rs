@@ -24,7 +24,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// The backend keys a resource can have, one of which it must.
-const BACKEND_KEYS: [&str; 5] = ["virtual", "files", "hostdev", "amdgpu", "intel_gpu"];
+const BACKEND_KEYS: [&str; 6] = [
+    "virtual",
+    "files",
+    "hostdev",
+    "amdgpu",
+    "intel_gpu",
+    "advertise",
+];
 
 /// The whole config file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -81,7 +88,21 @@ pub struct ResourceConfig {
     /// `socket`).
     #[serde(default)]
     pub registration: Option<RegistrationRoute>,
+    /// No device and no socket: `run` keeps `count` of this extended resource on its own Node's
+    /// status (seed 003), through the API server.
+    pub advertise: Option<AdvertiseSettings>,
 }
+
+/// An extended resource advertised on the Node, with no device plugin behind it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdvertiseSettings {
+    /// How many to advertise (capacity and allocatable).
+    pub count: u64,
+}
+
+/// The most an `advertise` count may be.
+const ADVERTISE_MAX: u64 = 1_000_000_000;
 
 /// Why a config file cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -190,6 +211,9 @@ impl ResourceConfig {
         if self.intel_gpu.is_some() {
             keys.push("intel_gpu");
         }
+        if self.advertise.is_some() {
+            keys.push("advertise");
+        }
         keys
     }
 
@@ -211,6 +235,20 @@ impl ResourceConfig {
 
     /// Checks the backend's settings without starting anything.
     fn check(&self) -> Result<(), (&'static str, SettingsError)> {
+        if let Some(settings) = &self.advertise {
+            if !(1..=ADVERTISE_MAX).contains(&settings.count) {
+                return Err((
+                    "advertise",
+                    SettingsError::new(
+                        "count",
+                        format!(
+                            "must be between 1 and {ADVERTISE_MAX} (to take a resource away, remove \
+                             it from the config)"
+                        ),
+                    ),
+                ));
+            }
+        }
         if let Some(settings) = &self.virtual_devices {
             settings.validate().map_err(|e| ("virtual", e))?;
         }
@@ -328,6 +366,17 @@ mod tests {
     }
 
     #[test]
+    fn advertise_parses() {
+        let config =
+            parse("resources:\n  - name: example.com/dongle\n    advertise: { count: 4 }\n")
+                .unwrap();
+        assert_eq!(
+            config.resources[0].advertise,
+            Some(AdvertiseSettings { count: 4 })
+        );
+    }
+
+    #[test]
     fn registration_route_defaults_and_overrides() {
         let config = parse(
             "registration: watcher
@@ -366,7 +415,9 @@ resources:
             ("resources:\n  - name: example.com/npu\n    virtual: { count: 0 }\n", "resources[0] (example.com/npu): virtual.count: must be between 1"),
             ("resources:\n  - name: npu\n    virtual: { count: 1 }\n", "resources[0] (npu): name: invalid resource name"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/x\n    virtual: { count: 1 }\n", "resources[1] (a.com/x): name: this resource is listed twice"),
-            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files, hostdev, amdgpu, intel_gpu"),
+            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files, hostdev, amdgpu, intel_gpu, advertise"),
+            ("resources:\n  - name: a.com/x\n    advertise: { count: 0 }\n", "resources[0] (a.com/x): advertise.count: must be between 1"),
+            ("resources:\n  - name: a.com/x\n    advertise: { count: 1 }\n    virtual: { count: 1 }\n", "2 backends (virtual, advertise)"),
             ("resources:\n  - name: a.com/x\n    hostdev: { groups: [ { paths: [ttyUSB0] } ] }\n", "resources[0] (a.com/x): hostdev.groups[0].paths[0]: \"ttyUSB0\" must be a device node path under /dev/"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    files: { dir: /x }\n", "2 backends (virtual, files)"),
             ("resources:\n  - name: a.com/x\n    files: { dir: colas }\n", "resources[0] (a.com/x): files.dir: colas must be an absolute path"),

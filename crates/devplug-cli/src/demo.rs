@@ -28,6 +28,7 @@ pub async fn demo() -> anyhow::Result<()> {
     // Handlers first, so that a Ctrl-C at any point after the folder exists cleans it up.
     let interrupted = devplug::shutdown_signal();
     let device_plugins = dir.path().join("device-plugins");
+    std::fs::create_dir_all(&device_plugins).context("cannot create the demo's kubelet folder")?;
     let outcome = tokio::select! {
         () = interrupted => Err(anyhow::anyhow!("interrupted; the demo's temp folder is removed")),
         outcome = walk(&device_plugins) => outcome,

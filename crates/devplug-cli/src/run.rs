@@ -46,6 +46,13 @@ pub struct RunArgs {
     /// kubelet's 100 calls a second are shared by every client on the node).
     #[arg(long, value_name = "SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
     pub pod_resources_interval: u64,
+    /// This node's name (the downward API's spec.nodeName), for `advertise:` resources.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// The kubeconfig for `advertise:` resources (default: KUBECONFIG, ~/.kube/config, then the
+    /// in-cluster account).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
 }
 
 /// The plugin-watcher folders from the flags, defaulting beside the kubelet folder.
@@ -70,8 +77,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         current: BTreeMap::new(),
         text,
         reloads: Arc::default(),
+        advertiser: None,
+        node_name: args.node_name.clone(),
+        kubeconfig: args.kubeconfig.clone(),
     };
-    runner.start(&config)?;
+    runner.start(&config).await?;
     if let Some(socket) = &args.pod_resources_socket {
         // Two calls per poll, each at least `interval / 2` apart (and never under a second).
         let interval = std::time::Duration::from_secs(args.pod_resources_interval)
@@ -161,6 +171,18 @@ struct Runner {
     current: BTreeMap<String, ResourceConfig>,
     text: String,
     reloads: Arc<ReloadCounters>,
+    /// Keeps `advertise:` resources on our Node; started with the first one.
+    advertiser: Option<devplug_cluster::advertise::Advertiser>,
+    node_name: Option<String>,
+    kubeconfig: Option<PathBuf>,
+}
+
+/// The `advertise:` resources of a config, name → count.
+fn advertised(resources: &[ResourceConfig]) -> BTreeMap<String, u64> {
+    resources
+        .iter()
+        .filter_map(|r| r.advertise.as_ref().map(|a| (r.name.clone(), a.count)))
+        .collect()
 }
 
 fn settings_of(resource: &ResourceConfig) -> ResourceSettings {
@@ -177,8 +199,9 @@ fn settings_of(resource: &ResourceConfig) -> ResourceSettings {
 
 impl Runner {
     /// Starts every resource; any failure stops the program.
-    fn start(&mut self, config: &Config) -> anyhow::Result<()> {
-        for resource in &config.resources {
+    async fn start(&mut self, config: &Config) -> anyhow::Result<()> {
+        self.advertise(advertised(&config.resources)).await?;
+        for resource in config.resources.iter().filter(|r| r.advertise.is_none()) {
             let backend = resource
                 .build()
                 .map_err(|(key, err)| anyhow::anyhow!("{}: {key}.{err}", resource.name))?;
@@ -186,6 +209,31 @@ impl Runner {
                 .add_with(&resource.name, backend, settings_of(resource))
                 .with_context(|| format!("cannot serve {}", resource.name))?;
             self.current.insert(resource.name.clone(), resource.clone());
+        }
+        Ok(())
+    }
+
+    /// Hands the `advertise:` resources to the advertiser, starting it (API client, `NODE_NAME`)
+    /// the first time there are any.
+    async fn advertise(&mut self, resources: BTreeMap<String, u64>) -> anyhow::Result<()> {
+        if self.advertiser.is_none() {
+            if resources.is_empty() {
+                return Ok(());
+            }
+            let node = self.node_name.clone().context(
+                "advertise: resources need this node's name: set NODE_NAME (the downward API's \
+                 spec.nodeName) or --node-name",
+            )?;
+            let client = devplug_cluster::connect(self.kubeconfig.as_deref()).await?;
+            tracing::info!(%node, "advertising extended resources on our Node");
+            self.advertiser = Some(devplug_cluster::advertise::Advertiser::spawn(
+                client,
+                node,
+                CancellationToken::new(),
+            ));
+        }
+        if let Some(advertiser) = &self.advertiser {
+            advertiser.set(resources);
         }
         Ok(())
     }
@@ -205,12 +253,17 @@ impl Runner {
             }
         };
         self.text = text;
+        let mut report = Report::default();
+        if let Err(err) = self.advertise(advertised(&config.resources)).await {
+            tracing::error!(error = %format!("{err:#}"), "cannot advertise the config's advertise: resources");
+            report.failed.push("advertise".to_owned());
+        }
         let wanted: BTreeMap<String, ResourceConfig> = config
             .resources
             .into_iter()
+            .filter(|r| r.advertise.is_none())
             .map(|r| (r.name.clone(), r))
             .collect();
-        let mut report = Report::default();
 
         let removed: Vec<String> = self
             .current

@@ -2,11 +2,13 @@
 //!
 //! - [`capacity`]: extended resources on a Node's status by JSON patch (seed 003): set, remove
 //!   (a missing key is "already gone"), list.
+//! - [`advertise`]: resources kept on our own Node by `devplug run` (`advertise:`), event-driven.
 //! - [`testenv`]: a real etcd + kube-apiserver for tests (`KUBEBUILDER_ASSETS`, as envtest).
 //!
 //! Clients come from the usual places: `--kubeconfig`, else `KUBECONFIG` / `~/.kube/config`, else
 //! the in-cluster service account ([`connect`]).
 
+pub mod advertise;
 pub mod capacity;
 pub mod testenv;
 

@@ -160,3 +160,65 @@ async fn clean_uninstall_waits_for_zero_removes_and_rechecks() {
     let again = capacity::clean(&nodes, &node, R, quick).await.unwrap();
     assert_eq!(again.removals, 0);
 }
+
+#[tokio::test]
+async fn advertise_reapplies_after_removal_and_removes_on_config_change() {
+    use devplug_cluster::advertise::Advertiser;
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+    let Some(client) =
+        admin("advertise_reapplies_after_removal_and_removes_on_config_change").await
+    else {
+        return;
+    };
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node = new_node(&nodes, "advertise").await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let advertiser = Advertiser::spawn(client, node.clone(), stop.clone());
+
+    let wait = |want: Option<&'static str>, resource: &'static str| {
+        let (nodes, node) = (nodes.clone(), node.clone());
+        async move {
+            for _ in 0..200 {
+                let now = capacity::list(&nodes, &node).await.unwrap();
+                if now.get(resource).and_then(|r| r.capacity.as_deref()) == want {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            panic!("{resource} never became {want:?}");
+        }
+    };
+    advertiser.set(BTreeMap::from([
+        ("example.com/dongle".to_owned(), 4),
+        ("example.com/licence".to_owned(), 2),
+    ]));
+    wait(Some("4"), "example.com/dongle").await;
+    wait(Some("2"), "example.com/licence").await;
+
+    // Someone removes it (kubectl patch): the watch sees the Node change, it is set again.
+    assert_eq!(
+        capacity::remove(&nodes, &node, "example.com/dongle")
+            .await
+            .unwrap(),
+        Removed::Removed
+    );
+    wait(Some("4"), "example.com/dongle").await;
+    // Someone changes it: set back.
+    capacity::set(&nodes, &node, "example.com/dongle", 9)
+        .await
+        .unwrap();
+    wait(Some("4"), "example.com/dongle").await;
+
+    // The config drops one and changes the other.
+    advertiser.set(BTreeMap::from([("example.com/dongle".to_owned(), 3)]));
+    wait(None, "example.com/licence").await;
+    wait(Some("3"), "example.com/dongle").await;
+    let counters = advertiser.counters();
+    assert!(counters.applied.load(std::sync::atomic::Ordering::Relaxed) >= 5);
+    assert_eq!(
+        counters.removed.load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    stop.cancel();
+}
