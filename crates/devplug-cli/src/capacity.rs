@@ -29,13 +29,22 @@ enum Action {
         #[arg(long, env = "NODE_NAME")]
         node: String,
     },
-    /// Remove NAME from the node's capacity and allocatable; a missing key is "already gone".
+    /// Remove NAMEs from the node's capacity and allocatable; a missing key is "already gone".
     Remove {
-        /// The extended resource name.
-        resource: String,
+        /// The extended resource names.
+        #[arg(required = true, num_args = 1..)]
+        resources: Vec<String>,
         /// The node.
-        #[arg(long, env = "NODE_NAME")]
-        node: String,
+        #[arg(
+            long,
+            env = "NODE_NAME",
+            required_unless_present = "all_nodes",
+            conflicts_with = "all_nodes"
+        )]
+        node: Option<String>,
+        /// Every node of the cluster (the uninstall Job), in parallel.
+        #[arg(long)]
+        all_nodes: bool,
         /// Clean uninstall of a device plugin's resource: wait until the kubelet reports it at
         /// 0 (plugin gone, 5-minute grace over), remove, re-check, retry (bounded).
         #[arg(long)]
@@ -58,6 +67,33 @@ enum Action {
     },
 }
 
+/// Removes one resource from one node: plainly, or with the clean-uninstall recipe.
+async fn remove_one(
+    nodes: &Api<Node>,
+    node: &str,
+    resource: &str,
+    options: Option<CleanOptions>,
+) -> anyhow::Result<String> {
+    let Some(options) = options else {
+        return Ok(match capacity::remove(nodes, node, resource).await? {
+            Removed::Removed => format!("{resource} removed from node {node}"),
+            Removed::AlreadyGone => format!("{resource} on node {node}: already gone"),
+        });
+    };
+    let report = capacity::clean(nodes, node, resource, options).await?;
+    Ok(if report.removals == 0 {
+        format!("{resource} on node {node}: already gone")
+    } else {
+        format!(
+            "{resource} removed from node {node} ({} removal{}, came back {} time{})",
+            report.removals,
+            if report.removals == 1 { "" } else { "s" },
+            report.came_back,
+            if report.came_back == 1 { "" } else { "s" }
+        )
+    })
+}
+
 /// Runs `devplug capacity`.
 pub async fn capacity(args: CapacityArgs) -> anyhow::Result<()> {
     let client = devplug_cluster::connect(args.kubeconfig.as_deref()).await?;
@@ -74,36 +110,57 @@ pub async fn capacity(args: CapacityArgs) -> anyhow::Result<()> {
             println!("{name}={count} set on node {node}");
         }
         Action::Remove {
-            resource,
+            resources,
             node,
+            all_nodes,
             after_device_plugin,
             wait_secs,
             recheck_secs,
             attempts,
         } => {
-            if after_device_plugin {
-                let options = CleanOptions {
-                    wait_for_zero: std::time::Duration::from_secs(wait_secs),
-                    recheck_after: std::time::Duration::from_secs(recheck_secs),
-                    attempts,
-                };
-                let report = capacity::clean(&nodes, &node, &resource, options).await?;
-                if report.removals == 0 {
-                    println!("{resource} on node {node}: already gone");
-                } else {
-                    println!(
-                        "{resource} removed from node {node} ({} removal{}, came back {} time{})",
-                        report.removals,
-                        if report.removals == 1 { "" } else { "s" },
-                        report.came_back,
-                        if report.came_back == 1 { "" } else { "s" }
-                    );
+            let targets: Vec<String> = match node {
+                Some(node) if !all_nodes => vec![node],
+                _ => nodes
+                    .list(&Default::default())
+                    .await
+                    .context("cannot list the nodes")?
+                    .items
+                    .into_iter()
+                    .filter_map(|n| n.metadata.name)
+                    .collect(),
+            };
+            let options = after_device_plugin.then_some(CleanOptions {
+                wait_for_zero: std::time::Duration::from_secs(wait_secs),
+                recheck_after: std::time::Duration::from_secs(recheck_secs),
+                attempts,
+            });
+            let mut work = tokio::task::JoinSet::new();
+            for node in &targets {
+                for resource in &resources {
+                    let (nodes, node, resource) = (nodes.clone(), node.clone(), resource.clone());
+                    work.spawn(async move {
+                        let said = remove_one(&nodes, &node, &resource, options).await;
+                        (node, resource, said)
+                    });
                 }
-            } else {
-                match capacity::remove(&nodes, &node, &resource).await? {
-                    Removed::Removed => println!("{resource} removed from node {node}"),
-                    Removed::AlreadyGone => println!("{resource} on node {node}: already gone"),
+            }
+            let mut results = Vec::new();
+            while let Some(done) = work.join_next().await {
+                results.push(done.context("a removal task failed")?);
+            }
+            results.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+            let mut failed = 0;
+            for (node, resource, said) in results {
+                match said {
+                    Ok(line) => println!("{line}"),
+                    Err(err) => {
+                        failed += 1;
+                        eprintln!("error: {resource} on node {node}: {err:#}");
+                    }
                 }
+            }
+            if failed > 0 {
+                anyhow::bail!("{failed} removal(s) failed");
             }
         }
         Action::List { node } => {
