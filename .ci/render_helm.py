@@ -35,6 +35,7 @@ RELEASES = {
             "resources": [
                 {"name": "example.com/a", "virtual": {"count": 2}},
                 {"name": "example.com/b", "virtual": {"count": 3, "numa_nodes": 2}},
+                {"name": "example.com/dongle", "advertise": {"count": 4}},
             ]
         },
     },

@@ -75,3 +75,11 @@ Host folders under the kubelet's root dir.
 {{- define "devplug.pluginsRegistryDir" -}}
 {{- printf "%s/plugins_registry" (trimSuffix "/" .Values.kubeletDir) }}
 {{- end }}
+
+{{/*
+"true" when the config has an `advertise:` resource (the DaemonSet then needs NODE_NAME, a token
+and RBAC on its Node); empty otherwise.
+*/}}
+{{- define "devplug.advertise" -}}
+{{- range .Values.config.resources }}{{ if .advertise }}true{{ end }}{{ end }}
+{{- end }}
