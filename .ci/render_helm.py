@@ -15,6 +15,7 @@ RELEASES = {
     "defaults": {},
     "all-options": {
         "hostdev": {"enabled": True},
+        "nodeEvents": {"enabled": True},
         "kubeletDir": "/var/snap/microk8s/common/var/lib/kubelet/",
         "serviceAccount": {"annotations": {"example.com/owner": "platform"}},
         "imagePullSecrets": [{"name": "registry"}],

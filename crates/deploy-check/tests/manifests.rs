@@ -11,7 +11,7 @@ use deploy_check::{documents, repo_root, strict, yaml_files, CheckError};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, PodSpec, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
@@ -25,6 +25,8 @@ enum Object {
     Job(Box<Job>),
     ClusterRole(ClusterRole),
     ClusterRoleBinding(ClusterRoleBinding),
+    Role(Role),
+    RoleBinding(RoleBinding),
 }
 
 fn typed(doc: &Value) -> Result<Object, String> {
@@ -40,6 +42,8 @@ fn typed(doc: &Value) -> Result<Object, String> {
         ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
             strict(doc).map(Object::ClusterRoleBinding)
         }
+        ("rbac.authorization.k8s.io/v1", "Role") => strict(doc).map(Object::Role),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => strict(doc).map(Object::RoleBinding),
         _ => {
             return Err(format!(
                 "no typed check for apiVersion {api:?} kind {kind:?}; add the type to deploy-check"
@@ -291,8 +295,11 @@ fn references(objects: &[Object]) -> Vec<String> {
             Object::DaemonSet(d) => Some(&d.metadata.namespace),
             Object::Pod(p) => Some(&p.metadata.namespace),
             Object::Job(j) => Some(&j.metadata.namespace),
-            // Cluster-scoped.
-            Object::ClusterRole(_) | Object::ClusterRoleBinding(_) => None,
+            // Cluster-scoped, or (node events) in namespace default by design.
+            Object::ClusterRole(_)
+            | Object::ClusterRoleBinding(_)
+            | Object::Role(_)
+            | Object::RoleBinding(_) => None,
         })
         .collect();
     if namespaces.windows(2).any(|w| w[0] != w[1]) {
@@ -477,6 +484,31 @@ fn rbac_references(objects: &[Object]) -> Vec<String> {
                 {
                     problems.push(format!(
                         "role {name} grants {grants:?}, not exactly {exactly:?}"
+                    ));
+                }
+            }
+            Object::Role(r) => {
+                let rules: Vec<_> = r.rules.iter().flatten().collect();
+                let ok = r.metadata.namespace.as_deref() == Some("default")
+                    && rules.len() == 1
+                    && rules[0].api_groups.as_deref() == Some(&["events.k8s.io".to_owned()][..])
+                    && rules[0].resources.as_deref() == Some(&["events".to_owned()][..])
+                    && rules[0].verbs == ["create", "patch"];
+                if !ok {
+                    problems.push(format!(
+                        "role {:?} is not exactly create/patch events in default",
+                        r.metadata.name
+                    ));
+                }
+            }
+            Object::RoleBinding(b) => {
+                let role_found = objects.iter().any(|o| {
+                    matches!(o, Object::Role(r) if r.metadata.name.as_deref() == Some(&b.role_ref.name))
+                });
+                if !role_found {
+                    problems.push(format!(
+                        "role binding {:?} names a missing role",
+                        b.metadata.name
                     ));
                 }
             }

@@ -49,10 +49,15 @@ pub struct RunArgs {
     /// This node's name (the downward API's spec.nodeName), for `advertise:` resources.
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
-    /// The kubeconfig for `advertise:` resources (default: KUBECONFIG, ~/.kube/config, then the
-    /// in-cluster account).
+    /// The kubeconfig for `advertise:` resources and node events (default: KUBECONFIG,
+    /// ~/.kube/config, then the in-cluster account).
     #[arg(long)]
     pub kubeconfig: Option<PathBuf>,
+    /// Write Kubernetes Events on this node (NODE_NAME): devices unhealthy (with the reason) and
+    /// recovered, registration lost and regained, config reloads that failed. Rate-limited and
+    /// aggregated. Needs create/patch on events.k8s.io events in namespace default.
+    #[arg(long, env = "DEVPLUG_NODE_EVENTS")]
+    pub node_events: bool,
 }
 
 /// The plugin-watcher folders from the flags, defaulting beside the kubelet folder.
@@ -80,7 +85,23 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         advertiser: None,
         node_name: args.node_name.clone(),
         kubeconfig: args.kubeconfig.clone(),
+        events: None,
     };
+    if args.node_events {
+        let node = args.node_name.clone().context(
+            "--node-events needs this node's name: set NODE_NAME (the downward API's spec.nodeName) or --node-name",
+        )?;
+        let client = devplug_cluster::connect(args.kubeconfig.as_deref()).await?;
+        let instance = std::env::var("POD_NAME").unwrap_or_else(|_| node.clone());
+        let events = devplug_cluster::events::NodeEvents::spawn(
+            client,
+            node,
+            instance,
+            CancellationToken::new(),
+        );
+        events.forward(runner.host.events());
+        runner.events = Some(events);
+    }
     runner.start(&config).await?;
     if let Some(socket) = &args.pod_resources_socket {
         // Two calls per poll, each at least `interval / 2` apart (and never under a second).
@@ -175,6 +196,8 @@ struct Runner {
     advertiser: Option<devplug_cluster::advertise::Advertiser>,
     node_name: Option<String>,
     kubeconfig: Option<PathBuf>,
+    /// Node events, with --node-events.
+    events: Option<devplug_cluster::events::NodeEvents>,
 }
 
 /// The `advertise:` resources of a config, name → count.
@@ -247,6 +270,11 @@ impl Runner {
             Ok(config) => config,
             Err(err) => {
                 tracing::error!(error = %err, "config reload failed; keeping the previous config");
+                if let Some(events) = &self.events {
+                    events.publish(devplug_cluster::events::NodeEvent::config_reload_failed(
+                        &err.to_string(),
+                    ));
+                }
                 self.reloads.failures.fetch_add(1, Ordering::Relaxed);
                 self.text = text;
                 return;

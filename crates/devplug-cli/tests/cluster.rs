@@ -125,6 +125,7 @@ async fn run_advertises_on_its_node_and_follows_the_config() {
             "cli-advertise",
             "--kubeconfig",
             server.kubeconfig.to_str().unwrap(),
+            "--node-events",
         ],
     );
     let wait = |resource: &'static str, want: Option<&'static str>| {
@@ -152,6 +153,40 @@ async fn run_advertises_on_its_node_and_follows_the_config() {
     )
     .unwrap();
     wait("example.com/licence", None).await;
+    // A broken config keeps the previous one running and says so on the Node.
+    std::fs::write(&config, "resources: [ { name: example.com/npu } ]\n").unwrap();
+    let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(
+        testenv::client(&server.kubeconfig).await.unwrap(),
+        "default",
+    );
+    let mut reasons = Vec::new();
+    for _ in 0..100 {
+        reasons = events
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("cli-advertise")
+            })
+            .map(|e| (e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+            .collect::<Vec<_>>();
+        if reasons.iter().any(|(r, _)| r == "ConfigReloadFailed") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        reasons
+            .iter()
+            .any(|(r, n)| r == "ConfigReloadFailed" && n.contains("no backend")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|(r, _)| r == "Registered"),
+        "{reasons:?}"
+    );
     let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
     assert!(status.success(), "{log}");
     // Kept at shutdown: a restarting pod must not make capacity flap.

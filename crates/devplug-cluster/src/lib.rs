@@ -3,6 +3,7 @@
 //! - [`capacity`]: extended resources on a Node's status by JSON patch (seed 003): set, remove
 //!   (a missing key is "already gone"), list.
 //! - [`advertise`]: resources kept on our own Node by `devplug run` (`advertise:`), event-driven.
+//! - [`events`]: device health, registration and config reload problems as Events on the Node.
 //! - [`testenv`]: a real etcd + kube-apiserver for tests (`KUBEBUILDER_ASSETS`, as envtest).
 //!
 //! Clients come from the usual places: `--kubeconfig`, else `KUBECONFIG` / `~/.kube/config`, else
@@ -10,6 +11,7 @@
 
 pub mod advertise;
 pub mod capacity;
+pub mod events;
 pub mod testenv;
 
 use std::path::Path;

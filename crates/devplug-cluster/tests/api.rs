@@ -222,3 +222,101 @@ async fn advertise_reapplies_after_removal_and_removes_on_config_change() {
     );
     stop.cancel();
 }
+
+/// A backend of fixed devices whose health the test flips.
+struct Flip(tokio::sync::watch::Sender<devplug::DeviceList>);
+
+impl devplug::Backend for Flip {
+    fn devices(&self) -> tokio::sync::watch::Receiver<devplug::DeviceList> {
+        self.0.subscribe()
+    }
+    fn allocate(&self, _: &[String]) -> Result<devplug::ContainerEdits, devplug::AllocateError> {
+        Ok(devplug::ContainerEdits::default())
+    }
+}
+
+#[tokio::test]
+async fn a_health_flip_becomes_events_on_the_node() {
+    use devplug::{Device, DeviceList, Health, Host, ResourceSettings};
+    use devplug_cluster::events::NodeEvents;
+    use k8s_openapi::api::events::v1::Event;
+    use std::sync::Arc;
+    use std::time::Duration;
+    let Some(client) = admin("a_health_flip_becomes_events_on_the_node").await else {
+        return;
+    };
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node = new_node(&nodes, "events").await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet = kubelet_sim::Kubelet::start(dir.path()).await.unwrap();
+    let host = Host::new(dir.path()).unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let events = NodeEvents::spawn(client.clone(), node.clone(), "test".into(), stop.clone());
+    events.forward(host.events());
+    let list = tokio::sync::watch::Sender::new(DeviceList::new([
+        Device::new("npu-0"),
+        Device::new("npu-1"),
+    ]));
+    let backend = Arc::new(Flip(list.clone()));
+    let settings = ResourceSettings {
+        health_hold_down: Duration::ZERO,
+        ..Default::default()
+    };
+    host.add_with("example.com/npu", backend, settings).unwrap();
+    kubelet
+        .wait_for(Duration::from_secs(10), |n| {
+            (n.capacity("example.com/npu") == (2, 2)).then_some(())
+        })
+        .await
+        .unwrap();
+    list.send_modify(|l| {
+        l.set_health("npu-1", Health::unhealthy("fan stuck at 0 rpm"));
+    });
+    kubelet
+        .wait_for(Duration::from_secs(10), |n| {
+            (n.capacity("example.com/npu") == (2, 1)).then_some(())
+        })
+        .await
+        .unwrap();
+    list.send_modify(|l| {
+        l.set_health("npu-1", Health::Healthy);
+    });
+
+    let on_node = Api::<Event>::namespaced(client, "default");
+    let mut seen = Vec::new();
+    for _ in 0..100 {
+        seen = on_node
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.as_str()))
+            .map(|e| {
+                (
+                    e.type_.unwrap_or_default(),
+                    e.reason.unwrap_or_default(),
+                    e.note.unwrap_or_default(),
+                )
+            })
+            .collect::<Vec<_>>();
+        if seen.iter().any(|(_, r, _)| r == "DeviceRecovered") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        seen.iter().any(|(t, r, n)| t == "Warning"
+            && r == "DeviceUnhealthy"
+            && n == "example.com/npu device npu-1 is unhealthy: fan stuck at 0 rpm"),
+        "{seen:?}"
+    );
+    assert!(
+        seen.iter()
+            .any(|(t, r, _)| t == "Normal" && r == "DeviceRecovered"),
+        "{seen:?}"
+    );
+    assert!(seen.iter().any(|(_, r, _)| r == "Registered"), "{seen:?}");
+    host.shutdown().await;
+    stop.cancel();
+}

@@ -26,8 +26,9 @@ pub use backend::{
 pub use device::{check_id, Device, DeviceList, Health, ListTooLarge, MAX_ID_LEN};
 pub use edits::{ContainerEdits, DeviceNode, Mount};
 pub use host::{
-    Host, HostError, MetricsSnapshot, RefusedRetry, Registration, ResourceSettings, ResourceStatus,
-    ShutdownReport, Updated, WatcherDirs, ALLOCATE_BUCKETS, DEFAULT_HEALTH_HOLD_DOWN, RELINK_WAIT,
+    Host, HostError, HostEvent, MetricsSnapshot, RefusedRetry, Registration, ResourceSettings,
+    ResourceStatus, ShutdownReport, Updated, WatcherDirs, ALLOCATE_BUCKETS,
+    DEFAULT_HEALTH_HOLD_DOWN, RELINK_WAIT,
 };
 pub use signal::shutdown_signal;
 

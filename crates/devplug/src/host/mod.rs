@@ -9,6 +9,7 @@
 //! - `registration`: the `Register` call on kubelet.sock.
 //! - `resource`: one resource's serve-and-register loop.
 //! - `service`: the `DevicePlugin` gRPC service (ListAndWatch, Allocate, ...).
+//! - `events`: device health transitions and registration changes as [`HostEvent`]s.
 //! - `status`: what each resource is doing, for readiness, metrics and tests.
 //! - `watchdog`: the pod resources follower: allocated counts, devices in use, and re-registering
 //!   when the kubelet's allocatable falls short of what we stream.
@@ -17,6 +18,7 @@
 
 mod backoff;
 mod dir_watch;
+mod events;
 mod feed;
 mod metrics;
 mod registration;
@@ -27,6 +29,7 @@ mod status;
 mod watchdog;
 mod watcher;
 
+pub use events::HostEvent;
 pub use metrics::{MetricsSnapshot, ALLOCATE_BUCKETS};
 pub use status::ResourceStatus;
 pub use watcher::{RefusedRetry, WatcherDirs, RELINK_WAIT};
@@ -93,6 +96,7 @@ pub struct Host {
     stop: CancellationToken,
     pod_resources: Arc<Mutex<watchdog::PodResourcesView>>,
     in_use: Arc<watch::Sender<crate::podresources::InUse>>,
+    host_events: broadcast::Sender<HostEvent>,
     watcher_dirs: WatcherDirs,
     refused_retry: RefusedRetry,
     /// The plugin-watcher folder's follower, started with the first watcher-route resource.
@@ -217,6 +221,7 @@ impl Host {
             stop,
             pod_resources: Arc::default(),
             in_use: Arc::new(watch::Sender::new(Default::default())),
+            host_events: broadcast::channel(256).0,
             refused_retry: RefusedRetry::default(),
             registry: OnceLock::new(),
         })
@@ -257,6 +262,12 @@ impl Host {
             self.in_use.clone(),
             self.stop.clone(),
         ));
+    }
+
+    /// Device health transitions and registration changes of every resource, for operators
+    /// (the cluster side turns them into Node events). A slow reader loses the oldest events.
+    pub fn events(&self) -> broadcast::Receiver<HostEvent> {
+        self.host_events.subscribe()
     }
 
     /// Devices in use by pods, per resource (any resource on the node, not only ours), from
@@ -370,6 +381,13 @@ impl Host {
             }
         };
         let receiver = status.subscribe();
+        events::spawn(
+            shared.resource.clone(),
+            shared.devices.clone(),
+            status.subscribe(),
+            self.host_events.clone(),
+            stop.clone(),
+        );
         let running = Running {
             shared,
             settings,

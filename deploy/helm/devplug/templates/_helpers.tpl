@@ -83,3 +83,11 @@ and RBAC on its Node); empty otherwise.
 {{- define "devplug.advertise" -}}
 {{- range .Values.config.resources }}{{ if .advertise }}true{{ end }}{{ end }}
 {{- end }}
+
+{{/*
+"true" when the pods talk to the API server (advertise: resources or node events): they then
+get a token and NODE_NAME.
+*/}}
+{{- define "devplug.apiClient" -}}
+{{- if or (include "devplug.advertise" .) .Values.nodeEvents.enabled }}true{{ end }}
+{{- end }}
