@@ -35,7 +35,7 @@ RELEASES = {
         "config": {
             "resources": [
                 {"name": "example.com/a", "virtual": {"count": 2}},
-                {"name": "example.com/b", "virtual": {"count": 3, "numa_nodes": 2}},
+                {"name": "example.com/b", "virtual": {"count": 3, "numa_nodes": 2}, "registration": "watcher"},
                 {"name": "example.com/dongle", "advertise": {"count": 4}},
             ]
         },

@@ -91,3 +91,19 @@ get a token and NODE_NAME.
 {{- define "devplug.apiClient" -}}
 {{- if or (include "devplug.advertise" .) .Values.nodeEvents.enabled }}true{{ end }}
 {{- end }}
+
+{{/*
+"true" when a resource registers through the kubelet's plugin watcher (registration: watcher).
+*/}}
+{{- define "devplug.watcher" -}}
+{{- if eq (toString .Values.config.registration) "watcher" }}true{{ end }}
+{{- range .Values.config.resources }}{{ if eq (toString .registration) "watcher" }}true{{ end }}{{ end }}
+{{- end }}
+
+{{/*
+Where watcher-route plugin sockets live on the host: outside device-plugins/, which a restarting
+kubelet wipes.
+*/}}
+{{- define "devplug.pluginSocketDir" -}}
+{{- printf "%s/plugins/devplug" (trimSuffix "/" .Values.kubeletDir) -}}
+{{- end }}
