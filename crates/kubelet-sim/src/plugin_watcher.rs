@@ -299,3 +299,36 @@ fn deregister(shared: &Arc<Shared>, plugin: &Registered) {
         disconnect(shared, &plugin.resource, generation);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_visible_sockets_are_plugins() {
+        let dir = tempfile::tempdir().unwrap();
+        let visible = dir.path().join("x.sock");
+        let hidden = dir.path().join(".x.sock");
+        let _a = std::os::unix::net::UnixListener::bind(&visible).unwrap();
+        let _b = std::os::unix::net::UnixListener::bind(&hidden).unwrap();
+        let file = dir.path().join("plain");
+        std::fs::write(&file, "").unwrap();
+        let sub = dir.path().join("sub");
+        std::fs::create_dir(&sub).unwrap();
+        let nested = sub.join("y.sock");
+        let _c = std::os::unix::net::UnixListener::bind(&nested).unwrap();
+        assert!(is_plugin_socket(&visible));
+        assert!(
+            !is_plugin_socket(&hidden),
+            "names starting with . are ignored"
+        );
+        assert!(!is_plugin_socket(&file), "only sockets");
+        let (mut desired, mut clock, mut pending) =
+            (BTreeMap::new(), 0, vec![dir.path().to_path_buf()]);
+        while let Some(folder) = pending.pop() {
+            walk(&folder, &mut desired, &mut clock, &mut pending);
+        }
+        let found: Vec<&PathBuf> = desired.keys().collect();
+        assert_eq!(found, [&nested, &visible], "sub-folders are walked too");
+    }
+}
