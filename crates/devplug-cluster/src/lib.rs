@@ -36,7 +36,7 @@ pub enum ConnectError {
 /// in-cluster service account).
 pub async fn connect(kubeconfig: Option<&Path>) -> Result<kube::Client, ConnectError> {
     match kubeconfig {
-        Some(path) => testenv::client(path)
+        Some(path) => from_kubeconfig(path)
             .await
             .map_err(|message| ConnectError::Kubeconfig {
                 path: path.display().to_string(),
@@ -46,4 +46,14 @@ pub async fn connect(kubeconfig: Option<&Path>) -> Result<kube::Client, ConnectE
             .await
             .map_err(|e| ConnectError::Infer(e.to_string())),
     }
+}
+
+/// A client for the kubeconfig file at `path`, its current context (no environment).
+pub async fn from_kubeconfig(path: &Path) -> Result<kube::Client, String> {
+    let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|e| e.to_string())?;
+    let options = kube::config::KubeConfigOptions::default();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
+        .await
+        .map_err(|e| e.to_string())?;
+    kube::Client::try_from(config).map_err(|e| e.to_string())
 }

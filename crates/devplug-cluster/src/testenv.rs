@@ -78,15 +78,7 @@ impl ApiServer {
 
 /// A kube client for the kubeconfig at `path` (no context switching, no env).
 pub async fn client(path: &Path) -> Result<kube::Client, String> {
-    let kubeconfig =
-        kube::config::Kubeconfig::read_from(path).map_err(|e| fail("kubeconfig", e))?;
-    let config = kube::Config::from_custom_kubeconfig(
-        kubeconfig,
-        &kube::config::KubeConfigOptions::default(),
-    )
-    .await
-    .map_err(|e| fail("kubeconfig", e))?;
-    kube::Client::try_from(config).map_err(|e| fail("client", e))
+    crate::from_kubeconfig(path).await
 }
 
 fn kubeconfig_text(url: &str, ca: &Path, token: &str) -> String {
