@@ -15,6 +15,7 @@ RELEASES = {
     "defaults": {},
     "all-options": {
         "hostdev": {"enabled": True},
+        "nodeEvents": {"enabled": True},
         "kubeletDir": "/var/snap/microk8s/common/var/lib/kubelet/",
         "serviceAccount": {"annotations": {"example.com/owner": "platform"}},
         "imagePullSecrets": [{"name": "registry"}],
@@ -34,7 +35,8 @@ RELEASES = {
         "config": {
             "resources": [
                 {"name": "example.com/a", "virtual": {"count": 2}},
-                {"name": "example.com/b", "virtual": {"count": 3, "numa_nodes": 2}},
+                {"name": "example.com/b", "virtual": {"count": 3, "numa_nodes": 2}, "registration": "watcher"},
+                {"name": "example.com/dongle", "advertise": {"count": 4}},
             ]
         },
     },

@@ -9,7 +9,9 @@
 
 use deploy_check::{documents, repo_root, strict, yaml_files, CheckError};
 use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, PodSpec, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
@@ -20,6 +22,11 @@ enum Object {
     ConfigMap(ConfigMap),
     DaemonSet(Box<DaemonSet>),
     Pod(Box<Pod>),
+    Job(Box<Job>),
+    ClusterRole(ClusterRole),
+    ClusterRoleBinding(ClusterRoleBinding),
+    Role(Role),
+    RoleBinding(RoleBinding),
 }
 
 fn typed(doc: &Value) -> Result<Object, String> {
@@ -30,6 +37,13 @@ fn typed(doc: &Value) -> Result<Object, String> {
         ("v1", "ConfigMap") => strict(doc).map(Object::ConfigMap),
         ("apps/v1", "DaemonSet") => strict(doc).map(|d| Object::DaemonSet(Box::new(d))),
         ("v1", "Pod") => strict(doc).map(|p| Object::Pod(Box::new(p))),
+        ("batch/v1", "Job") => strict(doc).map(|j| Object::Job(Box::new(j))),
+        ("rbac.authorization.k8s.io/v1", "ClusterRole") => strict(doc).map(Object::ClusterRole),
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
+            strict(doc).map(Object::ClusterRoleBinding)
+        }
+        ("rbac.authorization.k8s.io/v1", "Role") => strict(doc).map(Object::Role),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => strict(doc).map(Object::RoleBinding),
         _ => {
             return Err(format!(
                 "no typed check for apiVersion {api:?} kind {kind:?}; add the type to deploy-check"
@@ -275,11 +289,17 @@ fn references(objects: &[Object]) -> Vec<String> {
 
     let namespaces: Vec<&Option<String>> = objects
         .iter()
-        .map(|o| match o {
-            Object::ServiceAccount(s) => &s.metadata.namespace,
-            Object::ConfigMap(c) => &c.metadata.namespace,
-            Object::DaemonSet(d) => &d.metadata.namespace,
-            Object::Pod(p) => &p.metadata.namespace,
+        .filter_map(|o| match o {
+            Object::ServiceAccount(s) => Some(&s.metadata.namespace),
+            Object::ConfigMap(c) => Some(&c.metadata.namespace),
+            Object::DaemonSet(d) => Some(&d.metadata.namespace),
+            Object::Pod(p) => Some(&p.metadata.namespace),
+            Object::Job(j) => Some(&j.metadata.namespace),
+            // Cluster-scoped, or (node events) in namespace default by design.
+            Object::ClusterRole(_)
+            | Object::ClusterRoleBinding(_)
+            | Object::Role(_)
+            | Object::RoleBinding(_) => None,
         })
         .collect();
     if namespaces.windows(2).any(|w| w[0] != w[1]) {
@@ -305,14 +325,21 @@ fn references(objects: &[Object]) -> Vec<String> {
             }
         }
     }
-    if let [sa] = accounts.as_slice() {
-        if spec.service_account_name != sa.metadata.name {
-            problems.push(format!(
-                "the pods run as {:?}, the ServiceAccount is {:?}",
-                spec.service_account_name, sa.metadata.name
-            ));
-        }
+    if !accounts.is_empty()
+        && !accounts
+            .iter()
+            .any(|sa| spec.service_account_name == sa.metadata.name)
+    {
+        problems.push(format!(
+            "the pods run as {:?}, the ServiceAccounts are {:?}",
+            spec.service_account_name,
+            accounts
+                .iter()
+                .map(|sa| &sa.metadata.name)
+                .collect::<Vec<_>>()
+        ));
     }
+    problems.extend(rbac_references(objects));
 
     let volumes = spec.volumes.as_deref().unwrap_or_default();
     let Some(container) = spec.containers.first() else {
@@ -373,6 +400,199 @@ fn references(objects: &[Object]) -> Vec<String> {
         }
     }
     problems
+}
+
+/// RBAC and Job checks: every binding names a ClusterRole and ServiceAccounts of the release;
+/// every Job runs as one of its accounts and calls `devplug capacity`; the uninstall role grants
+/// exactly get/list/watch on nodes and get/patch on nodes/status; the advertise role the same.
+fn rbac_references(objects: &[Object]) -> Vec<String> {
+    let mut problems = Vec::new();
+    let roles: Vec<&ClusterRole> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::ClusterRole(r) => Some(r),
+            _ => None,
+        })
+        .collect();
+    let accounts: Vec<(&Option<String>, &Option<String>)> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::ServiceAccount(s) => Some((&s.metadata.name, &s.metadata.namespace)),
+            _ => None,
+        })
+        .collect();
+    for o in objects {
+        match o {
+            Object::ClusterRoleBinding(b) => {
+                if b.role_ref.kind != "ClusterRole"
+                    || !roles
+                        .iter()
+                        .any(|r| r.metadata.name.as_deref() == Some(&b.role_ref.name))
+                {
+                    problems.push(format!(
+                        "binding {:?} refers to role {:?}, which is not in the release",
+                        b.metadata.name, b.role_ref.name
+                    ));
+                }
+                for s in b.subjects.iter().flatten() {
+                    let found = s.kind == "ServiceAccount"
+                        && accounts.iter().any(|(n, ns)| {
+                            n.as_deref() == Some(&s.name) && ns.as_deref() == s.namespace.as_deref()
+                        });
+                    if !found {
+                        problems.push(format!(
+                            "binding {:?} names subject {} {}/{}, which is not in the release",
+                            b.metadata.name,
+                            s.kind,
+                            s.namespace.as_deref().unwrap_or(""),
+                            s.name
+                        ));
+                    }
+                }
+            }
+            Object::ClusterRole(r) => {
+                let mut grants: Vec<String> = r
+                    .rules
+                    .iter()
+                    .flatten()
+                    .flat_map(|rule| {
+                        let groups = rule.api_groups.clone().unwrap_or_default();
+                        let resources = rule.resources.clone().unwrap_or_default();
+                        let verbs = rule.verbs.clone();
+                        groups.into_iter().flat_map(move |g| {
+                            let verbs = verbs.clone();
+                            resources.clone().into_iter().flat_map(move |res| {
+                                let g = g.clone();
+                                verbs
+                                    .clone()
+                                    .into_iter()
+                                    .map(move |v| format!("{g}/{res}:{v}"))
+                            })
+                        })
+                    })
+                    .collect();
+                grants.sort();
+                let exactly = [
+                    "/nodes/status:get",
+                    "/nodes/status:patch",
+                    "/nodes:get",
+                    "/nodes:list",
+                    "/nodes:watch",
+                ];
+                let name = r.metadata.name.as_deref().unwrap_or("");
+                if (name.ends_with("uninstall") || name.ends_with("advertise")) && grants != exactly
+                {
+                    problems.push(format!(
+                        "role {name} grants {grants:?}, not exactly {exactly:?}"
+                    ));
+                }
+            }
+            Object::Role(r) => {
+                let rules: Vec<_> = r.rules.iter().flatten().collect();
+                let ok = r.metadata.namespace.as_deref() == Some("default")
+                    && rules.len() == 1
+                    && rules[0].api_groups.as_deref() == Some(&["events.k8s.io".to_owned()][..])
+                    && rules[0].resources.as_deref() == Some(&["events".to_owned()][..])
+                    && rules[0].verbs == ["create", "patch"];
+                if !ok {
+                    problems.push(format!(
+                        "role {:?} is not exactly create/patch events in default",
+                        r.metadata.name
+                    ));
+                }
+            }
+            Object::RoleBinding(b) => {
+                let role_found = objects.iter().any(|o| {
+                    matches!(o, Object::Role(r) if r.metadata.name.as_deref() == Some(&b.role_ref.name))
+                });
+                if !role_found {
+                    problems.push(format!(
+                        "role binding {:?} names a missing role",
+                        b.metadata.name
+                    ));
+                }
+            }
+            Object::Job(j) => {
+                let spec = j.spec.as_ref().and_then(|s| s.template.spec.as_ref());
+                let Some(spec) = spec else {
+                    problems.push(format!("job {:?} has no pod spec", j.metadata.name));
+                    continue;
+                };
+                if !accounts
+                    .iter()
+                    .any(|(n, ns)| n == &&spec.service_account_name && ns == &&j.metadata.namespace)
+                {
+                    problems.push(format!(
+                        "job {:?} runs as {:?}, which is not an account of the release",
+                        j.metadata.name, spec.service_account_name
+                    ));
+                }
+                for c in &spec.containers {
+                    let args = c.args.as_deref().unwrap_or_default();
+                    if args.first().map(String::as_str) != Some("capacity") {
+                        problems.push(format!(
+                            "job {:?} container {} does not run `devplug capacity`: {args:?}",
+                            j.metadata.name, c.name
+                        ));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    problems
+}
+
+fn uninstall_dir() -> PathBuf {
+    repo_root().join("deploy/kustomize-uninstall")
+}
+
+#[test]
+fn kustomize_uninstall_is_strictly_valid_and_consistent() {
+    let files: Vec<PathBuf> = yaml_files(&uninstall_dir())
+        .unwrap()
+        .into_iter()
+        .filter(|p| p.file_name().is_some_and(|n| n != "kustomization.yaml"))
+        .collect();
+    let objects = load_ok(&files);
+    let kinds: Vec<&str> = objects
+        .iter()
+        .map(|o| match o {
+            Object::ServiceAccount(_) => "ServiceAccount",
+            Object::ClusterRole(_) => "ClusterRole",
+            Object::ClusterRoleBinding(_) => "ClusterRoleBinding",
+            Object::Job(_) => "Job",
+            _ => "other",
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        ["Job", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"],
+        "{files:?}"
+    );
+    let problems = rbac_references(&objects);
+    assert!(problems.is_empty(), "\n{}", problems.join("\n"));
+    let k = &documents(&uninstall_dir().join("kustomization.yaml")).unwrap()[0];
+    let listed: Vec<&str> = k["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap())
+        .collect();
+    for file in &files {
+        let name = file.file_name().unwrap().to_str().unwrap();
+        assert!(
+            listed.contains(&name),
+            "{name} is not in kustomization.yaml"
+        );
+    }
+    // A broken role is caught.
+    let wider: ClusterRole = serde_json::from_value(json!({
+        "metadata": {"name": "devplug-uninstall"},
+        "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["*"]}],
+    }))
+    .unwrap();
+    assert!(!rbac_references(&[Object::ClusterRole(wider)]).is_empty());
 }
 
 #[test]

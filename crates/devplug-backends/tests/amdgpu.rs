@@ -33,6 +33,7 @@ async fn serve(tree: &FakeSysfs, resources: Vec<(&str, AmdgpuSettings)>) -> (Kub
             backend,
             ResourceSettings {
                 health_hold_down: Duration::ZERO,
+                ..Default::default()
             },
         )
         .unwrap();

@@ -41,6 +41,7 @@ async fn start(dir: &Path, settings: FilesSettings, hold_down: Duration) -> (Kub
         backend,
         ResourceSettings {
             health_hold_down: hold_down,
+            ..Default::default()
         },
     )
     .unwrap();

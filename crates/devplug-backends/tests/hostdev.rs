@@ -116,6 +116,7 @@ async fn serve(fake: &FakeHost, resources: Vec<(&str, HostdevSettings)>) -> (Kub
             backend,
             ResourceSettings {
                 health_hold_down: Duration::ZERO,
+                ..Default::default()
             },
         )
         .unwrap();

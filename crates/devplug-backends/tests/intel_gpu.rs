@@ -35,6 +35,7 @@ async fn serve(tree: &FakeSysfs, resources: Vec<(&str, IntelGpuSettings)>) -> (K
             backend,
             ResourceSettings {
                 health_hold_down: Duration::ZERO,
+                ..Default::default()
             },
         )
         .unwrap();

@@ -144,6 +144,7 @@ async fn serve(
             backend.clone(),
             ResourceSettings {
                 health_hold_down: Duration::ZERO,
+                ..Default::default()
             },
         )
         .unwrap();

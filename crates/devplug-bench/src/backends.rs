@@ -19,6 +19,7 @@ async fn serve(
     let host = Host::new(plugins)?;
     let settings = ResourceSettings {
         health_hold_down: Duration::ZERO,
+        ..Default::default()
     };
     host.add_with(RESOURCE, backend, settings)?;
     kubelet

@@ -1,13 +1,15 @@
 //! Benchmarks of devplug through the kubelet simulator, printed as a table for
 //! `docs/benchmarks.md`. Run with `cargo build --release -p devplug-cli && cargo run --release -p devplug-bench`;
 //! `devplug-bench gpus` runs only the AMD/Intel GPU backend figures (no `devplug` binary needed),
-//! `devplug-bench nvidia` only the NVIDIA backend's.
+//! `devplug-bench nvidia` only the NVIDIA backend's, `devplug-bench routes` only kubelet
+//! restart → streaming by registration route and the PodResources call cost.
 //! Figures depend on the machine; this is not a test and asserts nothing.
 
 mod backends;
 mod gpus;
 mod measure;
 mod nvidia;
+mod routes;
 
 use anyhow::Context;
 use devplug::{Health, Host};
@@ -42,9 +44,17 @@ async fn main() -> anyhow::Result<()> {
         print_machine(cpu_before);
         return Ok(());
     }
+    if std::env::args().nth(1).as_deref() == Some("routes") {
+        routes::restart_by_route(200).await?;
+        routes::pod_resources_cost().await?;
+        print_machine(cpu_before);
+        return Ok(());
+    }
     round_trips().await?;
     device_changes().await?;
     restarts().await?;
+    routes::restart_by_route(200).await?;
+    routes::pod_resources_cost().await?;
     rolling_upgrades().await?;
     start_to_registered().await?;
     backends::file_created().await?;
@@ -94,6 +104,7 @@ async fn setup(
     // No hold-down: these figures are about the pipeline, not the recovery policy.
     let settings = devplug::ResourceSettings {
         health_hold_down: Duration::ZERO,
+        ..Default::default()
     };
     host.add_with(RESOURCE, backend.clone(), settings)?;
     kubelet

@@ -299,6 +299,7 @@ pub async fn xid_to_unhealthy() -> anyhow::Result<()> {
         backend,
         ResourceSettings {
             health_hold_down: Duration::ZERO,
+            ..Default::default()
         },
     )?;
     kubelet

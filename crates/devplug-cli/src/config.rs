@@ -8,6 +8,9 @@
 //!       count: 64
 //!       env: DUMMY_VISIBLE_DEVICES
 //! ```
+//!
+//! `registration: socket | watcher` (top level, or per resource; default `socket`) picks how the
+//! kubelet learns of a resource: `kubelet.sock`, or a socket in its plugin-watcher folder.
 
 use devplug::Backend;
 use devplug_backends::{
@@ -22,13 +25,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// The backend keys a resource can have, one of which it must.
-const BACKEND_KEYS: [&str; 6] = [
+const BACKEND_KEYS: [&str; 7] = [
     "virtual",
     "files",
     "hostdev",
     "amdgpu",
     "intel_gpu",
     "nvidia",
+    "advertise",
 ];
 
 /// The longest `health_hold_down`: a recovered device kept from pods for more than an hour is
@@ -39,8 +43,30 @@ pub const MAX_HEALTH_HOLD_DOWN: std::time::Duration = std::time::Duration::from_
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// How resources register with the kubelet unless they say otherwise (default `socket`).
+    #[serde(default)]
+    pub registration: Option<RegistrationRoute>,
     /// The resources to serve, each on its own socket.
     pub resources: Vec<ResourceConfig>,
+}
+
+/// How a resource registers with the kubelet (reliability.md §1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RegistrationRoute {
+    /// `Register` on `device-plugins/kubelet.sock`, the documented route.
+    Socket,
+    /// A registration socket in the kubelet's `plugins_registry/` (the plugin watcher).
+    Watcher,
+}
+
+impl From<RegistrationRoute> for devplug::Registration {
+    fn from(route: RegistrationRoute) -> Self {
+        match route {
+            RegistrationRoute::Socket => devplug::Registration::Socket,
+            RegistrationRoute::Watcher => devplug::Registration::Watcher,
+        }
+    }
 }
 
 /// One resource and its backend. Exactly one backend key must be set.
@@ -66,7 +92,25 @@ pub struct ResourceConfig {
     /// default 5s; at most [`MAX_HEALTH_HOLD_DOWN`]).
     #[serde(default, deserialize_with = "crate::duration::deserialize_opt")]
     pub health_hold_down: Option<std::time::Duration>,
+    /// How this resource registers with the kubelet (default: the file's `registration`, else
+    /// `socket`).
+    #[serde(default)]
+    pub registration: Option<RegistrationRoute>,
+    /// No device and no socket: `run` keeps `count` of this extended resource on its own Node's
+    /// status (seed 003), through the API server.
+    pub advertise: Option<AdvertiseSettings>,
 }
+
+/// An extended resource advertised on the Node, with no device plugin behind it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdvertiseSettings {
+    /// How many to advertise (capacity and allocatable).
+    pub count: u64,
+}
+
+/// The most an `advertise` count may be.
+const ADVERTISE_MAX: u64 = 1_000_000_000;
 
 /// Why a config file cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -124,7 +168,7 @@ impl Config {
                 err.into_inner()
             })
         });
-        let config = parsed.map_err(|err| {
+        let mut config: Config = parsed.map_err(|err| {
             let message = plain_types(err.to_string().trim_start_matches("error: "));
             let mut message = match at.as_str() {
                 "" | "." => message,
@@ -140,6 +184,11 @@ impl Config {
             }
         })?;
         config.validate(path)?;
+        // Each resource carries its route, so that a reload sees a changed default as a change.
+        let default_route = config.registration.unwrap_or(RegistrationRoute::Socket);
+        for resource in &mut config.resources {
+            resource.registration.get_or_insert(default_route);
+        }
         Ok(config)
     }
 
@@ -230,6 +279,9 @@ impl ResourceConfig {
         if self.nvidia.is_some() {
             keys.push("nvidia");
         }
+        if self.advertise.is_some() {
+            keys.push("advertise");
+        }
         keys
     }
 
@@ -258,6 +310,20 @@ impl ResourceConfig {
 
     /// Checks the backend's settings without starting anything.
     fn check(&self) -> Result<(), (&'static str, SettingsError)> {
+        if let Some(settings) = &self.advertise {
+            if !(1..=ADVERTISE_MAX).contains(&settings.count) {
+                return Err((
+                    "advertise",
+                    SettingsError::new(
+                        "count",
+                        format!(
+                            "must be between 1 and {ADVERTISE_MAX} (to take a resource away, remove \
+                             it from the config)"
+                        ),
+                    ),
+                ));
+            }
+        }
         if let Some(settings) = &self.virtual_devices {
             settings.validate().map_err(|e| ("virtual", e))?;
         }
@@ -421,13 +487,58 @@ mod tests {
     }
 
     #[test]
+    fn advertise_parses() {
+        let config =
+            parse("resources:\n  - name: example.com/dongle\n    advertise: { count: 4 }\n")
+                .unwrap();
+        assert_eq!(
+            config.resources[0].advertise,
+            Some(AdvertiseSettings { count: 4 })
+        );
+    }
+
+    #[test]
+    fn registration_route_defaults_and_overrides() {
+        let config = parse(
+            "registration: watcher
+resources:
+  - name: a.com/x
+    virtual: { count: 1 }
+  - name: a.com/y
+    virtual: { count: 1 }
+    registration: socket
+",
+        )
+        .unwrap();
+        assert_eq!(
+            config.resources[0].registration,
+            Some(RegistrationRoute::Watcher)
+        );
+        assert_eq!(
+            config.resources[1].registration,
+            Some(RegistrationRoute::Socket)
+        );
+        let plain = parse("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n").unwrap();
+        assert_eq!(
+            plain.resources[0].registration,
+            Some(RegistrationRoute::Socket)
+        );
+        let err =
+            parse("registration: dra\nresources:\n  - name: a.com/x\n    virtual: { count: 1 }\n")
+                .unwrap_err();
+        assert!(err.contains("registration"), "{err}");
+    }
+
+    #[test]
     fn errors_name_the_resource_and_field() {
         let cases = [
             ("resources:\n  - name: example.com/npu\n    virtual: { cout: 3 }\n", "cout"),
             ("resources:\n  - name: example.com/npu\n    virtual: { count: 0 }\n", "resources[0] (example.com/npu): virtual.count: must be between 1"),
             ("resources:\n  - name: npu\n    virtual: { count: 1 }\n", "resources[0] (npu): name: invalid resource name"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/x\n    virtual: { count: 1 }\n", "resources[1] (a.com/x): name: this resource is listed twice"),
-            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files, hostdev, amdgpu, intel_gpu, nvidia"),
+            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files, hostdev, amdgpu, intel_gpu, nvidia, advertise"),
+            ("resources:\n  - name: a.com/x\n    advertise: { count: 0 }\n", "resources[0] (a.com/x): advertise.count: must be between 1"),
+            ("resources:\n  - name: a.com/x\n    advertise: { count: 1 }\n    virtual: { count: 1 }\n", "2 backends (virtual, advertise)"),
             ("resources:\n  - name: a.com/x\n    hostdev: { groups: [ { paths: [ttyUSB0] } ] }\n", "resources[0] (a.com/x): hostdev.groups[0].paths[0]: \"ttyUSB0\" must be a device node path under /dev/"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    files: { dir: /x }\n", "2 backends (virtual, files)"),
             ("resources:\n  - name: a.com/x\n    files: { dir: colas }\n", "resources[0] (a.com/x): files.dir: colas must be an absolute path"),

@@ -1,17 +1,20 @@
 //! `devplug demo`: a virtual NPU plugin and a simulated kubelet in a temp folder, walking through
-//! registration, node capacity, an allocation, a device turning unhealthy, a kubelet restart and
+//! registration, node capacity, an allocation, a device turning unhealthy, a kubelet restart, a
+//! second resource registering through the kubelet's plugin watcher instead of kubelet.sock, and
 //! shutdown. Needs no cluster and no root; exits 0.
 
 use crate::output::line;
 use anyhow::Context;
-use devplug::{Health, Host, ResourceSettings, ResourceStatus};
+use devplug::{Health, Host, Registration, ResourceSettings, ResourceStatus};
 use devplug_backends::{VirtualBackend, VirtualSettings};
-use kubelet_sim::{Kubelet, NodeState};
+use kubelet_sim::{Kubelet, NodeState, SimConfig};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 const RESOURCE: &str = "dummy.com/npu";
+/// The resource registered through the plugin watcher.
+const WATCHED: &str = "dummy.com/npu-watched";
 const WAIT: Duration = Duration::from_secs(10);
 /// Shorter than the default 5 s, to keep the demo brisk.
 const HOLD_DOWN: Duration = Duration::from_secs(1);
@@ -25,9 +28,11 @@ pub async fn demo() -> anyhow::Result<()> {
         .context("cannot create a temp folder")?;
     // Handlers first, so that a Ctrl-C at any point after the folder exists cleans it up.
     let interrupted = devplug::shutdown_signal();
+    let device_plugins = dir.path().join("device-plugins");
+    std::fs::create_dir_all(&device_plugins).context("cannot create the demo's kubelet folder")?;
     let outcome = tokio::select! {
         () = interrupted => Err(anyhow::anyhow!("interrupted; the demo's temp folder is removed")),
-        outcome = walk(dir.path()) => outcome,
+        outcome = walk(&device_plugins) => outcome,
     };
     // Streams and servers end with the runtime; the folder goes now.
     let path = dir.path().to_owned();
@@ -42,8 +47,12 @@ async fn walk(dir: &std::path::Path) -> anyhow::Result<()> {
     line("devplug demo: a virtual NPU plugin on a simulated kubelet (no cluster, no root)");
     line(&format!("device-plugins folder: {}\n", dir.display()));
 
-    step(1, "the kubelet starts and serves kubelet.sock");
-    let mut kubelet = Kubelet::start(dir).await?;
+    step(
+        1,
+        "the kubelet starts, serves kubelet.sock and watches plugins_registry",
+    );
+    let mut kubelet =
+        Kubelet::start_with(dir, SimConfig::default().with_watcher_beside(dir)).await?;
 
     step(2, &format!("devplug serves {RESOURCE}: 8 virtual devices"));
     let settings = VirtualSettings {
@@ -56,6 +65,7 @@ async fn walk(dir: &std::path::Path) -> anyhow::Result<()> {
     let host = Host::new(dir)?;
     let settings = ResourceSettings {
         health_hold_down: HOLD_DOWN,
+        ..Default::default()
     };
     let mut status = host.add_with(RESOURCE, backend.clone(), settings)?;
     wait_registered(&mut status, 1).await?;
@@ -124,6 +134,41 @@ async fn walk(dir: &std::path::Path) -> anyhow::Result<()> {
 
     step(
         7,
+        &format!("{WATCHED} registers through the plugin watcher (registration: watcher)"),
+    );
+    let watched = Arc::new(VirtualBackend::new(&VirtualSettings::new(4))?);
+    let offered = Instant::now();
+    let settings = ResourceSettings {
+        registration: Registration::Watcher,
+        ..Default::default()
+    };
+    let mut watched_status = host.add_with(WATCHED, watched, settings)?;
+    wait_registered(&mut watched_status, 1).await?;
+    let plugin = watched_status
+        .borrow()
+        .socket
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    detail(&format!(
+        "the kubelet found our socket in plugins_registry, asked GetInfo and dialled {plugin} in {} (its reconciler runs every second)",
+        ms(offered.elapsed())
+    ));
+    let restarted = Instant::now();
+    kubelet.restart().await?;
+    kubelet
+        .wait_for(WAIT, |n: &NodeState| {
+            (n.registration_count(WATCHED) == 2 && n.capacity(WATCHED) == (4, 4)).then_some(())
+        })
+        .await
+        .context("the watcher route did not come back after the restart")?;
+    detail(&format!(
+        "after a kubelet restart it streams again in {}, with nothing to re-create: the kubelet deleted device-plugins/, not plugins_registry/ or our socket",
+        ms(restarted.elapsed())
+    ));
+
+    step(
+        8,
         "devplug shuts down as on SIGTERM: streams end, sockets are removed",
     );
     let _ = host.shutdown().await;

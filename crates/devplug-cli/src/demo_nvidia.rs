@@ -105,6 +105,7 @@ pub async fn demo(library: Option<&Path>) -> anyhow::Result<()> {
         backend.clone(),
         ResourceSettings {
             health_hold_down: Duration::from_secs(1),
+            ..Default::default()
         },
     )?;
     kubelet

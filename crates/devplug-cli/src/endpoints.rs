@@ -92,7 +92,7 @@ pub fn render(resources: &[(String, MetricsSnapshot)], reloads: &ReloadCounters)
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
     };
     type Read = fn(&MetricsSnapshot) -> f64;
-    let simple: [(&str, &str, &str, Read); 9] = [
+    let simple: [(&str, &str, &str, Read); 10] = [
         (
             "devplug_registered",
             "gauge",
@@ -128,6 +128,12 @@ pub fn render(resources: &[(String, MetricsSnapshot)], reloads: &ReloadCounters)
             "counter",
             "Kubelet restarts noticed.",
             |m| m.kubelet_restarts as f64,
+        ),
+        (
+            "devplug_watchdog_reregistrations_total",
+            "counter",
+            "Registrations started because the kubelet's allocatable (pod resources API) stayed below the healthy devices streamed to it.",
+            |m| m.watchdog_reregistrations as f64,
         ),
         (
             "devplug_list_updates_total",
@@ -166,6 +172,21 @@ pub fn render(resources: &[(String, MetricsSnapshot)], reloads: &ReloadCounters)
             "devplug_devices{{resource=\"{r}\",health=\"unhealthy\"}} {}",
             m.unhealthy
         );
+    }
+    family(
+        &mut out,
+        "devplug_devices_allocated",
+        "gauge",
+        "Devices allocated to pods, from the kubelet's pod resources API (absent until it answers).",
+    );
+    for (name, m) in resources {
+        if let Some(allocated) = m.allocated {
+            let _ = writeln!(
+                out,
+                "devplug_devices_allocated{{resource=\"{}\"}} {allocated}",
+                escape(name)
+            );
+        }
     }
     family(
         &mut out,
@@ -286,6 +307,8 @@ mod tests {
             allocate_buckets: vec![0, 1, 2, 3, 3, 3, 3, 3, 3, 3],
             allocate_seconds: 0.0004,
             list_error: Some("too big".into()),
+            allocated: Some(5),
+            watchdog_reregistrations: 1,
             warnings: vec![(
                 "group_matches_nothing".into(),
                 "groups[0]: /dev/ttyX*".into(),
@@ -306,6 +329,8 @@ mod tests {
             "devplug_allocate_duration_seconds_bucket{resource=\"a.com/x\",le=\"+Inf\"} 3",
             "devplug_allocate_duration_seconds_count{resource=\"a.com/x\"} 3",
             "devplug_config_reloads_total 4",
+            "devplug_devices_allocated{resource=\"a.com/x\"} 5",
+            "devplug_watchdog_reregistrations_total{resource=\"a.com/x\"} 1",
             "devplug_list_too_large{resource=\"a.com/x\"} 1",
             "devplug_backend_warning{resource=\"a.com/x\",kind=\"group_matches_nothing\",detail=\"groups[0]: /dev/ttyX*\"} 1",
         ] {

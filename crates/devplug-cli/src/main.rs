@@ -2,7 +2,9 @@
 //! lifecycle on the embedded kubelet simulator, with no cluster and no root; `inspect` looks at
 //! any device plugin socket as the kubelet would; `check-config` validates a config file;
 //! `completions` and `man` print shell completions and the man page.
+//! `capacity` sets, removes and lists extended resources on a Node through the API server.
 
+mod capacity;
 mod check_config;
 mod config;
 mod demo;
@@ -55,6 +57,9 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Check a config file as `run` would load it, then exit: 0 if valid, 1 with the error.
     CheckConfig(check_config::CheckConfigArgs),
+    /// Extended resources on a Node's status, through the API server: set, remove (also the
+    /// clean uninstall of a device plugin's leftover capacity 0), list.
+    Capacity(capacity::CapacityArgs),
     /// Print a shell completion script, e.g. `devplug completions bash >
     /// /etc/bash_completion.d/devplug`.
     Completions {
@@ -119,6 +124,10 @@ fn main() -> ExitCode {
         Command::Inspect(args) => {
             logging::init(cli.log_format, "warn");
             runtime.block_on(inspect::inspect(args))
+        }
+        Command::Capacity(args) => {
+            logging::init(cli.log_format, "warn");
+            runtime.block_on(capacity::capacity(args))
         }
         Command::CheckConfig(args) => {
             logging::init(cli.log_format, "warn");

@@ -28,6 +28,45 @@ pub struct RunArgs {
     /// 0.0.0.0:8080, or 127.0.0.1:8080). Off by default: nothing listens on TCP unless this is set.
     #[arg(long, env = "DEVPLUG_METRICS_ADDR", value_parser = crate::listen_addr::parse)]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// The kubelet's plugin-watcher folder, for resources with `registration: watcher`
+    /// (default: `plugins_registry` beside the kubelet folder).
+    #[arg(long, env = "DEVPLUG_PLUGINS_REGISTRY_DIR")]
+    pub plugins_registry_dir: Option<PathBuf>,
+    /// Where resources with `registration: watcher` put their plugin sockets; never the
+    /// device-plugins folder (default: `plugins/devplug` beside the kubelet folder).
+    #[arg(long, env = "DEVPLUG_PLUGIN_SOCKET_DIR")]
+    pub plugin_socket_dir: Option<PathBuf>,
+    /// Follow the kubelet's pod resources API on this socket (usually
+    /// /var/lib/kubelet/pod-resources/kubelet.sock): devices allocated per resource in /metrics,
+    /// and re-registering when the kubelet's allocatable falls short of our healthy devices.
+    /// Off when not set.
+    #[arg(long, env = "DEVPLUG_POD_RESOURCES_SOCKET")]
+    pub pod_resources_socket: Option<PathBuf>,
+    /// Seconds between two pod resources polls (each poll is two calls, paced one a second: the
+    /// kubelet's 100 calls a second are shared by every client on the node).
+    #[arg(long, value_name = "SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub pod_resources_interval: u64,
+    /// This node's name (the downward API's spec.nodeName), for `advertise:` resources.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// The kubeconfig for `advertise:` resources and node events (default: KUBECONFIG,
+    /// ~/.kube/config, then the in-cluster account).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Write Kubernetes Events on this node (NODE_NAME): devices unhealthy (with the reason) and
+    /// recovered, registration lost and regained, config reloads that failed. Rate-limited and
+    /// aggregated. Needs create/patch on events.k8s.io events in namespace default.
+    #[arg(long, env = "DEVPLUG_NODE_EVENTS")]
+    pub node_events: bool,
+}
+
+/// The plugin-watcher folders from the flags, defaulting beside the kubelet folder.
+fn watcher_dirs(args: &RunArgs) -> devplug::WatcherDirs {
+    let beside = devplug::WatcherDirs::beside(&args.kubelet_dir);
+    devplug::WatcherDirs {
+        registry: args.plugins_registry_dir.clone().unwrap_or(beside.registry),
+        sockets: args.plugin_socket_dir.clone().unwrap_or(beside.sockets),
+    }
 }
 
 /// Runs until a shutdown signal, then removes our sockets and returns.
@@ -39,12 +78,38 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot watch config file {}", args.config.display()))?;
     warn_if_no_kubelet_folder(&args.kubelet_dir);
     let mut runner = Runner {
-        host: Arc::new(Host::new(&args.kubelet_dir)?),
+        host: Arc::new(Host::new(&args.kubelet_dir)?.with_watcher_dirs(watcher_dirs(&args))),
         current: BTreeMap::new(),
         text,
         reloads: Arc::default(),
+        advertiser: None,
+        node_name: args.node_name.clone(),
+        kubeconfig: args.kubeconfig.clone(),
+        events: None,
     };
-    runner.start(&config)?;
+    if args.node_events {
+        let node = args.node_name.clone().context(
+            "--node-events needs this node's name: set NODE_NAME (the downward API's spec.nodeName) or --node-name",
+        )?;
+        let client = devplug_cluster::connect(args.kubeconfig.as_deref()).await?;
+        let instance = std::env::var("POD_NAME").unwrap_or_else(|_| node.clone());
+        let events = devplug_cluster::events::NodeEvents::spawn(
+            client,
+            node,
+            instance,
+            CancellationToken::new(),
+        );
+        events.forward(runner.host.events());
+        runner.events = Some(events);
+    }
+    runner.start(&config).await?;
+    if let Some(socket) = &args.pod_resources_socket {
+        // Two calls per poll, each at least `interval / 2` apart (and never under a second).
+        let interval = std::time::Duration::from_secs(args.pod_resources_interval)
+            .div_f64(2.0)
+            .max(devplug::podresources::MIN_INTERVAL);
+        runner.host.watch_pod_resources(socket.clone(), interval);
+    }
     let stop_http = CancellationToken::new();
     if let Some(addr) = args.metrics_addr {
         let endpoints = Endpoints {
@@ -127,6 +192,20 @@ struct Runner {
     current: BTreeMap<String, ResourceConfig>,
     text: String,
     reloads: Arc<ReloadCounters>,
+    /// Keeps `advertise:` resources on our Node; started with the first one.
+    advertiser: Option<devplug_cluster::advertise::Advertiser>,
+    node_name: Option<String>,
+    kubeconfig: Option<PathBuf>,
+    /// Node events, with --node-events.
+    events: Option<devplug_cluster::events::NodeEvents>,
+}
+
+/// The `advertise:` resources of a config, name → count.
+fn advertised(resources: &[ResourceConfig]) -> BTreeMap<String, u64> {
+    resources
+        .iter()
+        .filter_map(|r| r.advertise.as_ref().map(|a| (r.name.clone(), a.count)))
+        .collect()
 }
 
 fn settings_of(resource: &ResourceConfig) -> ResourceSettings {
@@ -134,13 +213,18 @@ fn settings_of(resource: &ResourceConfig) -> ResourceSettings {
         health_hold_down: resource
             .health_hold_down
             .unwrap_or(devplug::DEFAULT_HEALTH_HOLD_DOWN),
+        registration: resource
+            .registration
+            .map(devplug::Registration::from)
+            .unwrap_or_default(),
     }
 }
 
 impl Runner {
     /// Starts every resource; any failure stops the program.
-    fn start(&mut self, config: &Config) -> anyhow::Result<()> {
-        for resource in &config.resources {
+    async fn start(&mut self, config: &Config) -> anyhow::Result<()> {
+        self.advertise(advertised(&config.resources)).await?;
+        for resource in config.resources.iter().filter(|r| r.advertise.is_none()) {
             let backend = resource
                 .build()
                 .map_err(|(key, err)| anyhow::anyhow!("{}: {key}.{err}", resource.name))?;
@@ -148,6 +232,31 @@ impl Runner {
                 .add_with(&resource.name, backend, settings_of(resource))
                 .with_context(|| format!("cannot serve {}", resource.name))?;
             self.current.insert(resource.name.clone(), resource.clone());
+        }
+        Ok(())
+    }
+
+    /// Hands the `advertise:` resources to the advertiser, starting it (API client, `NODE_NAME`)
+    /// the first time there are any.
+    async fn advertise(&mut self, resources: BTreeMap<String, u64>) -> anyhow::Result<()> {
+        if self.advertiser.is_none() {
+            if resources.is_empty() {
+                return Ok(());
+            }
+            let node = self.node_name.clone().context(
+                "advertise: resources need this node's name: set NODE_NAME (the downward API's \
+                 spec.nodeName) or --node-name",
+            )?;
+            let client = devplug_cluster::connect(self.kubeconfig.as_deref()).await?;
+            tracing::info!(%node, "advertising extended resources on our Node");
+            self.advertiser = Some(devplug_cluster::advertise::Advertiser::spawn(
+                client,
+                node,
+                CancellationToken::new(),
+            ));
+        }
+        if let Some(advertiser) = &self.advertiser {
+            advertiser.set(resources);
         }
         Ok(())
     }
@@ -161,18 +270,28 @@ impl Runner {
             Ok(config) => config,
             Err(err) => {
                 tracing::error!(error = %err, "config reload failed; keeping the previous config");
+                if let Some(events) = &self.events {
+                    events.publish(devplug_cluster::events::NodeEvent::config_reload_failed(
+                        &err.to_string(),
+                    ));
+                }
                 self.reloads.failures.fetch_add(1, Ordering::Relaxed);
                 self.text = text;
                 return;
             }
         };
         self.text = text;
+        let mut report = Report::default();
+        if let Err(err) = self.advertise(advertised(&config.resources)).await {
+            tracing::error!(error = %format!("{err:#}"), "cannot advertise the config's advertise: resources");
+            report.failed.push("advertise".to_owned());
+        }
         let wanted: BTreeMap<String, ResourceConfig> = config
             .resources
             .into_iter()
+            .filter(|r| r.advertise.is_none())
             .map(|r| (r.name.clone(), r))
             .collect();
-        let mut report = Report::default();
 
         let removed: Vec<String> = self
             .current

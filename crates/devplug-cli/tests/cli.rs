@@ -77,6 +77,8 @@ fn demo_runs_the_whole_story_and_exits_0() {
         "capacity 8, allocatable 7",
         "right after the restart: capacity 0, allocatable 0",
         "registered again in",
+        "the kubelet found our socket in plugins_registry",
+        "after a kubelet restart it streams again in",
         "capacity 8, allocatable 0",
         "done.",
     ] {

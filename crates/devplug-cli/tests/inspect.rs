@@ -626,3 +626,70 @@ async fn errors_say_what_went_wrong_in_one_line() {
         format!("error: no kubelet device-plugins folder at {d}/nope")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_holder_column_comes_from_pod_resources() {
+    let root = tempfile::tempdir().unwrap();
+    let dp = root.path().join("device-plugins");
+    let config = kubelet_sim::SimConfig::default().with_pod_resources_beside(&dp);
+    let kubelet = Kubelet::start_with(&dp, config).await.unwrap();
+    let settings = VirtualSettings {
+        id_prefix: "npu-".into(),
+        ..VirtualSettings::new(3)
+    };
+    let host = Host::new(&dp).unwrap();
+    let mut status = host
+        .add_shared(RESOURCE, Arc::new(VirtualBackend::new(&settings).unwrap()))
+        .unwrap();
+    let ready = tokio::time::timeout(WAIT, status.wait_for(|s| s.is_ready()))
+        .await
+        .unwrap()
+        .unwrap()
+        .clone();
+    let socket = ready.socket.unwrap();
+    kubelet
+        .wait_for(WAIT, |n| (n.capacity(RESOURCE) == (3, 3)).then_some(()))
+        .await
+        .unwrap();
+    let got = kubelet
+        .allocate("ml/train-0", "worker", RESOURCE, 1)
+        .await
+        .unwrap();
+    assert_eq!(got.device_ids, ["npu-0"]);
+    let pr = kubelet.pod_resources_socket().unwrap().to_owned();
+    let args = [
+        "inspect",
+        "--socket",
+        path(&socket),
+        "--pod-resources-socket",
+        path(&pr),
+    ];
+    let out = devplug(&args).await;
+    assert_eq!(
+        stdout_ok(&out, &[(path(&socket), "<socket>")]),
+        "\
+socket         <socket>
+options        pre_start_required=false get_preferred_allocation_available=false
+devices        3 devices (Healthy 3)
+pod resources  example.com/npu: 1 in use
+
+ID     HEALTH   NUMA  HOLDER
+npu-0  Healthy  -     ml/train-0/worker
+npu-1  Healthy  -     -
+npu-2  Healthy  -     -
+"
+    );
+    let mut json_args = args.to_vec();
+    json_args.push("--json");
+    let out = devplug(&json_args).await;
+    let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        value["pod_resources"],
+        serde_json::json!({
+            "resource": "example.com/npu",
+            "holders": {"npu-0": {"namespace": "ml", "pod": "train-0", "container": "worker"}},
+            "error": null
+        })
+    );
+    host.shutdown().await;
+}

@@ -29,3 +29,31 @@ pub const MAX_RECV_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
 /// The kubelet's checkpoint file in the device-plugins folder; it survives a kubelet restart.
 pub const CHECKPOINT_FILE_NAME: &str = "kubelet_internal_checkpoint";
+
+/// The kubelet's plugin-watcher folder: a socket here serving `pluginregistration.Registration`
+/// registers a plugin (reliability.md §1).
+pub const PLUGINS_REGISTRY_PATH: &str = "/var/lib/kubelet/plugins_registry/";
+
+/// `PluginInfo.type` of a device plugin registering through the plugin watcher.
+pub const PLUGIN_TYPE_DEVICE_PLUGIN: &str = "DevicePlugin";
+
+/// `PluginInfo.type` of a CSI plugin.
+pub const PLUGIN_TYPE_CSI: &str = "CSIPlugin";
+
+/// `PluginInfo.type` of a DRA plugin.
+pub const PLUGIN_TYPE_DRA: &str = "DRAPlugin";
+
+/// How long the kubelet's plugin watcher gives `GetInfo`, in milliseconds.
+pub const GET_INFO_TIMEOUT_MILLIS: u64 = 1_000;
+
+/// How long the kubelet's plugin watcher gives `NotifyRegistrationStatus`, in seconds.
+pub const NOTIFY_TIMEOUT_SECS: u64 = 5;
+
+/// The kubelet's pod resources socket.
+pub const POD_RESOURCES_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
+
+/// The kubelet's rate limit on the pod resources API, shared by every client (queries a second).
+pub const POD_RESOURCES_QPS: u32 = 100;
+
+/// The burst the kubelet's pod resources rate limit allows.
+pub const POD_RESOURCES_BURST: u32 = 10;

@@ -11,8 +11,13 @@
 //! - [`resource_name`]: the kubelet's check on extended resource names, so that plugins and the
 //!   simulator reject the same names the kubelet does.
 //!
-//! Field names, numbers and the package name come from `../shared/protocol.md` §1 and are pinned by
-//! `tests/wire.rs`.
+//! - [`pluginregistration`]: the kubelet's plugin-watcher registration API (a socket in
+//!   `plugins_registry`), generated from `proto/pluginregistration/api.proto`.
+//! - [`podresources`]: the kubelet's pod resources API v1 (package `v1`), generated from
+//!   `proto/podresources/api.proto`.
+//!
+//! Field names, numbers and the package names come from `../shared/protocol.md` §1 and
+//! `../shared/reliability.md` §1–§2, and are pinned by `tests/wire.rs`.
 
 pub mod authority;
 pub mod constants;
@@ -30,4 +35,28 @@ pub mod uds;
 )]
 pub mod v1beta1 {
     include!("gen/v1beta1.rs");
+}
+
+/// Generated code for package `pluginregistration` (the kubelet's plugin watcher).
+#[allow(
+    missing_docs,
+    clippy::all,
+    clippy::pedantic,
+    clippy::unwrap_used,
+    clippy::expect_used
+)]
+pub mod pluginregistration {
+    include!("gen/pluginregistration.rs");
+}
+
+/// Generated code for the kubelet's pod resources API, package `v1`.
+#[allow(
+    missing_docs,
+    clippy::all,
+    clippy::pedantic,
+    clippy::unwrap_used,
+    clippy::expect_used
+)]
+pub mod podresources {
+    include!("gen/v1.rs");
 }

@@ -1,5 +1,8 @@
 //! Pins the wire contract from protocol.md §1: package and service names, full gRPC method
-//! paths, and the encoded bytes of messages, computed by hand from the field numbers.
+//! paths, and the encoded bytes of messages, computed by hand from the field numbers. The same for
+//! `pluginregistration` and pod resources `v1` (reliability.md §1, §2).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
 use devplug_proto::v1beta1 as pb;
 use prost::Message;
@@ -265,5 +268,206 @@ impl pb::device_plugin_server::DevicePlugin for Unimplemented {
         _: tonic::Request<pb::PreStartContainerRequest>,
     ) -> Result<tonic::Response<pb::PreStartContainerResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("test"))
+    }
+}
+
+/// A compiled `.proto`: package, (message, field, number) and (service, methods).
+type Described = (
+    String,
+    Vec<(String, String, i32)>,
+    Vec<(String, Vec<String>)>,
+);
+
+/// The package, field numbers and services of a compiled `.proto`.
+fn fields_of(proto: &str) -> Described {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../proto");
+    let fds = protox::compile([proto], [root]).unwrap();
+    let file = fds.file.iter().find(|f| f.name() == proto).unwrap();
+    let fields = file
+        .message_type
+        .iter()
+        .flat_map(|m| {
+            m.field
+                .iter()
+                .map(|f| (m.name().to_owned(), f.name().to_owned(), f.number()))
+        })
+        .collect();
+    let services = file
+        .service
+        .iter()
+        .map(|s| {
+            (
+                s.name().to_owned(),
+                s.method.iter().map(|m| m.name().to_owned()).collect(),
+            )
+        })
+        .collect();
+    (file.package().to_owned(), fields, services)
+}
+
+#[test]
+fn pluginregistration_matches_the_kubelet() {
+    let (package, fields, services) = fields_of("pluginregistration/api.proto");
+    assert_eq!(package, "pluginregistration");
+    let expected = [
+        ("PluginInfo", "type", 1),
+        ("PluginInfo", "name", 2),
+        ("PluginInfo", "endpoint", 3),
+        ("PluginInfo", "supported_versions", 4),
+        ("RegistrationStatus", "plugin_registered", 1),
+        ("RegistrationStatus", "error", 2),
+    ];
+    let got: Vec<(&str, &str, i32)> = fields
+        .iter()
+        .map(|(m, f, n)| (m.as_str(), f.as_str(), *n))
+        .collect();
+    assert_eq!(got, expected);
+    assert_eq!(
+        services,
+        vec![(
+            "Registration".to_owned(),
+            vec!["GetInfo".to_owned(), "NotifyRegistrationStatus".to_owned()]
+        )]
+    );
+    use devplug_proto::pluginregistration as pr;
+    use tonic::server::NamedService;
+    assert_eq!(
+        <pr::registration_server::RegistrationServer<UnimplementedWatcher> as NamedService>::NAME,
+        "pluginregistration.Registration"
+    );
+    let generated = include_str!("../src/gen/pluginregistration.rs");
+    for path in [
+        "/pluginregistration.Registration/GetInfo",
+        "/pluginregistration.Registration/NotifyRegistrationStatus",
+    ] {
+        assert_eq!(
+            generated.matches(&format!("\"{path}\"")).count(),
+            2,
+            "{path}"
+        );
+    }
+    // PluginInfo{type: "DevicePlugin", name: "a/b", endpoint: "/s", supported_versions: ["v1beta1"]}
+    let info = pr::PluginInfo {
+        r#type: "DevicePlugin".into(),
+        name: "a/b".into(),
+        endpoint: "/s".into(),
+        supported_versions: vec!["v1beta1".into()],
+    };
+    let mut want = ld(1, b"DevicePlugin");
+    want.extend(ld(2, b"a/b"));
+    want.extend(ld(3, b"/s"));
+    want.extend(ld(4, b"v1beta1"));
+    assert_eq!(info.encode_to_vec(), want);
+    let status = pr::RegistrationStatus {
+        plugin_registered: true,
+        error: "e".into(),
+    };
+    let mut want = varint(1, 1);
+    want.extend(ld(2, b"e"));
+    assert_eq!(status.encode_to_vec(), want);
+}
+
+#[test]
+fn podresources_matches_the_kubelet() {
+    let (package, fields, services) = fields_of("podresources/api.proto");
+    assert_eq!(package, "v1");
+    let expected = [
+        ("AllocatableResourcesResponse", "devices", 1),
+        ("AllocatableResourcesResponse", "cpu_ids", 2),
+        ("AllocatableResourcesResponse", "memory", 3),
+        ("ListPodResourcesResponse", "pod_resources", 1),
+        ("PodResources", "name", 1),
+        ("PodResources", "namespace", 2),
+        ("PodResources", "containers", 3),
+        ("PodResources", "cpu_ids", 4),
+        ("PodResources", "memory", 5),
+        ("ContainerResources", "name", 1),
+        ("ContainerResources", "devices", 2),
+        ("ContainerResources", "cpu_ids", 3),
+        ("ContainerResources", "memory", 4),
+        ("ContainerResources", "dynamic_resources", 5),
+        ("ContainerMemory", "memory_type", 1),
+        ("ContainerMemory", "size", 2),
+        ("ContainerMemory", "topology", 3),
+        ("ContainerDevices", "resource_name", 1),
+        ("ContainerDevices", "device_ids", 2),
+        ("ContainerDevices", "topology", 3),
+        ("TopologyInfo", "nodes", 1),
+        ("NUMANode", "ID", 1),
+        ("DynamicResource", "claim_name", 2),
+        ("DynamicResource", "claim_namespace", 3),
+        ("DynamicResource", "claim_resources", 4),
+        ("ClaimResource", "cdi_devices", 1),
+        ("ClaimResource", "driver_name", 2),
+        ("ClaimResource", "pool_name", 3),
+        ("ClaimResource", "device_name", 4),
+        ("ClaimResource", "share_id", 5),
+        ("CDIDevice", "name", 1),
+        ("GetPodResourcesRequest", "pod_name", 1),
+        ("GetPodResourcesRequest", "pod_namespace", 2),
+        ("GetPodResourcesResponse", "pod_resources", 1),
+    ];
+    let got: Vec<(&str, &str, i32)> = fields
+        .iter()
+        .map(|(m, f, n)| (m.as_str(), f.as_str(), *n))
+        .collect();
+    assert_eq!(got, expected);
+    assert_eq!(
+        services,
+        vec![(
+            "PodResourcesLister".to_owned(),
+            vec![
+                "List".to_owned(),
+                "GetAllocatableResources".to_owned(),
+                "Get".to_owned()
+            ]
+        )]
+    );
+    let generated = include_str!("../src/gen/v1.rs");
+    for path in [
+        "/v1.PodResourcesLister/List",
+        "/v1.PodResourcesLister/GetAllocatableResources",
+        "/v1.PodResourcesLister/Get",
+    ] {
+        assert_eq!(
+            generated.matches(&format!("\"{path}\"")).count(),
+            2,
+            "{path}"
+        );
+    }
+    use devplug_proto::podresources as pr;
+    // ContainerDevices{resource_name: "a/b", device_ids: ["d"], topology: {nodes: [{ID: 1}]}}
+    let devices = pr::ContainerDevices {
+        resource_name: "a/b".into(),
+        device_ids: vec!["d".into()],
+        topology: Some(pr::TopologyInfo {
+            nodes: vec![pr::NumaNode { id: 1 }],
+        }),
+    };
+    let mut want = ld(1, b"a/b");
+    want.extend(ld(2, b"d"));
+    want.extend(ld(3, &ld(1, &varint(1, 1))));
+    assert_eq!(devices.encode_to_vec(), want);
+}
+
+/// A Registration (plugin watcher) service that is never called, to name the generated server type.
+struct UnimplementedWatcher;
+
+#[tonic::async_trait]
+impl devplug_proto::pluginregistration::registration_server::Registration for UnimplementedWatcher {
+    async fn get_info(
+        &self,
+        _: tonic::Request<devplug_proto::pluginregistration::InfoRequest>,
+    ) -> Result<tonic::Response<devplug_proto::pluginregistration::PluginInfo>, tonic::Status> {
+        Err(tonic::Status::unimplemented(""))
+    }
+    async fn notify_registration_status(
+        &self,
+        _: tonic::Request<devplug_proto::pluginregistration::RegistrationStatus>,
+    ) -> Result<
+        tonic::Response<devplug_proto::pluginregistration::RegistrationStatusResponse>,
+        tonic::Status,
+    > {
+        Err(tonic::Status::unimplemented(""))
     }
 }

@@ -10,12 +10,14 @@
 //! - [`backend`]: the trait a vendor implements.
 //! - [`health`]: health that recovers, after a hold-down.
 //! - [`host`]: the kubelet lifecycle.
+//! - [`podresources`]: a client of the kubelet's pod resources API (who holds which device).
 
 pub mod backend;
 pub mod device;
 pub mod edits;
 pub mod health;
 pub mod host;
+pub mod podresources;
 mod signal;
 
 pub use backend::{
@@ -24,10 +26,14 @@ pub use backend::{
 pub use device::{check_id, Device, DeviceList, Health, ListTooLarge, MAX_ID_LEN};
 pub use edits::{ContainerEdits, DeviceNode, Mount};
 pub use host::{
-    Host, HostError, MetricsSnapshot, ResourceSettings, ResourceStatus, ShutdownReport, Updated,
-    ALLOCATE_BUCKETS, DEFAULT_HEALTH_HOLD_DOWN,
+    Host, HostError, HostEvent, MetricsSnapshot, RefusedRetry, Registration, ResourceSettings,
+    ResourceStatus, ShutdownReport, Updated, WatcherDirs, ALLOCATE_BUCKETS,
+    DEFAULT_HEALTH_HOLD_DOWN, RELINK_WAIT,
 };
 pub use signal::shutdown_signal;
+
+/// The kubelet's plugin-watcher folder on Linux.
+pub const DEFAULT_PLUGINS_REGISTRY_DIR: &str = devplug_proto::constants::PLUGINS_REGISTRY_PATH;
 
 /// The kubelet's device-plugins folder on Linux.
 pub const DEFAULT_KUBELET_DIR: &str = devplug_proto::constants::DEVICE_PLUGIN_PATH;

@@ -193,6 +193,9 @@ pub(crate) async fn allocate(
             .pods
             .entry(pod.to_owned())
             .or_insert_with(PodState::default);
+        if kind == ContainerKind::Init {
+            pod_state.init_containers.insert(container.to_owned());
+        }
         let reusable = pod_state.reusable.entry(resource.to_owned()).or_default();
         match kind {
             ContainerKind::Init => reusable.extend(allocation.device_ids.iter().cloned()),

@@ -19,6 +19,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! With [`SimConfig::plugins_registry`] set it also runs the kubelet's plugin watcher on that
+//! folder (`plugin_watcher`): device plugins registering through a socket there are found, asked
+//! `GetInfo`, connected and notified as the kubelet does.
+//!
 //! Files: `registration` (the Registration service and the ListAndWatch consumer),
 //! `allocation` (the kubelet's allocation rules), `state` (what the node knows), and
 //! [`fake_plugin`], a minimal device plugin written without the devplug library (another
@@ -26,6 +30,8 @@
 
 mod allocation;
 pub mod fake_plugin;
+mod plugin_watcher;
+mod pod_resources;
 mod registration;
 mod state;
 
@@ -57,6 +63,14 @@ pub struct SimConfig {
     /// file with `bind()` and accepts connections only after `listen()`: a plugin that dials the
     /// moment the file appears is refused. The default (1 ms) makes that gap visible every time.
     pub listen_delay: Duration,
+    /// The plugin-watcher folder (the kubelet's `plugins_registry/`) to run the plugin watcher
+    /// on; `None` runs no watcher.
+    pub plugins_registry: Option<PathBuf>,
+    /// How often the plugin manager's reconciler registers new sockets (the kubelet: 1 s).
+    pub watcher_reconcile: Duration,
+    /// Where to serve the pod resources API v1 (the kubelet:
+    /// `/var/lib/kubelet/pod-resources/kubelet.sock`); `None` serves none.
+    pub pod_resources_socket: Option<PathBuf>,
 }
 
 impl Default for SimConfig {
@@ -65,7 +79,32 @@ impl Default for SimConfig {
             grace: Duration::from_secs(ENDPOINT_STOP_GRACE_SECS),
             clients: ClientKeying::default(),
             listen_delay: Duration::from_millis(1),
+            plugins_registry: None,
+            watcher_reconcile: Duration::from_secs(1),
+            pod_resources_socket: None,
         }
+    }
+}
+
+impl SimConfig {
+    /// This config with the plugin watcher on `plugins_registry` beside the device-plugins
+    /// folder `dir` (as on a node: `/var/lib/kubelet/{device-plugins,plugins_registry}`).
+    pub fn with_watcher_beside(mut self, dir: &Path) -> SimConfig {
+        let root = dir
+            .parent()
+            .map_or_else(|| PathBuf::from("/"), Path::to_path_buf);
+        self.plugins_registry = Some(root.join("plugins_registry"));
+        self
+    }
+
+    /// This config serving the pod resources API at `pod-resources/kubelet.sock` beside the
+    /// device-plugins folder `dir`.
+    pub fn with_pod_resources_beside(mut self, dir: &Path) -> SimConfig {
+        let root = dir
+            .parent()
+            .map_or_else(|| PathBuf::from("/"), Path::to_path_buf);
+        self.pod_resources_socket = Some(root.join("pod-resources").join("kubelet.sock"));
+        self
     }
 }
 
@@ -115,6 +154,8 @@ pub(crate) struct Shared {
     pub(crate) admission: tokio::sync::Mutex<()>,
     /// Cancelled when the simulator stops; parent of every endpoint's token.
     pub(crate) stop: CancellationToken,
+    /// How many of the next dials back to a plugin fail (fault injection).
+    pub(crate) failing_connects: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
@@ -166,6 +207,7 @@ impl Kubelet {
             version: watch::Sender::new(0),
             admission: tokio::sync::Mutex::new(()),
             stop: CancellationToken::new(),
+            failing_connects: std::sync::atomic::AtomicUsize::new(0),
         });
         let mut kubelet = Kubelet {
             shared,
@@ -280,6 +322,19 @@ impl Kubelet {
         }
     }
 
+    /// Makes the next `count` dials back to a plugin fail, as when the kubelet cannot reach the
+    /// plugin's socket in time (`failed to dial device plugin`); on either route. For fault tests.
+    pub fn fail_next_plugin_connects(&self, count: usize) {
+        self.shared
+            .failing_connects
+            .store(count, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The pod resources socket, when served.
+    pub fn pod_resources_socket(&self) -> Option<&Path> {
+        self.shared.config.pod_resources_socket.as_deref()
+    }
+
     /// Removes a terminated pod; its devices become free.
     pub fn remove_pod(&self, pod: &str) -> bool {
         self.shared.modify(|node| node.pods.remove(pod).is_some())
@@ -347,6 +402,32 @@ impl Kubelet {
             .session
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = stop.clone();
+        if let Some(registry) = &self.shared.config.plugins_registry {
+            plugin_watcher::spawn(self.shared.clone(), registry.clone(), stop.clone());
+        }
+        if let Some(path) = &self.shared.config.pod_resources_socket {
+            let io_error = |what| {
+                let path = path.clone();
+                move |source| SimError::Io { what, path, source }
+            };
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(io_error("cannot create"))?;
+            }
+            let _ = std::fs::remove_file(path);
+            let listener = tokio::net::UnixListener::bind(path).map_err(io_error("cannot bind"))?;
+            let service = pod_resources::PodResourcesService {
+                shared: self.shared.clone(),
+                limit: Arc::new(Mutex::new(pod_resources::RateLimit::new())),
+            };
+            devplug_proto::uds::spawn_server(
+                tonic::transport::Server::builder().add_service(
+                    devplug_proto::podresources::pod_resources_lister_server::PodResourcesListerServer::new(service),
+                ),
+                listener,
+                stop.clone().cancelled_owned(),
+                "the pod resources server".to_owned(),
+            );
+        }
         let service = RegistrationService {
             shared: self.shared.clone(),
         };

@@ -51,66 +51,102 @@ impl pb::registration_server::Registration for RegistrationService {
             )));
         }
         let socket = self.shared.dir.join(&req.endpoint);
-        let channel = uds::connect(&socket, Duration::from_secs(DIAL_TIMEOUT_SECS))
-            .await
-            .map_err(|err| {
-                Status::unknown(format!(
-                    "failed to dial device plugin: {}: {err}",
-                    socket.display()
-                ))
-            })?;
-        let mut client = DevicePluginClient::new(channel);
-        let options = client
-            .get_device_plugin_options(pb::Empty {})
-            .await?
-            .into_inner();
-
-        let session = self
-            .shared
-            .session
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        let stop = session.child_token();
-        let keying = self.shared.config.clients;
-        let generation = self.shared.modify(|node| {
-            let resource = node
-                .resources
-                .entry(req.resource_name.clone())
-                .or_insert_with(ResourceState::new);
-            if let Some(old) = resource.endpoint.take() {
-                // The kubelet overwrites its client entry without closing the old client; with
-                // clients keyed by socket path, a client of the same path is the one replaced.
-                if keying == ClientKeying::SocketPath && old.socket == socket {
-                    old.stop.cancel();
-                }
-            }
-            resource.generation += 1;
-            resource.stopped_at = None;
-            resource.endpoint = Some(Endpoint {
-                socket: socket.clone(),
-                options,
-                client: client.clone(),
-                stop: stop.clone(),
-            });
-            node.registrations.push(RegistrationRecord {
-                resource: req.resource_name.clone(),
-                endpoint: req.endpoint.clone(),
-                at: Instant::now(),
-            });
-            resource.generation
-        });
-        tracing::info!(resource = %req.resource_name, endpoint = %req.endpoint, "plugin registered");
-        tokio::spawn(list_and_watch(
-            self.shared.clone(),
-            req.resource_name,
-            client,
-            generation,
-            stop,
-            session,
-        ));
+        connect_plugin(
+            &self.shared,
+            &req.resource_name,
+            &socket,
+            &req.endpoint,
+            false,
+        )
+        .await?;
         Ok(Response::new(pb::Empty {}))
     }
+}
+
+/// The kubelet's `connectClient` + `PluginConnected`: dial the plugin's socket (authority
+/// `localhost`, 10 s), ask its options, make it the resource's endpoint and start consuming its
+/// ListAndWatch. `endpoint` is recorded as the plugin gave it; `via_watcher` says which route.
+pub(crate) async fn connect_plugin(
+    shared: &Arc<Shared>,
+    resource_name: &str,
+    socket: &std::path::Path,
+    endpoint: &str,
+    via_watcher: bool,
+) -> Result<(), Status> {
+    let socket = socket.to_path_buf();
+    let injected = shared
+        .failing_connects
+        .fetch_update(
+            std::sync::atomic::Ordering::SeqCst,
+            std::sync::atomic::Ordering::SeqCst,
+            |n| n.checked_sub(1),
+        )
+        .is_ok();
+    if injected {
+        return Err(Status::unknown(format!(
+            "failed to dial device plugin: {}: injected fault",
+            socket.display()
+        )));
+    }
+    let channel = uds::connect(&socket, Duration::from_secs(DIAL_TIMEOUT_SECS))
+        .await
+        .map_err(|err| {
+            Status::unknown(format!(
+                "failed to dial device plugin: {}: {err}",
+                socket.display()
+            ))
+        })?;
+    let mut client = DevicePluginClient::new(channel);
+    let options = client
+        .get_device_plugin_options(pb::Empty {})
+        .await?
+        .into_inner();
+
+    let session = shared
+        .session
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let stop = session.child_token();
+    let keying = shared.config.clients;
+    let generation = shared.modify(|node| {
+        let resource = node
+            .resources
+            .entry(resource_name.to_owned())
+            .or_insert_with(ResourceState::new);
+        if let Some(old) = resource.endpoint.take() {
+            // The kubelet overwrites its client entry without closing the old client; with
+            // clients keyed by socket path, a client of the same path is the one replaced.
+            if keying == ClientKeying::SocketPath && old.socket == socket {
+                old.stop.cancel();
+            }
+        }
+        resource.generation += 1;
+        resource.stopped_at = None;
+        resource.endpoint = Some(Endpoint {
+            socket: socket.clone(),
+            options,
+            client: client.clone(),
+            stop: stop.clone(),
+        });
+        node.registrations.push(RegistrationRecord {
+            resource: resource_name.to_owned(),
+            endpoint: endpoint.to_owned(),
+            at: Instant::now(),
+            via_watcher,
+        });
+        resource.generation
+    });
+    tracing::info!(resource = %resource_name, %endpoint, via_watcher, "plugin registered");
+    tokio::spawn(list_and_watch(
+        shared.clone(),
+        resource_name.to_owned(),
+        client,
+        generation,
+        stop,
+        session,
+    ));
+    Ok(())
 }
 
 /// One client's life at the kubelet: consume its ListAndWatch stream until it ends or the kubelet

@@ -16,6 +16,7 @@ pub struct NodeState {
     pub(crate) registrations: Vec<RegistrationRecord>,
     pub(crate) restarts: u64,
     pub(crate) bound_at: Option<Instant>,
+    pub(crate) pod_resources_calls: u64,
 }
 
 impl NodeState {
@@ -52,6 +53,11 @@ impl NodeState {
     /// When the current kubelet.sock was bound (the file appeared), before it listened.
     pub fn socket_bound_at(&self) -> Option<Instant> {
         self.bound_at
+    }
+
+    /// Calls to the pod resources API, rate-limited ones included.
+    pub fn pod_resources_calls(&self) -> u64 {
+        self.pod_resources_calls
     }
 
     /// How many simulated kubelet restarts have happened.
@@ -166,6 +172,9 @@ pub struct RegistrationRecord {
     pub endpoint: String,
     /// When the kubelet accepted it.
     pub at: Instant,
+    /// True when it came through the plugin watcher (`plugins_registry/`), false for a
+    /// `Register` call on kubelet.sock.
+    pub via_watcher: bool,
 }
 
 /// One pod's device assignments.
@@ -175,6 +184,8 @@ pub(crate) struct PodState {
     pub(crate) containers: BTreeMap<String, BTreeMap<String, Allocation>>,
     /// Devices of init containers that later containers reuse, by resource.
     pub(crate) reusable: BTreeMap<String, BTreeSet<String>>,
+    /// Names of the pod's (non-restartable) init containers.
+    pub(crate) init_containers: BTreeSet<String>,
 }
 
 /// The devices one container got for one resource, and what the plugin said to do with them.

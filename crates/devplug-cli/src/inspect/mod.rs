@@ -51,6 +51,15 @@ pub struct InspectArgs {
     /// Machine-readable output: one JSON document (with --watch, one JSON object per line).
     #[arg(long)]
     pub json: bool,
+    /// The kubelet's pod resources socket, asked which pod holds each device (one List and one
+    /// GetAllocatableResources call). Skipped when the file does not exist; a failing one is
+    /// only noted.
+    #[arg(long, env = "DEVPLUG_POD_RESOURCES_SOCKET", default_value = devplug::podresources::DEFAULT_SOCKET)]
+    pub pod_resources_socket: PathBuf,
+    /// The plugin's resource name, for the holder column; found from the device ids when not
+    /// given.
+    #[arg(long, requires = "socket")]
+    pub resource: Option<String>,
     /// Seconds to wait for the connection and for each answer (1 to 3600).
     #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub timeout: u64,
@@ -132,11 +141,24 @@ pub async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
     } else {
         let options = plugin.options().await?;
         let (devices, _stream) = plugin.first_list().await?;
+        let pod_resources = if args.pod_resources_socket.exists() {
+            Some(
+                holders(
+                    &args.pod_resources_socket,
+                    args.resource.as_deref(),
+                    &devices,
+                )
+                .await,
+            )
+        } else {
+            None
+        };
         let summary = Summary {
             socket: name,
             options,
             counts: Counts::of(&devices),
             devices,
+            pod_resources,
         };
         if args.json {
             pretty(&summary)?
@@ -146,6 +168,74 @@ pub async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
     };
     emit(&text)?;
     Ok(())
+}
+
+/// Asks the kubelet's pod resources API who holds the plugin's devices. The resource is
+/// `resource`, or the one at the kubelet whose ids overlap the plugin's most (allocatable or in
+/// use). Any failure is reported in the view, never as an error: inspecting works without it.
+async fn holders(
+    socket: &std::path::Path,
+    resource: Option<&str>,
+    devices: &[model::DeviceView],
+) -> model::PodResourcesView {
+    use devplug::podresources::{self, PodResourcesClient};
+    let asked = async {
+        let mut client = PodResourcesClient::connect(socket, Duration::from_secs(2)).await?;
+        let list = client.list().await?;
+        let allocatable = client.allocatable().await?;
+        Ok::<_, podresources::PodResourcesError>((list, allocatable))
+    };
+    let (list, allocatable) = match asked.await {
+        Ok(answers) => answers,
+        Err(err) => {
+            return model::PodResourcesView {
+                error: Some(err.to_string()),
+                ..Default::default()
+            }
+        }
+    };
+    let held = podresources::holders(&list);
+    let resource = resource.map(str::to_owned).or_else(|| {
+        let mut known = podresources::allocatable_ids(&allocatable);
+        for (name, ids) in &held {
+            known
+                .entry(name.clone())
+                .or_default()
+                .extend(ids.keys().cloned());
+        }
+        known
+            .into_iter()
+            .map(|(name, ids)| {
+                let overlap = devices.iter().filter(|d| ids.contains(&d.id)).count();
+                (overlap, name)
+            })
+            .filter(|(overlap, _)| *overlap > 0)
+            .max()
+            .map(|(_, name)| name)
+    });
+    let holders = resource
+        .as_ref()
+        .and_then(|r| held.get(r))
+        .map(|ids| {
+            ids.iter()
+                .map(|(id, h)| {
+                    (
+                        id.clone(),
+                        model::HolderView {
+                            namespace: h.namespace.clone(),
+                            pod: h.pod.clone(),
+                            container: h.container.clone(),
+                        },
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    model::PodResourcesView {
+        resource,
+        holders,
+        error: None,
+    }
 }
 
 fn preference_text(view: &PreferenceView) -> String {

@@ -102,6 +102,31 @@ pub struct Summary {
     pub devices: Vec<DeviceView>,
     /// Its counts.
     pub counts: Counts,
+    /// Who holds the devices, from the kubelet's pod resources API (not asked with --watch).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_resources: Option<PodResourcesView>,
+}
+
+/// What the kubelet's pod resources API said about the inspected plugin's devices.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PodResourcesView {
+    /// The resource the devices belong to (given with --resource, or found by their ids).
+    pub resource: Option<String>,
+    /// Device id → the container holding it; devices not listed are free.
+    pub holders: BTreeMap<String, HolderView>,
+    /// Why the API could not be asked, if it could not.
+    pub error: Option<String>,
+}
+
+/// A container holding a device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HolderView {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod.
+    pub pod: String,
+    /// The container.
+    pub container: String,
 }
 
 /// A host device node given to the container.

@@ -116,13 +116,51 @@ fn odd_health_note(c: &Counts) -> Option<String> {
 
 /// The whole `inspect --socket` report.
 pub fn summary(s: &Summary) -> String {
-    let mut out = table(&[
+    let mut header = vec![
         vec!["socket".into(), s.socket.clone()],
         vec!["options".into(), options(&s.options)],
         vec!["devices".into(), counts(&s.counts)],
-    ]);
+    ];
+    let Some(pr) = &s.pod_resources else {
+        let mut out = table(&header);
+        out.push('\n');
+        out.push_str(&devices(&s.devices));
+        if let Some(note) = odd_health_note(&s.counts) {
+            out.push_str(&note);
+        }
+        return out;
+    };
+    match (&pr.resource, &pr.error) {
+        (_, Some(err)) => header.push(vec!["pod resources".into(), format!("unavailable: {err}")]),
+        (Some(resource), None) => header.push(vec![
+            "pod resources".into(),
+            format!("{resource}: {} in use", pr.holders.len()),
+        ]),
+        (None, None) => header.push(vec![
+            "pod resources".into(),
+            "no resource at the kubelet has these device ids (give --resource)".into(),
+        ]),
+    }
+    let mut out = table(&header);
     out.push('\n');
-    out.push_str(&devices(&s.devices));
+    if pr.error.is_none() && !s.devices.is_empty() {
+        let mut rows = vec![vec![
+            "ID".to_owned(),
+            "HEALTH".to_owned(),
+            "NUMA".to_owned(),
+            "HOLDER".to_owned(),
+        ]];
+        rows.extend(s.devices.iter().map(|d| {
+            let holder = pr.holders.get(&d.id).map_or_else(
+                || "-".to_owned(),
+                |h| format!("{}/{}/{}", h.namespace, h.pod, h.container),
+            );
+            vec![d.id.clone(), health(&d.health), numa(&d.numa_nodes), holder]
+        }));
+        out.push_str(&table(&rows));
+    } else {
+        out.push_str(&devices(&s.devices));
+    }
     if let Some(note) = odd_health_note(&s.counts) {
         out.push_str(&note);
     }

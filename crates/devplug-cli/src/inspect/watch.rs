@@ -107,6 +107,7 @@ pub async fn watch(path: &Path, timeout: std::time::Duration, json: bool) -> any
             options,
             counts: Counts::of(&devices),
             devices: devices.clone(),
+            pod_resources: None,
         };
         format!(
             "{}\n{}  watching for changes (Ctrl-C to stop)\n",

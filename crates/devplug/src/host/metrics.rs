@@ -15,6 +15,7 @@ pub(crate) struct Counters {
     registrations: AtomicU64,
     registration_failures: AtomicU64,
     kubelet_restarts: AtomicU64,
+    watchdog_reregistrations: AtomicU64,
     list_updates: AtomicU64,
     allocations: AtomicU64,
     allocation_errors: AtomicU64,
@@ -31,6 +32,9 @@ pub struct MetricsSnapshot {
     pub registration_failures: u64,
     /// Kubelet restarts noticed (our socket deleted, or a new kubelet.sock while registered).
     pub kubelet_restarts: u64,
+    /// Registrations started by the pod resources watchdog: the kubelet's allocatable for the
+    /// resource stayed below the healthy devices we stream (it lost our endpoint).
+    pub watchdog_reregistrations: u64,
     /// ListAndWatch messages sent, over all streams.
     pub list_updates: u64,
     /// Allocate calls answered.
@@ -59,6 +63,9 @@ pub struct MetricsSnapshot {
     pub not_ready: Option<String>,
     /// Problems the backend reports that do not stop it, as (kind, detail).
     pub warnings: Vec<(String, String)>,
+    /// Devices allocated to pods, from the kubelet's pod resources API; `None` until known
+    /// (no [`Host::watch_pod_resources`](crate::Host::watch_pod_resources), or no answer yet).
+    pub allocated: Option<usize>,
 }
 
 impl Counters {
@@ -72,6 +79,11 @@ impl Counters {
 
     pub(crate) fn kubelet_restarted(&self) {
         self.kubelet_restarts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn watchdog_reregistered(&self) {
+        self.watchdog_reregistrations
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn list_sent(&self) {
@@ -105,6 +117,7 @@ impl Counters {
             registrations: self.registrations.load(Ordering::Relaxed),
             registration_failures: self.registration_failures.load(Ordering::Relaxed),
             kubelet_restarts: self.kubelet_restarts.load(Ordering::Relaxed),
+            watchdog_reregistrations: self.watchdog_reregistrations.load(Ordering::Relaxed),
             list_updates: self.list_updates.load(Ordering::Relaxed),
             allocations: self.allocations.load(Ordering::Relaxed),
             allocation_errors: self.allocation_errors.load(Ordering::Relaxed),

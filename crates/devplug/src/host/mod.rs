@@ -9,10 +9,16 @@
 //! - `registration`: the `Register` call on kubelet.sock.
 //! - `resource`: one resource's serve-and-register loop.
 //! - `service`: the `DevicePlugin` gRPC service (ListAndWatch, Allocate, ...).
+//! - `events`: device health transitions and registration changes as [`HostEvent`]s.
 //! - `status`: what each resource is doing, for readiness, metrics and tests.
+//! - `watchdog`: the pod resources follower: allocated counts, devices in use, and re-registering
+//!   when the kubelet's allocatable falls short of what we stream.
+//! - `watcher`: one resource registered through the kubelet's plugin watcher instead
+//!   (`plugins_registry/`), chosen per resource with [`Registration`].
 
 mod backoff;
 mod dir_watch;
+mod events;
 mod feed;
 mod metrics;
 mod registration;
@@ -20,9 +26,13 @@ mod resource;
 mod service;
 mod socket;
 mod status;
+mod watchdog;
+mod watcher;
 
+pub use events::HostEvent;
 pub use metrics::{MetricsSnapshot, ALLOCATE_BUCKETS};
 pub use status::ResourceStatus;
+pub use watcher::{RefusedRetry, WatcherDirs, RELINK_WAIT};
 
 use crate::backend::{Backend, Options};
 use crate::device::DeviceList;
@@ -33,11 +43,12 @@ use resource::ResourceTask;
 use status::StatusCell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use watcher::WatcherTask;
 
 /// Why the host could not start or add a resource.
 #[derive(Debug, thiserror::Error)]
@@ -81,8 +92,15 @@ pub struct Host {
     dir: PathBuf,
     events: broadcast::Sender<DirEvent>,
     folder: watch::Receiver<FolderState>,
-    resources: Mutex<BTreeMap<String, Running>>,
+    resources: Arc<Mutex<BTreeMap<String, Running>>>,
     stop: CancellationToken,
+    pod_resources: Arc<Mutex<watchdog::PodResourcesView>>,
+    in_use: Arc<watch::Sender<crate::podresources::InUse>>,
+    host_events: broadcast::Sender<HostEvent>,
+    watcher_dirs: WatcherDirs,
+    refused_retry: RefusedRetry,
+    /// The plugin-watcher folder's follower, started with the first watcher-route resource.
+    registry: OnceLock<(broadcast::Sender<DirEvent>, watch::Receiver<FolderState>)>,
 }
 
 struct Running {
@@ -108,11 +126,27 @@ impl ShutdownReport {
     }
 }
 
+/// How a resource registers with the kubelet (reliability.md §1). Both routes exist on every
+/// kubelet since 1.13; use one per resource, never both.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Registration {
+    /// `Register` on `device-plugins/kubelet.sock`, the documented route; the plugin socket
+    /// lives in `device-plugins/`.
+    #[default]
+    Socket,
+    /// A registration socket in the kubelet's `plugins_registry/` ([`WatcherDirs`]), found by
+    /// the kubelet's plugin watcher; the plugin socket lives outside `device-plugins/`, so a
+    /// restarting kubelet does not delete it.
+    Watcher,
+}
+
 /// How the host treats one resource.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResourceSettings {
     /// How long a device that came back must stay healthy before the kubelet is told.
     pub health_hold_down: Duration,
+    /// How the resource registers with the kubelet.
+    pub registration: Registration,
 }
 
 /// The hold-down used by [`Host::add`]: long enough to ride out a flapping device, short enough
@@ -123,6 +157,7 @@ impl Default for ResourceSettings {
     fn default() -> Self {
         ResourceSettings {
             health_hold_down: DEFAULT_HEALTH_HOLD_DOWN,
+            registration: Registration::Socket,
         }
     }
 }
@@ -178,12 +213,85 @@ impl Host {
             tracing::info!(dir = %dir.display(), watching = %watching.display(), "the kubelet folder does not exist yet; waiting for it");
         }
         Ok(Host {
+            watcher_dirs: WatcherDirs::beside(&dir),
             dir,
             events: folder.events,
             folder: folder.state,
-            resources: Mutex::new(BTreeMap::new()),
+            resources: Arc::default(),
             stop,
+            pod_resources: Arc::default(),
+            in_use: Arc::new(watch::Sender::new(Default::default())),
+            host_events: broadcast::channel(256).0,
+            refused_retry: RefusedRetry::default(),
+            registry: OnceLock::new(),
         })
+    }
+
+    /// Uses `dirs` for resources that register through the plugin watcher (default:
+    /// [`WatcherDirs::beside`] the kubelet folder). Call before adding resources.
+    pub fn with_watcher_dirs(mut self, dirs: WatcherDirs) -> Host {
+        self.watcher_dirs = dirs;
+        self
+    }
+
+    /// How long a watcher-route resource waits before offering itself again after the kubelet
+    /// refused it (default 1 s doubling to 60 s).
+    pub fn with_refused_retry(mut self, retry: RefusedRetry) -> Host {
+        self.refused_retry = retry;
+        self
+    }
+
+    /// The folders of the plugin-watcher route.
+    pub fn watcher_dirs(&self) -> &WatcherDirs {
+        &self.watcher_dirs
+    }
+
+    /// Follows the kubelet's pod resources API on `socket` until shutdown, one call per
+    /// `interval` at most (use [`crate::podresources::MIN_INTERVAL`] or more in production: the
+    /// kubelet's 100 QPS are shared by every client on the node). It gives
+    /// [`MetricsSnapshot::allocated`], [`Host::in_use`], and a watchdog: a resource whose
+    /// allocatable at the kubelet stays below the healthy devices we stream registers again
+    /// ([`MetricsSnapshot::watchdog_reregistrations`]). A kubelet without the API (or a wrong
+    /// path) is logged and retried; nothing else is affected.
+    pub fn watch_pod_resources(&self, socket: PathBuf, interval: Duration) {
+        tokio::spawn(watchdog::run(
+            socket,
+            interval,
+            self.resources.clone(),
+            self.pod_resources.clone(),
+            self.in_use.clone(),
+            self.stop.clone(),
+        ));
+    }
+
+    /// Device health transitions and registration changes of every resource, for operators
+    /// (the cluster side turns them into Node events). A slow reader loses the oldest events.
+    pub fn events(&self) -> broadcast::Receiver<HostEvent> {
+        self.host_events.subscribe()
+    }
+
+    /// Devices in use by pods, per resource (any resource on the node, not only ours), from
+    /// [`Host::watch_pod_resources`]; empty until it answers. For backends that act on use
+    /// (sharing, cleanup of freed devices).
+    pub fn in_use(&self) -> watch::Receiver<crate::podresources::InUse> {
+        self.in_use.subscribe()
+    }
+
+    /// The plugin-watcher folder's follower, started on first use.
+    fn registry_watch(
+        &self,
+    ) -> Result<(broadcast::Receiver<DirEvent>, watch::Receiver<FolderState>), HostError> {
+        if let Some((events, state)) = self.registry.get() {
+            return Ok((events.subscribe(), state.clone()));
+        }
+        let dir = &self.watcher_dirs.registry;
+        let folder =
+            dir_watch::watch(dir, self.stop.clone()).map_err(|source| HostError::Folder {
+                path: dir.clone(),
+                source,
+            })?;
+        let (events, state) = self.registry.get_or_init(|| (folder.events, folder.state));
+        Ok((events.subscribe(), state.clone()))
     }
 
     /// The kubelet folder this host serves in.
@@ -236,17 +344,50 @@ impl Host {
             backend: RwLock::new(backend),
             devices,
         });
-        let task = ResourceTask {
-            shared: shared.clone(),
-            dir: self.dir.clone(),
-            socket_name: socket::instance_name(resource),
-            events: self.events.subscribe(),
-            folder: self.folder.clone(),
-            status: status.clone(),
-            stop: stop.clone(),
+        let task = match settings.registration {
+            Registration::Socket => tokio::spawn(
+                ResourceTask {
+                    shared: shared.clone(),
+                    dir: self.dir.clone(),
+                    socket_name: socket::instance_name(resource),
+                    events: self.events.subscribe(),
+                    folder: self.folder.clone(),
+                    status: status.clone(),
+                    stop: stop.clone(),
+                }
+                .run(),
+            ),
+            Registration::Watcher => {
+                let (events, folder) = match self.registry_watch() {
+                    Ok(watch) => watch,
+                    Err(err) => {
+                        stop.cancel();
+                        return Err(err);
+                    }
+                };
+                tokio::spawn(
+                    WatcherTask {
+                        shared: shared.clone(),
+                        dirs: self.watcher_dirs.clone(),
+                        socket_name: socket::instance_name(resource),
+                        events,
+                        folder,
+                        status: status.clone(),
+                        stop: stop.clone(),
+                        refused_retry: self.refused_retry,
+                    }
+                    .run(),
+                )
+            }
         };
-        let task = tokio::spawn(task.run());
         let receiver = status.subscribe();
+        events::spawn(
+            shared.resource.clone(),
+            shared.devices.clone(),
+            status.subscribe(),
+            self.host_events.clone(),
+            stop.clone(),
+        );
         let running = Running {
             shared,
             settings,
@@ -260,7 +401,7 @@ impl Host {
     }
 
     /// Replaces the backend and settings of a served resource. When the new backend asks for the
-    /// same [`Options`], the swap is in place: the socket and the kubelet's stream stay, and the
+    /// same [`Options`] and the registration route is the same, the swap is in place: the socket and the kubelet's stream stay, and the
     /// kubelet sees one new device list. Otherwise the resource is restarted and registers again,
     /// because the kubelet reads options only at registration.
     pub async fn update(
@@ -275,7 +416,9 @@ impl Host {
                 return Err(HostError::UnknownResource(resource.to_owned()));
             };
             let old_options: Options = running.shared.backend().options();
-            if old_options == backend.options() {
+            if old_options == backend.options()
+                && running.settings.registration == settings.registration
+            {
                 let source = backend.devices();
                 running.shared.set_backend(backend.clone());
                 let _ = running.feed.send(FeedControl::Source(source));
@@ -325,6 +468,10 @@ impl Host {
 
     /// Counters and state of every resource, in name order, for exporting as metrics.
     pub fn metrics(&self) -> Vec<(String, MetricsSnapshot)> {
+        let (allocated, known) = {
+            let view = self.pod_resources.lock().unwrap_or_else(|e| e.into_inner());
+            (view.allocated.clone(), view.known)
+        };
         self.lock()
             .iter()
             .map(|(name, r)| {
@@ -358,6 +505,7 @@ impl Host {
                         .into_iter()
                         .map(|w| (w.kind.to_owned(), w.detail))
                         .collect(),
+                    allocated: known.then(|| allocated.get(name).copied().unwrap_or(0)),
                     ..r.status.counters.snapshot()
                 };
                 (name.clone(), snapshot)

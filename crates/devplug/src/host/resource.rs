@@ -55,17 +55,42 @@ pub(crate) struct ResourceTask {
 }
 
 /// A socket we bound and serve.
-struct Served {
-    path: PathBuf,
-    identity: FileIdentity,
+pub(crate) struct Served {
+    pub(crate) path: PathBuf,
+    pub(crate) identity: FileIdentity,
     stop: CancellationToken,
     task: JoinHandle<()>,
 }
 
 impl Served {
+    /// Serves `router` on a socket freshly bound (owner-only, under a dot-name, then renamed into
+    /// place) at `path`, until `stop` is cancelled.
+    pub(crate) fn start(
+        path: &Path,
+        router: tonic::transport::server::Router,
+        stop: CancellationToken,
+        what: String,
+    ) -> std::io::Result<Served> {
+        let (listener, identity) = socket::bind_owner_only(path)?;
+        let task = uds::spawn_server(router, listener, stop.clone().cancelled_owned(), what);
+        Ok(Served {
+            path: path.to_owned(),
+            identity,
+            stop,
+            task,
+        })
+    }
+
+    /// Whether the file at our path is still the socket we bound.
+    pub(crate) fn is_linked(&self) -> bool {
+        FileIdentity::of(&self.path) == Some(self.identity)
+    }
+}
+
+impl Served {
     /// Stops serving: ends our streams, closes the listener, removes the file if still ours.
     /// Returns what could not be removed, with why.
-    async fn stop(self) -> Option<String> {
+    pub(crate) async fn stop(self) -> Option<String> {
         self.stop.cancel();
         let mut task = self.task;
         if tokio::time::timeout(Duration::from_secs(1), &mut task)
@@ -105,6 +130,7 @@ impl ResourceTask {
         let mut folder_logged = false;
         let mut last_error: Option<String> = None;
         let mut lost_streams = self.status.lost_streams();
+        let mut relinks = self.status.relinks();
         // A kubelet restart shows as our socket deleted and/or a new kubelet.sock. Count it once,
         // and only if we had registered with the kubelet before (a first kubelet start that wipes
         // the socket we bound while waiting is not a restart).
@@ -247,6 +273,13 @@ impl ResourceTask {
                         tracing::info!(resource = %resource, "the kubelet closed our device stream; registering again");
                     }
                 }
+                changed = relinks.changed() => {
+                    if changed.is_ok() && registered_with.is_some() {
+                        registered_with = None;
+                        retry_at = None;
+                        tracing::warn!(resource = %resource, "the kubelet's allocatable is short of our healthy devices; registering again");
+                    }
+                }
                 changed = self.folder.changed() => {
                     if changed.is_err() {
                         // The folder watch ended: only at shutdown.
@@ -288,30 +321,33 @@ impl ResourceTask {
 
     /// Binds a fresh socket and serves the DevicePlugin service on it.
     fn serve(&self, path: &Path) -> std::io::Result<Served> {
-        let (listener, identity) = socket::bind_owner_only(path)?;
-        let stop = self.stop.child_token();
-        let service = PluginService {
-            shared: self.shared.clone(),
-            stop: stop.clone(),
-            status: self.status.clone(),
-        };
-        let task = uds::spawn_server(
-            tonic::transport::Server::builder().add_service(DevicePluginServer::new(service)),
-            listener,
-            stop.clone().cancelled_owned(),
-            format!("the plugin server of {}", self.shared.resource),
-        );
-        Ok(Served {
-            path: path.to_owned(),
-            identity,
-            stop,
-            task,
-        })
+        serve_plugin(&self.shared, &self.status, &self.stop, path)
     }
 }
 
+/// Binds a fresh socket at `path` and serves the resource's DevicePlugin service on it.
+pub(crate) fn serve_plugin(
+    shared: &Arc<ResourceShared>,
+    status: &StatusCell,
+    parent: &CancellationToken,
+    path: &Path,
+) -> std::io::Result<Served> {
+    let stop = parent.child_token();
+    let service = PluginService {
+        shared: shared.clone(),
+        stop: stop.clone(),
+        status: status.clone(),
+    };
+    Served::start(
+        path,
+        tonic::transport::Server::builder().add_service(DevicePluginServer::new(service)),
+        stop,
+        format!("the plugin server of {}", shared.resource),
+    )
+}
+
 /// A bind error, with the fix where there is an obvious one.
-fn bind_error(err: &std::io::Error) -> String {
+pub(crate) fn bind_error(err: &std::io::Error) -> String {
     match err.kind() {
         std::io::ErrorKind::PermissionDenied => format!(
             "{err}: the kubelet folder is not writable by this user; run devplug as root (the \
@@ -324,7 +360,7 @@ fn bind_error(err: &std::io::Error) -> String {
     }
 }
 
-fn far_future() -> Instant {
+pub(crate) fn far_future() -> Instant {
     Instant::now() + Duration::from_secs(86_400)
 }
 

@@ -64,6 +64,7 @@ pub(crate) struct StatusCell {
     attempt: Arc<AtomicU64>,
     open_by_attempt: Arc<Mutex<BTreeMap<u64, usize>>>,
     lost: Arc<watch::Sender<u64>>,
+    relink: Arc<watch::Sender<u64>>,
 }
 
 impl StatusCell {
@@ -74,6 +75,7 @@ impl StatusCell {
             attempt: Arc::new(AtomicU64::new(0)),
             open_by_attempt: Arc::default(),
             lost: Arc::new(watch::Sender::new(0)),
+            relink: Arc::new(watch::Sender::new(0)),
         }
     }
 
@@ -113,6 +115,17 @@ impl StatusCell {
     /// Starts a new registration attempt; streams opened from now on belong to it.
     pub(crate) fn next_attempt(&self) {
         self.attempt.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Asks the resource's loop to register again (the pod resources watchdog saw the kubelet
+    /// lose our endpoint).
+    pub(crate) fn request_relink(&self) {
+        self.relink.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Receives every [`StatusCell::request_relink`].
+    pub(crate) fn relinks(&self) -> watch::Receiver<u64> {
+        self.relink.subscribe()
     }
 
     /// Receives the attempt number of every stream a client dropped while we still served it.

@@ -319,6 +319,7 @@ async fn a_recovered_device_waits_out_the_hold_down() {
     let backend = TestBackend::new(2);
     let settings = ResourceSettings {
         health_hold_down: Duration::from_secs(2),
+        ..Default::default()
     };
     host.add_with("example.com/npu", Arc::new(backend.clone()), settings)
         .unwrap();

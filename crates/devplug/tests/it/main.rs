@@ -7,5 +7,7 @@ mod allocation;
 mod faults;
 mod lifecycle;
 mod old_kubelet;
+mod pod_resources;
 mod raw_h2;
 mod support;
+mod watcher;

@@ -81,6 +81,7 @@ impl Backend for TestBackend {
 pub fn no_hold_down() -> devplug::ResourceSettings {
     devplug::ResourceSettings {
         health_hold_down: Duration::ZERO,
+        ..Default::default()
     }
 }
 

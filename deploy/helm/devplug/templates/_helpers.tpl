@@ -75,3 +75,35 @@ Host folders under the kubelet's root dir.
 {{- define "devplug.pluginsRegistryDir" -}}
 {{- printf "%s/plugins_registry" (trimSuffix "/" .Values.kubeletDir) }}
 {{- end }}
+
+{{/*
+"true" when the config has an `advertise:` resource (the DaemonSet then needs NODE_NAME, a token
+and RBAC on its Node); empty otherwise.
+*/}}
+{{- define "devplug.advertise" -}}
+{{- range .Values.config.resources }}{{ if .advertise }}true{{ end }}{{ end }}
+{{- end }}
+
+{{/*
+"true" when the pods talk to the API server (advertise: resources or node events): they then
+get a token and NODE_NAME.
+*/}}
+{{- define "devplug.apiClient" -}}
+{{- if or (include "devplug.advertise" .) .Values.nodeEvents.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
+"true" when a resource registers through the kubelet's plugin watcher (registration: watcher).
+*/}}
+{{- define "devplug.watcher" -}}
+{{- if eq (toString .Values.config.registration) "watcher" }}true{{ end }}
+{{- range .Values.config.resources }}{{ if eq (toString .registration) "watcher" }}true{{ end }}{{ end }}
+{{- end }}
+
+{{/*
+Where watcher-route plugin sockets live on the host: outside device-plugins/, which a restarting
+kubelet wipes.
+*/}}
+{{- define "devplug.pluginSocketDir" -}}
+{{- printf "%s/plugins/devplug" (trimSuffix "/" .Values.kubeletDir) -}}
+{{- end }}

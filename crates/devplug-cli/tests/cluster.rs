@@ -1,0 +1,194 @@
+//! The `devplug` binary against a real kube-apiserver (`KUBEBUILDER_ASSETS`, shared helper of
+//! devplug-cluster): `devplug capacity set|list|remove`, and `devplug run` keeping `advertise:`
+//! resources on its Node and removing one that leaves the config. Skipped loudly without the
+//! binaries.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
+mod support;
+
+use devplug_cluster::capacity;
+use devplug_cluster::testenv::{self, ApiServer};
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::Api;
+use kubelet_sim::Kubelet;
+use std::process::Command;
+use std::time::Duration;
+use support::Devplug;
+
+const BIN: &str = env!("CARGO_BIN_EXE_devplug");
+
+async fn node(nodes: &Api<Node>, name: &str) {
+    let node: Node = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+    }))
+    .unwrap();
+    nodes.create(&PostParams::default(), &node).await.unwrap();
+    let status =
+        serde_json::json!({"status": {"capacity": {"cpu": "2"}, "allocatable": {"cpu": "2"}}});
+    nodes
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+}
+
+fn devplug(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_set_list_remove() {
+    let Some(server) = ApiServer::shared("capacity_set_list_remove") else {
+        return;
+    };
+    let client = testenv::client(&server.kubeconfig).await.unwrap();
+    let nodes: Api<Node> = Api::all(client);
+    node(&nodes, "cli-capacity").await;
+    let kc = server.kubeconfig.to_str().unwrap().to_owned();
+    let run = |args: Vec<&str>| {
+        let mut all = vec!["capacity"];
+        all.extend(args);
+        all.extend(["--kubeconfig", kc.as_str()]);
+        let all: Vec<String> = all.into_iter().map(str::to_owned).collect();
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        devplug(&all)
+    };
+    let (ok, out, err) = run(vec![
+        "set",
+        "example.com/dongle=4",
+        "--node",
+        "cli-capacity",
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(out, "example.com/dongle=4 set on node cli-capacity\n");
+    let (ok, out, err) = run(vec!["list", "--node", "cli-capacity"]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        out,
+        "RESOURCE            CAPACITY  ALLOCATABLE\nexample.com/dongle  4         4\n"
+    );
+    let (ok, out, _) = run(vec![
+        "remove",
+        "example.com/dongle",
+        "--node",
+        "cli-capacity",
+    ]);
+    assert!(ok);
+    assert_eq!(out, "example.com/dongle removed from node cli-capacity\n");
+    let (ok, out, _) = run(vec![
+        "remove",
+        "example.com/dongle",
+        "--node",
+        "cli-capacity",
+    ]);
+    assert!(ok, "a missing key is not an error");
+    assert_eq!(
+        out,
+        "example.com/dongle on node cli-capacity: already gone\n"
+    );
+    let (ok, _, err) = run(vec!["set", "dongle=4", "--node", "cli-capacity"]);
+    assert!(!ok);
+    assert!(err.contains("not an extended resource name"), "{err}");
+    let (ok, _, err) = run(vec!["list", "--node", "no-such-node"]);
+    assert!(!ok);
+    assert!(err.contains("no-such-node"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_advertises_on_its_node_and_follows_the_config() {
+    let Some(server) = ApiServer::shared("run_advertises_on_its_node_and_follows_the_config")
+    else {
+        return;
+    };
+    let client = testenv::client(&server.kubeconfig).await.unwrap();
+    let nodes: Api<Node> = Api::all(client);
+    node(&nodes, "cli-advertise").await;
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = dir.path().join("device-plugins");
+    let _kubelet = Kubelet::start(&plugins).await.unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n  - name: example.com/dongle\n    advertise: { count: 3 }\n  - name: example.com/licence\n    advertise: { count: 1 }\n",
+    )
+    .unwrap();
+    let devplug = Devplug::run_with(
+        &config,
+        &plugins,
+        &[
+            "--node-name",
+            "cli-advertise",
+            "--kubeconfig",
+            server.kubeconfig.to_str().unwrap(),
+            "--node-events",
+        ],
+    );
+    let wait = |resource: &'static str, want: Option<&'static str>| {
+        let nodes = nodes.clone();
+        async move {
+            for _ in 0..200 {
+                let now = capacity::list(&nodes, "cli-advertise").await.unwrap();
+                if now.get(resource).and_then(|r| r.capacity.as_deref()) == want {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            panic!("{resource} never became {want:?}");
+        }
+    };
+    wait("example.com/dongle", Some("3")).await;
+    wait("example.com/licence", Some("1")).await;
+    capacity::remove(&nodes, "cli-advertise", "example.com/dongle")
+        .await
+        .unwrap();
+    wait("example.com/dongle", Some("3")).await;
+    std::fs::write(
+        &config,
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n  - name: example.com/dongle\n    advertise: { count: 3 }\n",
+    )
+    .unwrap();
+    wait("example.com/licence", None).await;
+    // A broken config keeps the previous one running and says so on the Node.
+    std::fs::write(&config, "resources: [ { name: example.com/npu } ]\n").unwrap();
+    let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(
+        testenv::client(&server.kubeconfig).await.unwrap(),
+        "default",
+    );
+    let mut reasons = Vec::new();
+    for _ in 0..100 {
+        reasons = events
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("cli-advertise")
+            })
+            .map(|e| (e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+            .collect::<Vec<_>>();
+        if reasons.iter().any(|(r, _)| r == "ConfigReloadFailed") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        reasons
+            .iter()
+            .any(|(r, n)| r == "ConfigReloadFailed" && n.contains("no backend")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|(r, _)| r == "Registered"),
+        "{reasons:?}"
+    );
+    let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
+    assert!(status.success(), "{log}");
+    // Kept at shutdown: a restarting pod must not make capacity flap.
+    wait("example.com/dongle", Some("3")).await;
+}

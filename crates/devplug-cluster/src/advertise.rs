@@ -1,0 +1,185 @@
+//! `advertise:` resources of `devplug run`: extended resources with no device and no socket,
+//! kept on the process's own Node (seed 003). Event-driven: a watch on that one Node; whenever it
+//! changes (the kubelet's status updates, someone's `kubectl patch`), what we advertise is
+//! compared with its status and set again where it differs. A resource that leaves the desired
+//! set is removed once. Nothing is removed at shutdown: a restarting pod must not make capacity
+//! flap; use `devplug capacity remove` to take one away for good.
+
+use crate::capacity::{self, extended_resources};
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::Api;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// Retry delay after an API error (doubling to 30 s).
+const RETRY_FIRST: Duration = Duration::from_millis(500);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// Counters of an [`Advertiser`], for metrics and tests.
+#[derive(Debug, Default)]
+pub struct AdvertiseCounters {
+    /// Times a resource was set because the Node differed (first set included).
+    pub applied: std::sync::atomic::AtomicU64,
+    /// Times a resource was removed because it left the config.
+    pub removed: std::sync::atomic::AtomicU64,
+    /// API errors.
+    pub errors: std::sync::atomic::AtomicU64,
+}
+
+/// Keeps resources advertised on one Node until dropped or stopped.
+#[derive(Debug)]
+pub struct Advertiser {
+    desired: watch::Sender<BTreeMap<String, u64>>,
+    counters: Arc<AdvertiseCounters>,
+    stop: CancellationToken,
+}
+
+impl Advertiser {
+    /// Starts advertising on `node` (empty set at first; see [`Advertiser::set`]).
+    pub fn spawn(client: kube::Client, node: String, stop: CancellationToken) -> Advertiser {
+        let (desired, rx) = watch::channel(BTreeMap::new());
+        let counters = Arc::new(AdvertiseCounters::default());
+        tokio::spawn(run(
+            Api::all(client),
+            node,
+            rx,
+            counters.clone(),
+            stop.clone(),
+        ));
+        Advertiser {
+            desired,
+            counters,
+            stop,
+        }
+    }
+
+    /// The resources to advertise now, name → count. Resources no longer listed are removed
+    /// from the Node.
+    pub fn set(&self, resources: BTreeMap<String, u64>) {
+        self.desired.send_if_modified(|current| {
+            let changed = *current != resources;
+            *current = resources;
+            changed
+        });
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> &AdvertiseCounters {
+        &self.counters
+    }
+}
+
+impl Drop for Advertiser {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn run(
+    api: Api<Node>,
+    node: String,
+    mut desired: watch::Receiver<BTreeMap<String, u64>>,
+    counters: Arc<AdvertiseCounters>,
+    stop: CancellationToken,
+) {
+    let config = watcher::Config::default().fields(&format!("metadata.name={node}"));
+    let mut events = watcher(api.clone(), config)
+        .default_backoff()
+        .applied_objects()
+        .boxed();
+    let mut advertised: BTreeSet<String> = BTreeSet::new();
+    let mut last_seen: Option<Node> = None;
+    let mut retry_at: Option<tokio::time::Instant> = None;
+    let mut delay = RETRY_FIRST;
+    loop {
+        let due =
+            retry_at.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(86_400));
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            changed = desired.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                // Fresh state: the cached object may be old.
+                last_seen = match api.get_status(&node).await {
+                    Ok(n) => Some(n),
+                    Err(err) => {
+                        tracing::warn!(%node, %err, "cannot read our Node; retrying");
+                        counters.errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        retry_at = Some(tokio::time::Instant::now() + delay);
+                        delay = (delay * 2).min(RETRY_MAX);
+                        continue;
+                    }
+                };
+            }
+            event = events.next() => match event {
+                Some(Ok(n)) => last_seen = Some(n),
+                Some(Err(err)) => {
+                    tracing::warn!(%node, %err, "watching our Node failed; the watcher retries");
+                    continue;
+                }
+                None => return,
+            },
+            _ = tokio::time::sleep_until(due), if retry_at.is_some() => {
+                retry_at = None;
+                last_seen = api.get_status(&node).await.ok().or(last_seen);
+            }
+        }
+        let Some(current) = &last_seen else { continue };
+        let wanted = desired.borrow().clone();
+        match reconcile(&api, &node, current, &wanted, &mut advertised, &counters).await {
+            Ok(()) => delay = RETRY_FIRST,
+            Err(err) => {
+                tracing::warn!(%node, %err, retry_in = ?delay, "cannot advertise on our Node; retrying");
+                counters
+                    .errors
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                retry_at = Some(tokio::time::Instant::now() + delay);
+                delay = (delay * 2).min(RETRY_MAX);
+            }
+        }
+    }
+}
+
+async fn reconcile(
+    api: &Api<Node>,
+    node: &str,
+    current: &Node,
+    wanted: &BTreeMap<String, u64>,
+    advertised: &mut BTreeSet<String>,
+    counters: &AdvertiseCounters,
+) -> Result<(), capacity::CapacityError> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let present = extended_resources(current);
+    for (name, count) in wanted {
+        let want = count.to_string();
+        let r = present.get(name);
+        let right = r.is_some_and(|r| {
+            r.capacity.as_deref() == Some(want.as_str())
+                && r.allocatable.as_deref() == Some(want.as_str())
+        });
+        if !right {
+            tracing::info!(%node, resource = %name, count, "advertising");
+            capacity::set(api, node, name, *count).await?;
+            counters.applied.fetch_add(1, Relaxed);
+        }
+        advertised.insert(name.clone());
+    }
+    let gone: Vec<String> = advertised
+        .iter()
+        .filter(|n| !wanted.contains_key(*n))
+        .cloned()
+        .collect();
+    for name in gone {
+        tracing::info!(%node, resource = %name, "no longer advertised; removing");
+        capacity::remove(api, node, &name).await?;
+        counters.removed.fetch_add(1, Relaxed);
+        advertised.remove(&name);
+    }
+    Ok(())
+}

@@ -1,0 +1,59 @@
+//! The cluster side of devplug, through kube-rs, kept out of the core crate (DESIGN.md §2).
+//!
+//! - [`capacity`]: extended resources on a Node's status by JSON patch (seed 003): set, remove
+//!   (a missing key is "already gone"), list.
+//! - [`advertise`]: resources kept on our own Node by `devplug run` (`advertise:`), event-driven.
+//! - [`events`]: device health, registration and config reload problems as Events on the Node.
+//! - [`testenv`]: a real etcd + kube-apiserver for tests (`KUBEBUILDER_ASSETS`, as envtest).
+//!
+//! Clients come from the usual places: `--kubeconfig`, else `KUBECONFIG` / `~/.kube/config`, else
+//! the in-cluster service account ([`connect`]).
+
+pub mod advertise;
+pub mod capacity;
+pub mod events;
+pub mod testenv;
+
+use std::path::Path;
+
+/// Why a client could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The kubeconfig file could not be read or used.
+    #[error("kubeconfig {path}: {message}")]
+    Kubeconfig {
+        /// The file.
+        path: String,
+        /// What was wrong.
+        message: String,
+    },
+    /// No kubeconfig and not in a cluster.
+    #[error("no cluster to talk to: {0} (give --kubeconfig, set KUBECONFIG, or run in a pod)")]
+    Infer(String),
+}
+
+/// A client from `kubeconfig` if given, else inferred (KUBECONFIG, `~/.kube/config`, then the
+/// in-cluster service account).
+pub async fn connect(kubeconfig: Option<&Path>) -> Result<kube::Client, ConnectError> {
+    match kubeconfig {
+        Some(path) => from_kubeconfig(path)
+            .await
+            .map_err(|message| ConnectError::Kubeconfig {
+                path: path.display().to_string(),
+                message,
+            }),
+        None => kube::Client::try_default()
+            .await
+            .map_err(|e| ConnectError::Infer(e.to_string())),
+    }
+}
+
+/// A client for the kubeconfig file at `path`, its current context (no environment).
+pub async fn from_kubeconfig(path: &Path) -> Result<kube::Client, String> {
+    let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|e| e.to_string())?;
+    let options = kube::config::KubeConfigOptions::default();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
+        .await
+        .map_err(|e| e.to_string())?;
+    kube::Client::try_from(config).map_err(|e| e.to_string())
+}

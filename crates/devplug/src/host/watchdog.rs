@@ -1,0 +1,131 @@
+//! The pod resources follower of a host (reliability.md §2, §3): one client, polling the kubelet's
+//! `GetAllocatableResources` and `List` in turn, each at most once per interval.
+//!
+//! - `List` gives the devices allocated per resource (for `/metrics`) and the devices in use
+//!   (published on a watch channel for backends that want it).
+//! - `GetAllocatableResources` is the watchdog: when, on [`STRIKES`] polls in a row, the kubelet
+//!   can allocate fewer of our devices than the healthy ones we stream to it while we believe we
+//!   are registered, the kubelet lost our endpoint (the name-keyed disconnect of §3, a stream it
+//!   dropped without telling us): the resource registers again, and the metric counts it.
+
+use super::Running;
+use crate::podresources::{self, InUse, PodResourcesClient, PodResourcesError};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// Polls in a row with a short allocatable before registering again (one poll can race a
+/// health change that the kubelet has not applied yet).
+pub(crate) const STRIKES: u32 = 2;
+
+/// What the follower learned, shared with the host.
+#[derive(Debug, Default)]
+pub(crate) struct PodResourcesView {
+    /// Devices allocated to pods, by resource (only resources seen in a `List`).
+    pub(crate) allocated: BTreeMap<String, usize>,
+    /// Whether a `List` answered at least once.
+    pub(crate) known: bool,
+}
+
+/// Runs the follower until `stop`.
+pub(crate) async fn run(
+    socket: PathBuf,
+    interval: Duration,
+    resources: Arc<Mutex<BTreeMap<String, Running>>>,
+    view: Arc<Mutex<PodResourcesView>>,
+    in_use: Arc<watch::Sender<InUse>>,
+    stop: CancellationToken,
+) {
+    let mut client: Option<PodResourcesClient> = None;
+    let mut strikes: BTreeMap<String, u32> = BTreeMap::new();
+    let mut last_error: Option<String> = None;
+    loop {
+        let round = async {
+            if client.is_none() {
+                let c = PodResourcesClient::connect(&socket, Duration::from_secs(10)).await?;
+                client = Some(c.with_interval(interval));
+            }
+            let Some(c) = client.as_mut() else {
+                return Err(PodResourcesError::Call(tonic::Status::unavailable(
+                    "no client",
+                )));
+            };
+            let allocatable = c.allocatable().await?;
+            let list = c.list().await?;
+            Ok((allocatable, list))
+        };
+        let result = tokio::select! {
+            _ = stop.cancelled() => return,
+            result = round => result,
+        };
+        match result {
+            Ok((allocatable, list)) => {
+                last_error = None;
+                let counts = podresources::allocatable_counts(&allocatable);
+                let held = podresources::holders(&list);
+                {
+                    let mut v = view.lock().unwrap_or_else(|e| e.into_inner());
+                    v.allocated = held.iter().map(|(r, ids)| (r.clone(), ids.len())).collect();
+                    v.known = true;
+                }
+                let now: InUse = held
+                    .into_iter()
+                    .map(|(r, ids)| (r, ids.into_keys().collect()))
+                    .collect();
+                in_use.send_if_modified(|current| {
+                    let changed = *current != now;
+                    if changed {
+                        *current = now;
+                    }
+                    changed
+                });
+                check(&resources, &counts, &mut strikes);
+            }
+            Err(err) => {
+                let message = err.to_string();
+                if last_error.as_deref() != Some(message.as_str()) {
+                    tracing::warn!(socket = %socket.display(), error = %message, "pod resources: the kubelet did not answer; retrying");
+                    last_error = Some(message);
+                }
+                if matches!(err, PodResourcesError::Connect { .. }) {
+                    client = None;
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(interval) => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The watchdog's decision for every served resource.
+fn check(
+    resources: &Mutex<BTreeMap<String, Running>>,
+    allocatable: &BTreeMap<String, usize>,
+    strikes: &mut BTreeMap<String, u32>,
+) {
+    let resources = resources.lock().unwrap_or_else(|e| e.into_inner());
+    strikes.retain(|name, _| resources.contains_key(name));
+    for (name, running) in resources.iter() {
+        let status = running.status.subscribe().borrow().clone();
+        let healthy = running.shared.devices.borrow().healthy_count();
+        let kubelet = allocatable.get(name).copied().unwrap_or(0);
+        let short = status.registered && status.streams > 0 && kubelet < healthy;
+        let count = strikes.entry(name.clone()).or_default();
+        if !short {
+            *count = 0;
+            continue;
+        }
+        *count += 1;
+        if *count >= STRIKES {
+            *count = 0;
+            tracing::warn!(resource = %name, kubelet_allocatable = kubelet, healthy, "the kubelet lost our endpoint; registering again");
+            running.status.counters.watchdog_reregistered();
+            running.status.request_relink();
+        }
+    }
+}
