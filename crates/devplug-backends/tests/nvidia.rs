@@ -943,10 +943,13 @@ async fn an_xid_on_a_parent_gpu_makes_its_mig_devices_unhealthy_until_it_recover
 #[tokio::test]
 async fn a_mig_change_rediscovers_without_touching_the_other_resources_streams() {
     let node = Node::new("a100-mig", true);
+    // Health off on one entry: MIG changes are still watched there.
+    let mut unwatched = node.mixed(Some("1g.5gb"));
+    unwatched.health.enabled = false;
     let (kubelet, _host, _backends) = serve(
         &node,
         vec![
-            ("nvidia.com/mig-1g.5gb", node.mixed(Some("1g.5gb"))),
+            ("nvidia.com/mig-1g.5gb", unwatched),
             ("nvidia.com/mig-3g.20gb", node.mixed(Some("3g.20gb"))),
             ("nvidia.com/gpu", node.mixed(None)),
         ],

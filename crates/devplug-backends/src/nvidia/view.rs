@@ -362,6 +362,7 @@ mod tests {
     use super::*;
     use crate::nvidia::lib::PcieLevel;
     use crate::nvidia::settings::ReplicaOverride;
+    use std::path::PathBuf;
 
     fn gpu(index: u32, name: &str, links: &[&str]) -> GpuInfo {
         GpuInfo {
@@ -375,6 +376,77 @@ mod tests {
             mig_enabled: false,
             migs: Vec::new(),
         }
+    }
+
+    fn mig(uuid: &str, profile: &str, gi: u32) -> MigInfo {
+        MigInfo {
+            uuid: uuid.into(),
+            profile: profile.into(),
+            gi,
+            ci: 0,
+            memory_bytes: 1,
+        }
+    }
+
+    #[test]
+    fn mig_caps_from_mig_minors_and_what_is_left_out() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut a = gpu(0, "NVIDIA A100-SXM4-40GB", &[]);
+        a.minor = 3;
+        a.mig_enabled = true;
+        a.migs = vec![mig("MIG-a", "1g.5gb", 7), mig("MIG-b", "1g.5gb", 8)];
+        let snapshot = Snapshot {
+            gpus: vec![a, gpu(1, "NVIDIA A100-SXM4-40GB", &[])],
+            pcie: vec![vec![None; 2]; 2],
+        };
+        let settings = NvidiaSettings {
+            mig_strategy: MigStrategy::Mixed,
+            mig_profile: Some("1g.5gb".into()),
+            proc_root: tmp.path().to_owned(),
+            sys_root: tmp.path().to_owned(),
+            ..Default::default()
+        };
+        // No mig-minors: nothing served, and the reason.
+        let view = View::build(&settings, &snapshot);
+        assert!(view.gpus.is_empty());
+        assert!(view.problem.as_deref().unwrap().contains("mig-minors"));
+        // MIG-b's GI has no entry: it is left out; MIG-a gets its GI and CI nodes.
+        let dir = tmp.path().join("driver/nvidia-caps");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("mig-minors"),
+            "config 1\nmonitor 2\ngpu3/gi7/access 66\ngpu3/gi7/ci0/access 67\ngpu3/gi8/ci0/access 77\n",
+        )
+        .unwrap();
+        let view = View::build(&settings, &snapshot);
+        assert_eq!(view.problem, None);
+        assert_eq!(view.gpus.len(), 1);
+        assert_eq!(view.gpus[0].uuid(), "MIG-a");
+        assert_eq!(
+            view.gpus[0].nodes(),
+            [
+                PathBuf::from("nvidia3"),
+                PathBuf::from("nvidia-caps/nvidia-cap66"),
+                PathBuf::from("nvidia-caps/nvidia-cap67")
+            ]
+        );
+        // single: GPU 1 has MIG off while GPU 0 has it on.
+        let single = NvidiaSettings {
+            mig_strategy: MigStrategy::Single,
+            mig_profile: None,
+            ..settings.clone()
+        };
+        let view = View::build(&single, &snapshot);
+        assert!(view.gpus.is_empty());
+        assert!(view.problem.unwrap().contains("GPU 1"));
+        // single with no GPU in MIG mode: the GPUs whole (as NVIDIA does).
+        let plain = Snapshot {
+            gpus: vec![gpu(0, "x", &[]), gpu(1, "x", &[])],
+            pcie: vec![vec![None; 2]; 2],
+        };
+        let view = View::build(&single, &plain);
+        assert_eq!(view.gpus.len(), 2);
+        assert_eq!(view.gpus[1].uuid(), "GPU-1");
     }
 
     #[test]
