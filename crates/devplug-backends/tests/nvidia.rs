@@ -8,7 +8,9 @@
 use devplug::{Backend, Host, PreferenceRequest, ResourceSettings};
 use devplug_backends::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
 use devplug_backends::hostdev::SharePolicy;
-use devplug_backends::nvidia::{sysfs_bus_id, ListStrategy, NvidiaBackend, NvidiaSettings};
+use devplug_backends::nvidia::{
+    sysfs_bus_id, ListStrategy, MigStrategy, NvidiaBackend, NvidiaSettings,
+};
 use kubelet_sim::Kubelet;
 use serde::Deserialize;
 use std::collections::BTreeSet;
@@ -31,6 +33,42 @@ struct TopoGpu {
     numa: i64,
     #[serde(default)]
     nvlinks: Vec<u32>,
+    #[serde(default)]
+    mig_devices: Vec<TopoMig>,
+}
+
+#[derive(Deserialize)]
+struct TopoMig {
+    uuid: String,
+    gi: u32,
+    ci: u32,
+}
+
+/// The minor the driver gives a GI's access node in `mig-minors` (its layout: `config` 1,
+/// `monitor` 2, then per GPU minor 15 GIs of 1 GI node + 8 CI nodes each).
+fn gi_minor(gpu: u32, gi: u32) -> u32 {
+    3 + gpu * 135 + gi * 9
+}
+
+fn ci_minor(gpu: u32, gi: u32, ci: u32) -> u32 {
+    gi_minor(gpu, gi) + 1 + ci
+}
+
+/// `/proc/driver/nvidia-caps/mig-minors` as the driver writes it for `gpus` GPUs.
+fn mig_minors(gpus: u32) -> String {
+    let mut out = String::from("config 1\nmonitor 2\n");
+    for g in 0..gpus {
+        for gi in 0..15 {
+            out.push_str(&format!("gpu{g}/gi{gi}/access {}\n", gi_minor(g, gi)));
+            for ci in 0..8 {
+                out.push_str(&format!(
+                    "gpu{g}/gi{gi}/ci{ci}/access {}\n",
+                    ci_minor(g, gi, ci)
+                ));
+            }
+        }
+    }
+    out
 }
 
 /// The fake NVML that cargo built for this test run (a dev-dependency of this crate).
@@ -76,6 +114,11 @@ impl Node {
             tree.file(&format!("dev/nvidia{i}"), "").unwrap();
         }
         tree.file("dev/nvidia-uvm", "").unwrap();
+        tree.file(
+            "proc/driver/nvidia-caps/mig-minors",
+            &mig_minors(topology.gpus.len() as u32),
+        )
+        .unwrap();
         let lib_dir = tmp.path().join("driver/usr/lib/x86_64-linux-gnu");
         std::fs::create_dir_all(&lib_dir).unwrap();
         std::fs::write(lib_dir.join("fake-nvml.yaml"), text).unwrap();
@@ -116,12 +159,21 @@ impl Node {
         self.topology.gpus[i].uuid.clone()
     }
 
+    /// Settings of a `mixed` resource for one profile (`None`: the GPUs not in MIG mode).
+    fn mixed(&self, profile: Option<&str>) -> NvidiaSettings {
+        let mut s = self.settings();
+        s.mig_strategy = MigStrategy::Mixed;
+        s.mig_profile = profile.map(str::to_owned);
+        s
+    }
+
     fn settings(&self) -> NvidiaSettings {
         let mut s = NvidiaSettings {
             driver_roots: vec![self._tmp.path().join("driver")],
             sys_root: self.tree.sys_root(),
             dev_root: self.tree.dev_root(),
             cdi_dir: self.tree.path("cdi"),
+            proc_root: self.tree.path("proc"),
             ..Default::default()
         };
         s.health.check_interval_ms = 20;
@@ -667,4 +719,275 @@ async fn the_cdi_spec_follows_control_nodes_made_after_discovery() {
         assert!(start.elapsed() < WAIT, "the spec kept nvidia-uvm-tools");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// The MIG UUIDs of GPU `gpu` in the topology file's initial layout.
+fn migs(node: &Node, gpu: usize) -> Vec<String> {
+    node.topology.gpus[gpu]
+        .mig_devices
+        .iter()
+        .map(|m| m.uuid.clone())
+        .collect()
+}
+
+fn ids(kubelet: &Kubelet, resource: &str) -> BTreeSet<String> {
+    kubelet.read(|n| {
+        n.resource(resource)
+            .map(|r| r.devices().keys().cloned().collect())
+            .unwrap_or_default()
+    })
+}
+
+#[tokio::test]
+async fn mig_mixed_serves_one_resource_per_profile_with_caps_nodes_env_and_cdi() {
+    let node = Node::new("a100-mig", true);
+    let mut big = node.mixed(Some("3g.20gb"));
+    big.device_list_strategy = vec![
+        ListStrategy::Envvar,
+        ListStrategy::CdiCri,
+        ListStrategy::DeviceSpecs,
+    ];
+    let (kubelet, _host, backends) = serve(
+        &node,
+        vec![
+            ("nvidia.com/mig-1g.5gb", node.mixed(Some("1g.5gb"))),
+            ("nvidia.com/mig-3g.20gb", big),
+            ("nvidia.com/gpu", node.mixed(None)),
+        ],
+    )
+    .await;
+    // GPU 0: 2x 1g.5gb, GPU 1: 4x; 3g.20gb: one on each; the whole GPUs: GPU 2 (MIG off).
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 6).await;
+    counts(&kubelet, "nvidia.com/mig-3g.20gb", 2, 2).await;
+    counts(&kubelet, "nvidia.com/gpu", 1, 1).await;
+    let (g0, g1) = (migs(&node, 0), migs(&node, 1));
+    let small: BTreeSet<String> = [&g0[2], &g0[3], &g1[1], &g1[2], &g1[3], &g1[4]]
+        .into_iter()
+        .cloned()
+        .collect();
+    assert_eq!(ids(&kubelet, "nvidia.com/mig-1g.5gb"), small);
+    assert_eq!(
+        ids(&kubelet, "nvidia.com/mig-3g.20gb"),
+        BTreeSet::from([g0[0].clone(), g1[0].clone()])
+    );
+    assert_eq!(
+        ids(&kubelet, "nvidia.com/gpu"),
+        BTreeSet::from([node.uuid(2)])
+    );
+    assert!(backends.iter().all(|b| b.not_ready().is_none()));
+    // NUMA from the parent GPU.
+    kubelet.read(|n| {
+        let devices = n.resource("nvidia.com/mig-3g.20gb").unwrap().devices();
+        assert_eq!(devices[&g1[0]].numa_nodes, [0]);
+        assert_eq!(
+            n.resource("nvidia.com/gpu").unwrap().devices()[&node.uuid(2)].numa_nodes,
+            [1]
+        );
+    });
+
+    // Allocate a 3g.20gb: its MIG UUID in the env, CDI name by MIG UUID, and the nodes: the
+    // control nodes, the parent's node, the GI and CI access caps nodes.
+    let got = kubelet
+        .allocate("p", "c", "nvidia.com/mig-3g.20gb", 1)
+        .await
+        .unwrap();
+    let uuid = got.device_ids[0].clone();
+    let (parent, mig) = node
+        .topology
+        .gpus
+        .iter()
+        .enumerate()
+        .find_map(|(i, g)| {
+            g.mig_devices
+                .iter()
+                .find(|m| m.uuid == uuid)
+                .map(|m| (i as u32, m))
+        })
+        .unwrap();
+    let (gi, ci) = (mig.gi, mig.ci);
+    assert_eq!(got.env("NVIDIA_VISIBLE_DEVICES"), Some(uuid.as_str()));
+    let cdi: Vec<&str> = got
+        .response
+        .cdi_devices
+        .iter()
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(cdi, [format!("nvidia.com/gpu={uuid}")]);
+    let nodes: Vec<(String, String)> = got
+        .response
+        .devices
+        .iter()
+        .map(|d| (d.container_path.clone(), d.host_path.clone()))
+        .collect();
+    let gi_node = format!("/dev/nvidia-caps/nvidia-cap{}", gi_minor(parent, gi));
+    let ci_node = format!("/dev/nvidia-caps/nvidia-cap{}", ci_minor(parent, gi, ci));
+    let paths: Vec<&str> = nodes.iter().map(|n| n.0.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            &format!("/dev/nvidia{parent}"),
+            &gi_node,
+            &ci_node
+        ]
+    );
+    assert_eq!(
+        nodes[4].1,
+        node.tree
+            .dev_root()
+            .join(&ci_node["/dev/".len()..])
+            .display()
+            .to_string()
+    );
+
+    // The CDI spec: one device per MIG device, named by its UUID, with its nodes.
+    let spec =
+        std::fs::read_to_string(node.tree.path("cdi/devplug-nvidia.com_mig-3g.20gb.json")).unwrap();
+    let spec: serde_json::Value = serde_json::from_str(&spec).unwrap();
+    let devices = spec["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2);
+    let mine = devices.iter().find(|d| d["name"] == uuid.as_str()).unwrap();
+    let spec_nodes: Vec<&str> = mine["containerEdits"]["deviceNodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        spec_nodes,
+        [format!("/dev/nvidia{parent}"), gi_node, ci_node]
+    );
+
+    // Two 1g.5gb of one GPU: its node once, each device's caps nodes.
+    let two = kubelet
+        .allocate("q", "c", "nvidia.com/mig-1g.5gb", 2)
+        .await
+        .unwrap();
+    let env = two.env("NVIDIA_VISIBLE_DEVICES").unwrap();
+    assert_eq!(env.split(',').count(), 2);
+    assert!(env
+        .split(',')
+        .all(|u| u.starts_with("MIG-") && small.contains(u)));
+    // The whole GPU with MIG off.
+    let whole = kubelet
+        .allocate("r", "c", "nvidia.com/gpu", 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        whole.env("NVIDIA_VISIBLE_DEVICES"),
+        Some(node.uuid(2).as_str())
+    );
+}
+
+#[tokio::test]
+async fn mig_single_needs_every_gpu_in_mig_mode_with_one_profile_and_follows_changes() {
+    let node = Node::new("a100-mig", true);
+    let mut single = node.settings();
+    single.mig_strategy = MigStrategy::Single;
+    let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", single)]).await;
+    // GPU 2 has MIG off while 0 and 1 have it on: nothing served, not ready, with the reason.
+    let why = not_ready(&backends[0], "not in MIG mode").await;
+    assert!(why.contains("GPU 2"), "{why}");
+    counts(&kubelet, "nvidia.com/gpu", 0, 0).await;
+    // MIG on GPU 2 too (NVML's MIG change event): still three profiles.
+    node.inject("mig 2 all-1g");
+    let why = not_ready(&backends[0], "needs one MIG profile").await;
+    assert!(why.contains("1g.5gb, 2g.10gb, 3g.20gb"), "{why}");
+    // One profile everywhere: 21 MIG devices, ready.
+    node.inject("mig 0 all-1g");
+    node.inject("mig 1 all-1g");
+    counts(&kubelet, "nvidia.com/gpu", 21, 21).await;
+    assert_eq!(backends[0].not_ready(), None);
+    assert!(ids(&kubelet, "nvidia.com/gpu")
+        .iter()
+        .all(|id| id.starts_with("MIG-")));
+    let got = kubelet
+        .allocate("p", "c", "nvidia.com/gpu", 1)
+        .await
+        .unwrap();
+    assert!(got
+        .env("NVIDIA_VISIBLE_DEVICES")
+        .unwrap()
+        .starts_with("MIG-"));
+}
+
+#[tokio::test]
+async fn an_xid_on_a_parent_gpu_makes_its_mig_devices_unhealthy_until_it_recovers() {
+    let node = Node::new("a100-mig", true);
+    let (kubelet, _host, backends) = serve(
+        &node,
+        vec![
+            ("nvidia.com/mig-1g.5gb", node.mixed(Some("1g.5gb"))),
+            ("nvidia.com/mig-3g.20gb", node.mixed(Some("3g.20gb"))),
+        ],
+    )
+    .await;
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 6).await;
+    counts(&kubelet, "nvidia.com/mig-3g.20gb", 2, 2).await;
+    // A fatal XID on GPU 1: its four 1g.5gb and its 3g.20gb go; GPU 0's stay.
+    node.inject("xid 1 79 1");
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 2).await;
+    counts(&kubelet, "nvidia.com/mig-3g.20gb", 2, 1).await;
+    let g1 = migs(&node, 1);
+    assert_eq!(
+        reason(&backends[0], &g1[3]),
+        "Unhealthy (xid 79: GPU has fallen off the bus (recovery action GPU_RESET))"
+    );
+    assert_eq!(reason(&backends[0], &migs(&node, 0)[2]), "Healthy");
+    // The reset is done (recovery action NONE): all back.
+    node.inject("action 1 0");
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 6).await;
+    counts(&kubelet, "nvidia.com/mig-3g.20gb", 2, 2).await;
+}
+
+#[tokio::test]
+async fn a_mig_change_rediscovers_without_touching_the_other_resources_streams() {
+    let node = Node::new("a100-mig", true);
+    // Health off on one entry: MIG changes are still watched there.
+    let mut unwatched = node.mixed(Some("1g.5gb"));
+    unwatched.health.enabled = false;
+    let (kubelet, _host, _backends) = serve(
+        &node,
+        vec![
+            ("nvidia.com/mig-1g.5gb", unwatched),
+            ("nvidia.com/mig-3g.20gb", node.mixed(Some("3g.20gb"))),
+            ("nvidia.com/gpu", node.mixed(None)),
+        ],
+    )
+    .await;
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 6).await;
+    counts(&kubelet, "nvidia.com/mig-3g.20gb", 2, 2).await;
+    counts(&kubelet, "nvidia.com/gpu", 1, 1).await;
+    let before = kubelet.read(|n| {
+        let r = n.resource("nvidia.com/mig-3g.20gb").unwrap();
+        (r.updates(), r.connections())
+    });
+    // GPU 2 goes into MIG mode with 7x 1g.5gb: the 1g.5gb resource gains 7, the whole-GPU
+    // resource loses GPU 2, and the 3g.20gb resource is not touched.
+    node.inject("mig 2 all-1g");
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 13, 13).await;
+    counts(&kubelet, "nvidia.com/gpu", 0, 0).await;
+    // Give the 3g.20gb resource's own rediscovery time to (wrongly) send something.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after = kubelet.read(|n| {
+        let r = n.resource("nvidia.com/mig-3g.20gb").unwrap();
+        (r.updates(), r.connections(), r.capacity(), r.is_connected())
+    });
+    assert_eq!((after.0, after.1), before, "the 3g.20gb stream was touched");
+    assert_eq!((after.2, after.3), (2, true));
+    // The new devices are in the CDI spec and can be allocated.
+    let spec =
+        std::fs::read_to_string(node.tree.path("cdi/devplug-nvidia.com_mig-1g.5gb.json")).unwrap();
+    let spec: serde_json::Value = serde_json::from_str(&spec).unwrap();
+    assert_eq!(spec["devices"].as_array().unwrap().len(), 13);
+    let new: Vec<String> = ids(&kubelet, "nvidia.com/mig-1g.5gb")
+        .into_iter()
+        .filter(|id| id.contains("-00000000210"))
+        .collect();
+    assert_eq!(new.len(), 7, "{new:?}");
+    // And back: MIG off on GPU 2 gives it back to the whole-GPU resource.
+    node.inject("mig 2 off");
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 6).await;
+    counts(&kubelet, "nvidia.com/gpu", 1, 1).await;
 }

@@ -384,6 +384,7 @@ mod tests {
     use super::*;
     use devplug::health::HealthGate;
     use devplug::{Device, DeviceList, Health};
+    use devplug_backends::nvidia::MigStrategy;
     use std::time::{Duration, Instant};
 
     fn parse(text: &str) -> Result<Config, String> {
@@ -464,6 +465,10 @@ mod tests {
       health: { ignored_xids: [13, 43], check_interval_ms: 500 }
   - name: nvidia.com/h100
     nvidia: { models: [\"*H100*\"], library: /run/nvidia/driver/usr/lib64/libnvidia-ml.so.1 }
+  - name: nvidia.com/mig-1g.10gb
+    nvidia: { mig_strategy: mixed, mig_profile: 1g.10gb, proc_root: /host/proc }
+  - name: nvidia.com/mig-gpu
+    nvidia: { mig_strategy: single }
 ",
         )
         .unwrap();
@@ -479,7 +484,15 @@ mod tests {
         assert!(!gpu.sends(devplug_backends::nvidia::ListStrategy::Envvar));
         let h100 = config.resources[1].nvidia.as_ref().unwrap();
         assert_eq!(h100.models, ["*H100*"]);
-        assert_eq!(h100.mig_strategy, "none");
+        assert_eq!(h100.mig_strategy, MigStrategy::None);
+        assert_eq!(h100.mig_profile, None);
+        assert_eq!(h100.proc_root, std::path::Path::new("/proc"));
+        let mig = config.resources[2].nvidia.as_ref().unwrap();
+        assert_eq!(mig.mig_strategy, MigStrategy::Mixed);
+        assert_eq!(mig.mig_profile.as_deref(), Some("1g.10gb"));
+        assert_eq!(mig.proc_root, std::path::Path::new("/host/proc"));
+        let single = config.resources[3].nvidia.as_ref().unwrap();
+        assert_eq!(single.mig_strategy, MigStrategy::Single);
         assert_eq!(
             h100.health.ignored_xids,
             devplug_backends::nvidia::DEFAULT_IGNORED_XIDS
@@ -550,7 +563,10 @@ resources:
             ("resources:\n  - name: amd.com/gpu\n    amdgpu: { partition_type: CPX }\n", "resources[0] (amd.com/gpu): amdgpu.partition_type: \"CPX\" must be"),
             ("resources:\n  - name: gpu.intel.com/i915\n    intel_gpu: { count: 0 }\n", "resources[0] (gpu.intel.com/i915): intel_gpu.count: must be between 1 and 1000"),
             ("resources:\n  - name: gpu.intel.com/xe\n    intel_gpu: { driver: nvidia }\n", "driver"),
-            ("resources:\n  - name: nvidia.com/mig-1g.10gb\n    nvidia: { mig_strategy: mixed }\n", "resources[0] (nvidia.com/mig-1g.10gb): nvidia.mig_strategy: \"mixed\" is not implemented"),
+            ("resources:\n  - name: nvidia.com/mig-1g.10gb\n    nvidia: { mig_strategy: single, mig_profile: 1g.10gb }\n", "resources[0] (nvidia.com/mig-1g.10gb): nvidia.mig_profile: is only for mig_strategy: mixed"),
+            ("resources:\n  - name: nvidia.com/mig-1g.10gb\n    nvidia: { mig_strategy: mixed, mig_profile: mig-1g.10gb }\n", "resources[0] (nvidia.com/mig-1g.10gb): nvidia.mig_profile: \"mig-1g.10gb\" is not a MIG profile name"),
+            ("resources:\n  - name: nvidia.com/gpu\n    nvidia: { mig_strategy: auto }\n", "mig_strategy"),
+            ("resources:\n  - name: nvidia.com/gpu\n    nvidia: { proc_root: proc }\n", "resources[0] (nvidia.com/gpu): nvidia.proc_root: proc must be an absolute path"),
             ("resources:\n  - name: nvidia.com/gpu\n    nvidia: { device_list_strategy: [volume-mounts] }\n", "volume-mounts"),
             ("resources:\n  - name: nvidia.com/gpu\n    nvidia: { replica_overrides: [ { gpus: [], replicas: 2 } ] }\n", "nvidia.replica_overrides[0].gpus: is empty"),
         ];

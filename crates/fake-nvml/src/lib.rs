@@ -29,16 +29,24 @@
 //! | `found <gpu>` | the GPU answers again |
 //! | `events broken` | event waits and registrations fail with `UNKNOWN` (a sick driver) |
 //! | `events ok` | they work again |
+//! | `mig <gpu> <layout>` | MIG on with the devices of `mig_layouts.<layout>`; sends `nvmlEventMigConfigChange` (0x100) |
+//! | `mig <gpu> off` | MIG off; sends the same event |
+//!
+//! **MIG.** A GPU with `mig: true` is in MIG mode with `mig_devices` (UUID, GPU- and
+//! compute-instance ids, slice counts, memory). Their handles answer UUID, name, memory,
+//! attributes (slices and memory, for the profile name), the is-MIG query, the parent handle and
+//! the GI/CI ids; `nvmlDeviceGetMaxMigDeviceCount` is 7 and empty slots answer `NOT_FOUND`.
+//! `mig: false` is MIG-capable but off; without `mig` the GPU answers `NOT_SUPPORTED`.
 //!
 //! `<gpu>` is an index or a UUID. Events reach only the event sets that registered the GPU for
 //! that event type, as in NVML.
 
 use nvml_wrapper_sys::bindings::{
-    nvmlDevice_t, nvmlEnableState_t, nvmlEventData_t, nvmlEventSet_t, nvmlFieldValue_t,
-    nvmlGpuTopologyLevel_t, nvmlMemory_v2_t, nvmlPciInfo_t, nvmlReturn_t,
+    nvmlDeviceAttributes_t, nvmlDevice_t, nvmlEnableState_t, nvmlEventData_t, nvmlEventSet_t,
+    nvmlFieldValue_t, nvmlGpuTopologyLevel_t, nvmlMemory_v2_t, nvmlPciInfo_t, nvmlReturn_t,
 };
 use serde::Deserialize;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, CStr};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
@@ -48,6 +56,7 @@ const SUCCESS: nvmlReturn_t = 0;
 const UNINITIALIZED: nvmlReturn_t = 1;
 const INVALID_ARGUMENT: nvmlReturn_t = 2;
 const NOT_SUPPORTED: nvmlReturn_t = 3;
+const NOT_FOUND: nvmlReturn_t = 6;
 const INSUFFICIENT_SIZE: nvmlReturn_t = 7;
 const DRIVER_NOT_LOADED: nvmlReturn_t = 9;
 const TIMEOUT: nvmlReturn_t = 10;
@@ -64,6 +73,10 @@ const EVENT_SBE: u64 = 0x1;
 const EVENT_DBE: u64 = 0x2;
 /// `nvmlEventTypeXidCriticalError`.
 const EVENT_XID: u64 = 0x8;
+/// `nvmlEventMigConfigChange`.
+const EVENT_MIG: u64 = 0x100;
+/// `nvmlDeviceGetMaxMigDeviceCount` of a MIG-capable GPU (A100, H100).
+const MAX_MIG_DEVICES: u32 = 7;
 /// `nvmlEventTypeGpuRecoveryAction` (driver 565 and later).
 const EVENT_RECOVERY_ACTION: u64 = 0x8000;
 /// How often a waiting caller looks at the control file.
@@ -116,6 +129,35 @@ pub struct GpuConfig {
     /// One entry per NVLink to an NVSwitch: the switch's PCI bus id.
     #[serde(default)]
     pub nvswitch_links: Vec<String>,
+    /// MIG mode: absent = not supported, `false` = off, `true` = on.
+    #[serde(default)]
+    pub mig: Option<bool>,
+    /// The MIG devices while MIG is on.
+    #[serde(default)]
+    pub mig_devices: Vec<MigDeviceConfig>,
+    /// Layouts the control line `mig <gpu> <layout>` switches to.
+    #[serde(default)]
+    pub mig_layouts: BTreeMap<String, Vec<MigDeviceConfig>>,
+}
+
+/// One MIG device.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigDeviceConfig {
+    /// `MIG-…` UUID.
+    pub uuid: String,
+    /// GPU instance id.
+    pub gi: u32,
+    /// Compute instance id.
+    #[serde(default)]
+    pub ci: u32,
+    /// GPU-instance slices (the `<g>` of `<g>g.<m>gb`).
+    pub slices: u32,
+    /// Compute-instance slices; default: all of the GPU instance's.
+    #[serde(default)]
+    pub ci_slices: Option<u32>,
+    /// Memory in MiB.
+    pub memory_mib: u64,
 }
 
 fn default_driver_version() -> String {
@@ -134,6 +176,19 @@ impl Config {
             let links = gpu.nvlinks.len().saturating_add(gpu.nvswitch_links.len());
             if links > MAX_LINKS as usize {
                 return Err(format!("gpus[{i}]: {links} NVLinks, at most {MAX_LINKS}"));
+            }
+            let layouts = std::iter::once(&gpu.mig_devices).chain(gpu.mig_layouts.values());
+            if let Some(layout) = layouts
+                .into_iter()
+                .find(|l| l.len() > MAX_MIG_DEVICES as usize)
+            {
+                return Err(format!(
+                    "gpus[{i}]: {} MIG devices, at most {MAX_MIG_DEVICES}",
+                    layout.len()
+                ));
+            }
+            if gpu.mig != Some(true) && !gpu.mig_devices.is_empty() {
+                return Err(format!("gpus[{i}]: mig_devices without mig: true"));
             }
             if let Some(bad) = gpu
                 .nvlinks
@@ -162,6 +217,10 @@ struct Set {
 
 struct Gpu {
     config: GpuConfig,
+    /// MIG mode now (changed by `mig` control lines).
+    mig_on: bool,
+    /// MIG devices now.
+    migs: Vec<MigDeviceConfig>,
     lost: bool,
     recovery_action: u32,
     /// (set id, event mask) registrations.
@@ -228,6 +287,8 @@ fn load() -> Result<State, String> {
         .iter()
         .map(|g| Gpu {
             config: g.clone(),
+            mig_on: g.mig == Some(true),
+            migs: g.mig_devices.clone(),
             lost: false,
             recovery_action: 0,
             registered: Vec::new(),
@@ -254,6 +315,25 @@ impl State {
             return Err(GPU_IS_LOST);
         }
         Ok(gpu)
+    }
+
+    /// The GPU and MIG device of a MIG handle (`handle(gpu) << 16 | slot + 1`).
+    fn mig(&self, device: nvmlDevice_t) -> Result<(&Gpu, &MigDeviceConfig), nvmlReturn_t> {
+        let raw = device as usize;
+        let (gpu, slot) = (raw >> 16, raw & 0xffff);
+        let gpu = gpu
+            .checked_sub(1)
+            .and_then(|i| self.gpus.get(i))
+            .ok_or(INVALID_ARGUMENT)?;
+        if gpu.lost {
+            return Err(GPU_IS_LOST);
+        }
+        let mig = slot
+            .checked_sub(1)
+            .filter(|_| gpu.mig_on)
+            .and_then(|j| gpu.migs.get(j))
+            .ok_or(INVALID_ARGUMENT)?;
+        Ok((gpu, mig))
     }
 
     fn find(&self, which: &str) -> Option<usize> {
@@ -306,6 +386,31 @@ impl State {
         let Some((&verb, args)) = words.split_first() else {
             return Ok(());
         };
+        if verb == "mig" {
+            let gpu = args
+                .first()
+                .and_then(|w| self.find(w))
+                .ok_or("no such GPU")?;
+            let layout = args.get(1).ok_or("mig <gpu> <layout>|off")?;
+            let g = &mut self.gpus[gpu];
+            if g.config.mig.is_none() {
+                return Err("this GPU has no MIG".into());
+            }
+            if *layout == "off" {
+                g.mig_on = false;
+                g.migs.clear();
+            } else {
+                g.migs = g
+                    .config
+                    .mig_layouts
+                    .get(*layout)
+                    .ok_or_else(|| format!("no MIG layout {layout:?}"))?
+                    .clone();
+                g.mig_on = true;
+            }
+            self.send(gpu, EVENT_MIG, 0);
+            return Ok(());
+        }
         if verb == "events" {
             self.events_broken = match args.first() {
                 Some(&"broken") => true,
@@ -548,7 +653,10 @@ pub extern "C" fn nvmlDeviceGetUUID(
     uuid: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
-    with_state(|s| put_str(uuid, length, &s.gpu(device)?.config.uuid))
+    with_state(|s| match s.mig(device) {
+        Ok((_, mig)) => put_str(uuid, length, &mig.uuid),
+        Err(_) => put_str(uuid, length, &s.gpu(device)?.config.uuid),
+    })
 }
 
 /// `nvmlDeviceGetName`.
@@ -558,7 +666,19 @@ pub extern "C" fn nvmlDeviceGetName(
     name: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
-    with_state(|s| put_str(name, length, &s.gpu(device)?.config.name))
+    with_state(|s| match s.mig(device) {
+        Ok((gpu, mig)) => put_str(
+            name,
+            length,
+            &format!(
+                "{} MIG {}g.{}gb",
+                gpu.config.name,
+                mig.slices,
+                mig.memory_mib.div_ceil(1024)
+            ),
+        ),
+        Err(_) => put_str(name, length, &s.gpu(device)?.config.name),
+    })
 }
 
 /// `nvmlDeviceGetMinorNumber`.
@@ -581,7 +701,11 @@ pub extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     memory: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
     with_state(|s| {
-        let total = s.gpu(device)?.config.memory_mib.saturating_mul(1 << 20);
+        let mib = match s.mig(device) {
+            Ok((_, mig)) => mig.memory_mib,
+            Err(_) => s.gpu(device)?.config.memory_mib,
+        };
+        let total = mib.saturating_mul(1 << 20);
         put(
             memory,
             nvmlMemory_v2_t {
@@ -604,16 +728,134 @@ pub extern "C" fn nvmlDeviceGetPciInfo_v3(
     with_state(|s| put(pci, pci_info(&s.gpu(device)?.config.bus_id)))
 }
 
-/// `nvmlDeviceGetMigMode`: no fake GPU supports MIG.
+/// `nvmlDeviceGetMigMode`: from `mig` (and `mig` control lines); `NOT_SUPPORTED` without.
 #[no_mangle]
 pub extern "C" fn nvmlDeviceGetMigMode(
     device: nvmlDevice_t,
-    _current: *mut c_uint,
-    _pending: *mut c_uint,
+    current: *mut c_uint,
+    pending: *mut c_uint,
 ) -> nvmlReturn_t {
     with_state(|s| {
+        let gpu = s.gpu(device)?;
+        if gpu.config.mig.is_none() {
+            return Err(NOT_SUPPORTED);
+        }
+        put(current, c_uint::from(gpu.mig_on))?;
+        put(pending, c_uint::from(gpu.mig_on))
+    })
+}
+
+/// `nvmlDeviceGetMaxMigDeviceCount`.
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetMaxMigDeviceCount(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+) -> nvmlReturn_t {
+    with_state(|s| {
+        let gpu = s.gpu(device)?;
+        if gpu.config.mig.is_none() {
+            return Err(NOT_SUPPORTED);
+        }
+        put(count, MAX_MIG_DEVICES)
+    })
+}
+
+/// `nvmlDeviceGetMigDeviceHandleByIndex`: `NOT_FOUND` for an empty slot.
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
+    device: nvmlDevice_t,
+    index: c_uint,
+    mig: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    with_state(|s| {
+        let gpu = s.gpu(device)?;
+        if gpu.config.mig.is_none() {
+            return Err(NOT_SUPPORTED);
+        }
+        if index >= MAX_MIG_DEVICES {
+            return Err(INVALID_ARGUMENT);
+        }
+        if !gpu.mig_on || index as usize >= gpu.migs.len() {
+            return Err(NOT_FOUND);
+        }
+        let raw = ((device as usize) << 16) | (index as usize).saturating_add(1);
+        put(mig, raw as nvmlDevice_t)
+    })
+}
+
+/// `nvmlDeviceIsMigDeviceHandle`.
+#[no_mangle]
+pub extern "C" fn nvmlDeviceIsMigDeviceHandle(
+    device: nvmlDevice_t,
+    is_mig: *mut c_uint,
+) -> nvmlReturn_t {
+    with_state(|s| {
+        if s.mig(device).is_ok() {
+            return put(is_mig, 1);
+        }
         s.gpu(device)?;
-        Err(NOT_SUPPORTED)
+        put(is_mig, 0)
+    })
+}
+
+/// `nvmlDeviceGetDeviceHandleFromMigDeviceHandle`.
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetDeviceHandleFromMigDeviceHandle(
+    mig: nvmlDevice_t,
+    device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    with_state(|s| {
+        s.mig(mig)?;
+        put(device, ((mig as usize) >> 16) as nvmlDevice_t)
+    })
+}
+
+/// `nvmlDeviceGetGpuInstanceId` (MIG handles only).
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetGpuInstanceId(
+    device: nvmlDevice_t,
+    id: *mut c_uint,
+) -> nvmlReturn_t {
+    with_state(|s| put(id, s.mig(device)?.1.gi))
+}
+
+/// `nvmlDeviceGetComputeInstanceId` (MIG handles only).
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetComputeInstanceId(
+    device: nvmlDevice_t,
+    id: *mut c_uint,
+) -> nvmlReturn_t {
+    with_state(|s| put(id, s.mig(device)?.1.ci))
+}
+
+/// `nvmlDeviceGetAttributes_v2` (MIG handles only): slice counts and memory.
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetAttributes_v2(
+    device: nvmlDevice_t,
+    attributes: *mut nvmlDeviceAttributes_t,
+) -> nvmlReturn_t {
+    with_state(|s| {
+        let (_, mig) = match s.mig(device) {
+            Ok(found) => found,
+            Err(_) => {
+                s.gpu(device)?;
+                return Err(NOT_SUPPORTED);
+            }
+        };
+        put(
+            attributes,
+            nvmlDeviceAttributes_t {
+                multiprocessorCount: mig.slices.saturating_mul(14),
+                sharedCopyEngineCount: mig.slices,
+                sharedDecoderCount: 0,
+                sharedEncoderCount: 0,
+                sharedJpegCount: 0,
+                sharedOfaCount: 0,
+                gpuInstanceSliceCount: mig.slices,
+                computeInstanceSliceCount: mig.ci_slices.unwrap_or(mig.slices),
+                memorySizeMB: mig.memory_mib,
+            },
+        )
     })
 }
 
@@ -728,8 +970,11 @@ pub extern "C" fn nvmlDeviceGetSupportedEventTypes(
     types: *mut c_ulonglong,
 ) -> nvmlReturn_t {
     with_state(|s| {
-        s.gpu(device)?;
+        let gpu = s.gpu(device)?;
         let mut mask = EVENT_SBE | EVENT_DBE | EVENT_XID;
+        if gpu.config.mig.is_some() {
+            mask |= EVENT_MIG;
+        }
         if s.config.recovery_action {
             mask |= EVENT_RECOVERY_ACTION;
         }
@@ -869,7 +1114,15 @@ mod tests {
             names.push(path.file_name().unwrap().to_string_lossy().into_owned());
         }
         names.sort();
-        assert_eq!(names, ["dgx-h100.yaml", "dgx1-v100.yaml", "pcie-4gpu.yaml"]);
+        assert_eq!(
+            names,
+            [
+                "a100-mig.yaml",
+                "dgx-h100.yaml",
+                "dgx1-v100.yaml",
+                "pcie-4gpu.yaml"
+            ]
+        );
     }
 
     #[test]
@@ -889,5 +1142,26 @@ mod tests {
         assert!(Config::parse(&many).unwrap_err().contains("at most 18"));
         let missing = "gpus:\n  - {uuid: GPU-a, name: x, memory_mib: 1, bus_id: '00000000:01:00.0', nvlinks: [3]}\n";
         assert!(Config::parse(missing).unwrap_err().contains("no GPU 3"));
+    }
+
+    #[test]
+    fn mig_devices_need_mig_on_and_fit_in_seven_slots() {
+        let one = "{uuid: MIG-a, gi: 7, slices: 1, memory_mib: 4864}";
+        let off = format!(
+            "gpus:\n  - {{uuid: GPU-a, name: x, memory_mib: 1, bus_id: '00000000:01:00.0', mig: false, mig_devices: [{one}]}}\n"
+        );
+        assert!(Config::parse(&off)
+            .unwrap_err()
+            .contains("without mig: true"));
+        let eight = format!(
+            "gpus:\n  - {{uuid: GPU-a, name: x, memory_mib: 1, bus_id: '00000000:01:00.0', mig: true, mig_layouts: {{big: [{}]}}}}\n",
+            [one; 8].join(",")
+        );
+        assert!(Config::parse(&eight).unwrap_err().contains("at most 7"));
+        let ok = format!(
+            "gpus:\n  - {{uuid: GPU-a, name: x, memory_mib: 1, bus_id: '00000000:01:00.0', mig: true, mig_devices: [{one}]}}\n"
+        );
+        let config = Config::parse(&ok).unwrap();
+        assert_eq!(config.gpus[0].mig_devices[0].ci_slices, None);
     }
 }

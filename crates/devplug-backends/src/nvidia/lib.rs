@@ -23,6 +23,44 @@ pub struct GpuInfo {
     pub nvlinks: Vec<String>,
     /// Whether MIG mode is on (then, with `mig_strategy: none`, it is still served whole).
     pub mig_enabled: bool,
+    /// Its MIG devices (empty when MIG is off).
+    pub migs: Vec<MigInfo>,
+}
+
+/// One MIG device of a GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigInfo {
+    /// `MIG-…` UUID: the device id.
+    pub uuid: String,
+    /// Its profile as NVIDIA's plugin names it, e.g. `1g.5gb` or `1c.2g.10gb`.
+    pub profile: String,
+    /// GPU instance id (for the caps nodes).
+    pub gi: u32,
+    /// Compute instance id (for the caps nodes).
+    pub ci: u32,
+    /// Its memory in bytes.
+    pub memory_bytes: u64,
+}
+
+/// The profile name NVIDIA's plugin gives a MIG device (go-nvlib's rule): `<g>g.<m>gb` where
+/// `g` is the GPU-instance slice count, or `<c>c.<g>g.<m>gb` when the compute instance has
+/// fewer slices `c`; `m` is the device's share of the parent's memory, rounded up to eighths,
+/// times the parent's memory in GiB (rounded up), rounded to the nearest GB.
+pub fn mig_profile(gi_slices: u32, ci_slices: u32, memory_mib: u64, parent_bytes: u64) -> String {
+    const MIB: u128 = 1 << 20;
+    const GIB: u128 = 1 << 30;
+    let total = u128::from(parent_bytes.max(1));
+    let bytes = u128::from(memory_mib).saturating_mul(MIB);
+    // ceil(bytes * 8 / total) eighths of the GPU.
+    let eighths = bytes.saturating_mul(8).div_ceil(total);
+    let total_gib = total.div_ceil(GIB);
+    // round(eighths * total_gib / 8)
+    let gb = eighths.saturating_mul(total_gib).saturating_add(4) / 8;
+    if ci_slices != 0 && ci_slices < gi_slices {
+        format!("{ci_slices}c.{gi_slices}g.{gb}gb")
+    } else {
+        format!("{gi_slices}g.{gb}gb")
+    }
 }
 
 /// NVML's PCIe common-ancestor level between two GPUs, best first.
@@ -79,6 +117,11 @@ pub enum RawEvent {
     /// A double-bit ECC error.
     DoubleBitEcc {
         /// The GPU's UUID.
+        uuid: String,
+    },
+    /// The GPU's MIG layout changed (`nvmlEventMigConfigChange`): discover again.
+    MigChanged {
+        /// The (parent) GPU's UUID.
         uuid: String,
     },
     /// Anything else about a GPU, e.g. a change of its recovery action (event 0x8000, which
@@ -151,10 +194,16 @@ pub trait GpuSession {
     fn recovery_action(&mut self, index: u32) -> Result<Option<RecoveryAction>, String>;
     /// True if the GPU at `index` answers with this UUID (a probe a lost GPU fails).
     fn probe(&mut self, index: u32, uuid: &str) -> bool;
-    /// (Re)builds the event set for these GPUs; returns the UUIDs left out of it (no events
+    /// (Re)builds the event set for these GPUs, for health events if `health`, and for MIG
+    /// layout changes if `mig`; returns the UUIDs left out of it (no events
     /// supported, not answering, registration refused) with the reason, so that one bad GPU
     /// never blinds the others. An error means no events at all.
-    fn arm(&mut self, gpus: &[GpuInfo]) -> Result<Vec<(String, String)>, String>;
+    fn arm(
+        &mut self,
+        gpus: &[GpuInfo],
+        health: bool,
+        mig: bool,
+    ) -> Result<Vec<(String, String)>, String>;
     /// Waits up to `timeout` for one event.
     fn wait(&mut self, timeout: Duration) -> Result<RawEvent, WaitError>;
 }
@@ -177,4 +226,22 @@ pub enum SessionEnd {
     Stop,
     /// Start again (re-open NVML), for this reason.
     Reopen(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mig_profile;
+
+    #[test]
+    fn mig_profiles_are_named_as_nvidia_names_them() {
+        let a100_40 = 40_960u64 << 20;
+        assert_eq!(mig_profile(1, 1, 4864, a100_40), "1g.5gb");
+        assert_eq!(mig_profile(2, 2, 9856, a100_40), "2g.10gb");
+        assert_eq!(mig_profile(3, 3, 19_968, a100_40), "3g.20gb");
+        assert_eq!(mig_profile(7, 7, 40_192, a100_40), "7g.40gb");
+        assert_eq!(mig_profile(3, 1, 19_968, a100_40), "1c.3g.20gb");
+        let h100_80 = 81_559u64 << 20;
+        assert_eq!(mig_profile(1, 1, 9984, h100_80), "1g.10gb");
+        assert_eq!(mig_profile(4, 4, 40_192, h100_80), "4g.40gb");
+    }
 }

@@ -7,7 +7,10 @@
 //! - `worker`: the dedicated thread that owns NVML.
 //! - `settings`: the config keys.
 //!
-//! Ids are GPU UUIDs, or `<uuid>::<n>` for time-slicing replicas. `Allocate` sends
+//! - `mig_ids`: the one module with `unsafe`: a MIG device's GPU- and compute-instance ids.
+//!
+//! Ids are GPU UUIDs, MIG device UUIDs (`mig_strategy` `single` or `mixed`), or
+//! `<uuid>::<n>` for time-slicing replicas. `Allocate` sends
 //! `NVIDIA_VISIBLE_DEVICES` (deduplicated UUIDs), CDI names `nvidia.com/gpu=<uuid>` backed by a
 //! spec file written atomically, and/or the device nodes, as configured. Preferred allocation
 //! is the exact search of [`crate::placement`] over NVLink and PCIe scores for whole GPUs, and
@@ -16,16 +19,17 @@
 
 mod health;
 pub mod lib;
+mod mig_ids;
 mod nvml;
 pub mod settings;
 mod view;
 mod worker;
 
 pub use health::xid_description;
-pub use lib::{GpuDriver, GpuInfo, GpuSession, PcieLevel, Snapshot};
+pub use lib::{mig_profile, GpuDriver, GpuInfo, GpuSession, MigInfo, PcieLevel, Snapshot};
 pub use nvml::{sysfs_bus_id, NvmlDriver};
-pub use settings::{ListStrategy, NvidiaSettings, DEFAULT_IGNORED_XIDS};
-pub use view::{CDI_KIND, NVLINK_SCORE};
+pub use settings::{ListStrategy, MigStrategy, NvidiaSettings, DEFAULT_IGNORED_XIDS};
+pub use view::{parse_mig_minors, CDI_KIND, MIG_MINORS, NVLINK_SCORE};
 
 use crate::cdi::{qualified_name, CdiWriter};
 use crate::hostdev::SharePolicy;
@@ -222,13 +226,13 @@ impl Backend for NvidiaBackend {
                 .ok_or_else(|| {
                     AllocateError::InvalidRequest(format!("device {id:?} is no longer present"))
                 })?;
-            if seen.insert(gpu.info.uuid.as_str()) {
+            if seen.insert(gpu.uuid()) {
                 gpus.push(gpu);
             }
         }
         let mut edits = ContainerEdits::default();
         if self.settings.sends(ListStrategy::Envvar) {
-            let uuids: Vec<&str> = gpus.iter().map(|g| g.info.uuid.as_str()).collect();
+            let uuids: Vec<&str> = gpus.iter().map(|g| g.uuid()).collect();
             edits
                 .envs
                 .insert(VISIBLE_DEVICES_ENV.into(), uuids.join(","));
@@ -238,10 +242,14 @@ impl Backend for NvidiaBackend {
             for node in View::control_nodes(dev_root) {
                 edits.devices.push(dev_node(dev_root, &node));
             }
+            let mut given = HashSet::new();
             for gpu in &gpus {
-                edits
-                    .devices
-                    .push(dev_node(dev_root, &View::gpu_node(&gpu.info)));
+                // Two MIG devices of one GPU share its node: given once.
+                for node in gpu.nodes() {
+                    if given.insert(node.clone()) {
+                        edits.devices.push(dev_node(dev_root, &node));
+                    }
+                }
             }
         }
         if self.settings.sends(ListStrategy::CdiCri)
@@ -249,7 +257,7 @@ impl Backend for NvidiaBackend {
         {
             edits.cdi_devices = gpus
                 .iter()
-                .map(|g| qualified_name(CDI_KIND, &g.info.uuid))
+                .map(|g| qualified_name(CDI_KIND, g.uuid()))
                 .collect();
         }
         Ok(edits)

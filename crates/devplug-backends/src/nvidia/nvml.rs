@@ -7,16 +7,17 @@
 //! so a failed registration rebuilds the whole set.
 
 use super::lib::{
-    GpuDriver, GpuInfo, GpuSession, PcieLevel, RawEvent, RecoveryAction, SessionEnd, Snapshot,
-    WaitError,
+    mig_profile, GpuDriver, GpuInfo, GpuSession, MigInfo, PcieLevel, RawEvent, RecoveryAction,
+    SessionEnd, Snapshot, WaitError,
 };
+use super::mig_ids::instance_ids;
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::TopologyLevel;
 use nvml_wrapper::enums::device::SampleValue;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::{Bits, NvmlError};
 use nvml_wrapper::structs::device::FieldId;
-use nvml_wrapper::{EventSet, Nvml};
+use nvml_wrapper::{Device, EventSet, Nvml};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -84,6 +85,53 @@ impl GpuDriver for NvmlDriver {
     }
 }
 
+/// The MIG devices of a GPU in MIG mode. `nvmlDeviceGetMaxMigDeviceCount` is the number of
+/// slots, not of devices: empty slots (NOT_FOUND, INVALID_ARGUMENT) are skipped, as NVIDIA's
+/// plugin does. A device whose UUID, attributes or instance ids cannot be read is left out
+/// with a warning (without its GI/CI ids its caps nodes are unknown, so it cannot be given).
+fn mig_devices(gpu: &Device<'_>, parent: &str, parent_bytes: u64) -> Vec<MigInfo> {
+    let slots = match gpu.mig_device_count() {
+        Ok(n) => n,
+        Err(err) => {
+            tracing::warn!(gpu = %parent, %err, "MIG is on but its device count cannot be read");
+            return Vec::new();
+        }
+    };
+    let mut out = Vec::new();
+    for slot in 0..slots {
+        let mig = match gpu.mig_device_by_index(slot) {
+            Ok(d) => d,
+            Err(NvmlError::NotFound) | Err(NvmlError::InvalidArg) => continue,
+            Err(err) => {
+                tracing::warn!(gpu = %parent, slot, %err, "MIG device left out");
+                continue;
+            }
+        };
+        let read = || -> Result<MigInfo, NvmlError> {
+            let uuid = mig.uuid()?;
+            let attrs = mig.attributes()?;
+            let (gi, ci) = instance_ids(&mig)?;
+            Ok(MigInfo {
+                uuid,
+                profile: mig_profile(
+                    attrs.gpu_instance_slice_count,
+                    attrs.compute_instance_slice_count,
+                    attrs.memory_size_mb,
+                    parent_bytes,
+                ),
+                gi,
+                ci,
+                memory_bytes: attrs.memory_size_mb.saturating_mul(1 << 20),
+            })
+        };
+        match read() {
+            Ok(info) => out.push(info),
+            Err(err) => tracing::warn!(gpu = %parent, slot, %err, "MIG device left out"),
+        }
+    }
+    out
+}
+
 fn describe(err: &NvmlError) -> String {
     match err {
         NvmlError::LibloadingError(e) => format!("library not loadable ({e})"),
@@ -146,6 +194,11 @@ impl GpuSession for NvmlSession<'_> {
                 }
             }
             let mig_enabled = device.mig_mode().is_ok_and(|m| m.current == 1);
+            let migs = if mig_enabled {
+                mig_devices(&device, &uuid, memory_bytes)
+            } else {
+                Vec::new()
+            };
             gpus.push(GpuInfo {
                 index,
                 uuid,
@@ -155,6 +208,7 @@ impl GpuSession for NvmlSession<'_> {
                 bus_id,
                 nvlinks,
                 mig_enabled,
+                migs,
             });
             devices.push(device);
         }
@@ -211,11 +265,22 @@ impl GpuSession for NvmlSession<'_> {
             .is_ok_and(|u| u == uuid)
     }
 
-    fn arm(&mut self, gpus: &[GpuInfo]) -> Result<Vec<(String, String)>, String> {
+    fn arm(
+        &mut self,
+        gpus: &[GpuInfo],
+        health: bool,
+        mig: bool,
+    ) -> Result<Vec<(String, String)>, String> {
         self.set = None;
-        let wanted = EventTypes::CRITICAL_XID_ERROR.bits()
-            | EventTypes::DOUBLE_BIT_ECC_ERROR.bits()
-            | EVENT_RECOVERY_ACTION;
+        let mut wanted = 0;
+        if health {
+            wanted |= EventTypes::CRITICAL_XID_ERROR.bits()
+                | EventTypes::DOUBLE_BIT_ECC_ERROR.bits()
+                | EVENT_RECOVERY_ACTION;
+        }
+        if mig {
+            wanted |= EventTypes::MIG_CONFIG_CHANGE.bits();
+        }
         // A GPU that cannot be asked (lost, or no events) is left out, so that one bad GPU
         // never blinds the others. register_events frees the set on any error, so a GPU whose
         // registration fails is left out and the set is built again without it.
@@ -242,7 +307,10 @@ impl GpuSession for NvmlSession<'_> {
             };
             let mask = supported & wanted;
             if mask == 0 {
-                unmonitored.push((gpu.uuid.clone(), "NVML has no health events for it".into()));
+                unmonitored.push((
+                    gpu.uuid.clone(),
+                    "NVML has none of the wanted events for it".into(),
+                ));
                 continue;
             }
             masks.push((gpu, mask));
@@ -288,7 +356,9 @@ impl GpuSession for NvmlSession<'_> {
                 let Ok(uuid) = event.device.uuid() else {
                     return Err(WaitError::GpuLost);
                 };
-                if event.event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
+                if event.event_type.contains(EventTypes::MIG_CONFIG_CHANGE) {
+                    Ok(RawEvent::MigChanged { uuid })
+                } else if event.event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
                     let xid = match event.event_data {
                         Some(XidError::Value(v)) => v,
                         _ => 999,

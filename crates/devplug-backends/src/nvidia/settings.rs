@@ -40,10 +40,19 @@ pub struct NvidiaSettings {
     /// Leave out GPUs whose product name matches one of these globs.
     #[serde(default)]
     pub exclude_models: Vec<String>,
-    /// MIG: only `none` (MIG GPUs are served whole, as NVIDIA's `none`). `single` and
-    /// `mixed` are refused: not implemented yet.
-    #[serde(default = "default_mig")]
-    pub mig_strategy: String,
+    /// MIG, as NVIDIA's `--mig-strategy`: `none` (default; GPUs in MIG mode are served whole),
+    /// `single` (every served GPU is in MIG mode with one profile; its MIG devices are the
+    /// devices) or `mixed` (with `mig_profile`: the MIG devices of that profile; without: only
+    /// the GPUs not in MIG mode).
+    #[serde(default)]
+    pub mig_strategy: MigStrategy,
+    /// With `mig_strategy: mixed`: the MIG profile this resource serves, e.g. `1g.10gb`
+    /// (NVIDIA names the resource `nvidia.com/mig-1g.10gb`). Not allowed with other strategies.
+    #[serde(default)]
+    pub mig_profile: Option<String>,
+    /// The host's /proc, for `driver/nvidia-caps/mig-minors` (for tests: a fake tree).
+    #[serde(default = "default_proc_root")]
+    pub proc_root: PathBuf,
     /// What `Allocate` sends, any of `envvar` (`NVIDIA_VISIBLE_DEVICES=<uuids>`), `cdi-cri`
     /// (CDI names `nvidia.com/gpu=<uuid>` plus the spec file), `device-specs` (the device
     /// nodes). Default `[envvar, cdi-cri]`.
@@ -79,6 +88,21 @@ pub struct NvidiaSettings {
     /// comes after 500 ms, then doubling).
     #[serde(default = "default_retry_max_ms")]
     pub retry_max_ms: u64,
+}
+
+/// How GPUs in MIG mode are served (NVIDIA's `--mig-strategy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MigStrategy {
+    /// MIG is ignored: a GPU in MIG mode is served whole, by its UUID.
+    #[default]
+    None,
+    /// Every served GPU is in MIG mode with MIG devices of one profile, and those are the
+    /// devices (if no served GPU is in MIG mode, the GPUs are served whole, as NVIDIA does).
+    Single,
+    /// One resource per MIG profile (`mig_profile`); an entry without `mig_profile` serves
+    /// the GPUs that are not in MIG mode.
+    Mixed,
 }
 
 /// One per-GPU replica count.
@@ -138,7 +162,9 @@ impl Default for NvidiaSettings {
             driver_roots: default_driver_roots(),
             models: Vec::new(),
             exclude_models: Vec::new(),
-            mig_strategy: default_mig(),
+            mig_strategy: MigStrategy::None,
+            mig_profile: None,
+            proc_root: default_proc_root(),
             device_list_strategy: default_strategies(),
             cdi_dir: default_cdi_dir(),
             replicas: 1,
@@ -157,8 +183,8 @@ fn default_driver_roots() -> Vec<PathBuf> {
     DEFAULT_DRIVER_ROOTS.iter().map(PathBuf::from).collect()
 }
 
-fn default_mig() -> String {
-    "none".to_owned()
+fn default_proc_root() -> PathBuf {
+    PathBuf::from("/proc")
 }
 
 fn default_strategies() -> Vec<ListStrategy> {
@@ -205,6 +231,28 @@ fn check_globs(field: &str, globs: &[String]) -> Result<(), SettingsError> {
     Ok(())
 }
 
+/// `[<c>c.]<g>g.<m>gb` with an optional `+<suffix>` (e.g. `1g.10gb+me`), as NVIDIA prints
+/// profiles.
+fn valid_profile(p: &str) -> bool {
+    let base = p.split_once('+').map_or(p, |(b, ext)| {
+        if ext.is_empty() || !ext.chars().all(|c| c.is_ascii_alphanumeric()) {
+            ""
+        } else {
+            b
+        }
+    });
+    let parts: Vec<&str> = base.split('.').collect();
+    let num = |s: &str, unit: &str| {
+        s.strip_suffix(unit)
+            .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+    };
+    match parts.as_slice() {
+        [g, m] => num(g, "g") && num(m, "gb"),
+        [c, g, m] => num(c, "c") && num(g, "g") && num(m, "gb"),
+        _ => false,
+    }
+}
+
 impl NvidiaSettings {
     /// Checks every field.
     pub fn validate(&self) -> Result<(), SettingsError> {
@@ -216,23 +264,21 @@ impl NvidiaSettings {
         }
         check_globs("models", &self.models)?;
         check_globs("exclude_models", &self.exclude_models)?;
-        match self.mig_strategy.as_str() {
-            "none" => {}
-            "single" | "mixed" => {
+        if let Some(profile) = &self.mig_profile {
+            if self.mig_strategy != MigStrategy::Mixed {
                 return Err(SettingsError::new(
-                    "mig_strategy",
-                    format!(
-                        "{:?} is not implemented in devplug yet; use none (GPUs in MIG mode are \
-                         then served whole, as NVIDIA's none does)",
-                        self.mig_strategy
-                    ),
-                ))
+                    "mig_profile",
+                    "is only for mig_strategy: mixed (one resource entry per profile)",
+                ));
             }
-            other => {
+            if !valid_profile(profile) {
                 return Err(SettingsError::new(
-                    "mig_strategy",
-                    format!("{other:?} must be none"),
-                ))
+                    "mig_profile",
+                    format!(
+                        "{profile:?} is not a MIG profile name such as 1g.10gb, 3g.40gb or \
+                         1c.3g.40gb"
+                    ),
+                ));
             }
         }
         if self.device_list_strategy.is_empty() {
@@ -263,6 +309,7 @@ impl NvidiaSettings {
             return Err(SettingsError::new("retry_max_ms", "must be at least 100"));
         }
         check_absolute("dev_root", &self.dev_root)?;
+        check_absolute("proc_root", &self.proc_root)?;
         check_absolute("sys_root", &self.sys_root)
     }
 
@@ -301,15 +348,39 @@ mod tests {
     use super::*;
 
     #[test]
-    fn mig_single_and_mixed_are_refused_clearly() {
-        let s = NvidiaSettings {
-            mig_strategy: "mixed".into(),
+    fn mig_profile_only_with_mixed_and_well_formed() {
+        let with = |strategy, profile: Option<&str>| NvidiaSettings {
+            mig_strategy: strategy,
+            mig_profile: profile.map(str::to_owned),
             ..Default::default()
         };
-        let err = s.validate().unwrap_err();
-        assert_eq!(err.field, "mig_strategy");
-        assert!(err.problem.contains("not implemented"), "{err}");
         assert!(NvidiaSettings::default().validate().is_ok());
+        for ok in ["1g.10gb", "1c.3g.40gb", "1g.10gb+me", "7g.80gb"] {
+            assert!(
+                with(MigStrategy::Mixed, Some(ok)).validate().is_ok(),
+                "{ok}"
+            );
+        }
+        assert!(with(MigStrategy::Mixed, None).validate().is_ok());
+        assert!(with(MigStrategy::Single, None).validate().is_ok());
+        for bad in [
+            "mig-1g.10gb",
+            "1g",
+            "1g.10",
+            "g.10gb",
+            "1g.10gb+",
+            "x.1g.10gb",
+        ] {
+            let err = with(MigStrategy::Mixed, Some(bad)).validate().unwrap_err();
+            assert_eq!(err.field, "mig_profile", "{bad}");
+        }
+        let err = with(MigStrategy::Single, Some("1g.10gb"))
+            .validate()
+            .unwrap_err();
+        assert!(
+            err.problem.contains("only for mig_strategy: mixed"),
+            "{err}"
+        );
     }
 
     #[test]

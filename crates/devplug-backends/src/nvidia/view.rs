@@ -1,15 +1,16 @@
-//! What one resource serves, computed once per discovery: the GPUs it selected (by model), their
-//! NUMA nodes (from sysfs, by PCI address), their replica ids, the CDI spec, and the pair
-//! matrix that preferred allocation searches (NVLink count and PCIe level, scored as
-//! go-gpuallocator scores them).
+//! What one resource serves, computed once per discovery: the GPUs it selected (by model), or
+//! their MIG devices (by `mig_strategy` and `mig_profile`, with their caps nodes from
+//! `mig-minors`), their NUMA nodes (from sysfs, by the GPU's PCI address), their replica ids,
+//! the CDI spec, and the pair matrix that preferred allocation searches (NVLink count and PCIe
+//! level, scored as go-gpuallocator scores them; MIG devices only have NUMA).
 
-use super::lib::{GpuInfo, Snapshot};
-use super::settings::NvidiaSettings;
+use super::lib::{GpuInfo, MigInfo, Snapshot};
+use super::settings::{MigStrategy, NvidiaSettings};
 use crate::cdi::Spec;
 use crate::placement::PairMatrix;
 use crate::sysfs::{dev_node, numa_node};
 use devplug::ContainerEdits;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 /// The CDI kind of NVIDIA GPUs.
@@ -24,15 +25,143 @@ pub const CONTROL_NODES: [&str; 4] = [
 /// Score per NVLink between two GPUs (go-gpuallocator: 100 per link).
 pub const NVLINK_SCORE: u32 = 100;
 
-/// One served GPU.
+/// Where the MIG caps minors are listed, under the proc root.
+pub const MIG_MINORS: &str = "driver/nvidia-caps/mig-minors";
+
+/// One served GPU, or one MIG device of it.
 #[derive(Debug, Clone)]
 pub struct ServedGpu {
-    /// What NVML said.
+    /// What NVML said about the GPU (the parent, for a MIG device): its health, node and
+    /// NUMA node are the MIG device's.
     pub info: GpuInfo,
+    /// The MIG device, if this is one.
+    pub mig: Option<MigInfo>,
+    /// A MIG device's GI and CI access nodes, relative to /dev
+    /// (`nvidia-caps/nvidia-cap<minor>`).
+    pub caps: Vec<PathBuf>,
     /// NUMA node from sysfs.
     pub numa: Option<i64>,
     /// Its device ids: the UUID, or `<uuid>::<n>` for each replica.
     pub ids: Vec<String>,
+}
+
+impl ServedGpu {
+    /// The UUID a container is given: the MIG device's, else the GPU's.
+    pub fn uuid(&self) -> &str {
+        self.mig.as_ref().map_or(&self.info.uuid, |m| &m.uuid)
+    }
+
+    /// Its nodes relative to /dev: the GPU's `nvidia<minor>`, then a MIG device's caps nodes.
+    pub fn nodes(&self) -> Vec<PathBuf> {
+        let mut out = vec![View::gpu_node(&self.info)];
+        out.extend(self.caps.iter().cloned());
+        out
+    }
+}
+
+/// Parses `mig-minors` (`gpu<minor>/gi<g>/access <m>`, `gpu<minor>/gi<g>/ci<c>/access <m>`,
+/// plus `config`/`monitor` lines) into name → minor.
+pub fn parse_mig_minors(text: &str) -> HashMap<String, u32> {
+    text.lines()
+        .filter_map(|line| {
+            let (name, minor) = line.trim().rsplit_once(char::is_whitespace)?;
+            Some((name.trim().to_owned(), minor.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// A MIG device's caps nodes (GI access, CI access), or what is missing.
+fn caps_nodes(
+    minors: &HashMap<String, u32>,
+    gpu: &GpuInfo,
+    mig: &MigInfo,
+) -> Result<Vec<PathBuf>, String> {
+    let gi = format!("gpu{}/gi{}/access", gpu.minor, mig.gi);
+    let ci = format!("gpu{}/gi{}/ci{}/access", gpu.minor, mig.gi, mig.ci);
+    [gi, ci]
+        .iter()
+        .map(|name| {
+            minors
+                .get(name)
+                .map(|m| PathBuf::from(format!("nvidia-caps/nvidia-cap{m}")))
+                .ok_or_else(|| format!("{MIG_MINORS} has no {name}"))
+        })
+        .collect()
+}
+
+/// What a resource serves of one GPU: the GPU itself, or some of its MIG devices.
+struct Unit {
+    /// Position in the snapshot.
+    pos: usize,
+    mig: Option<MigInfo>,
+}
+
+/// The units a resource serves by its MIG strategy, or why it serves none.
+fn units(settings: &NvidiaSettings, snapshot: &Snapshot) -> Result<Vec<Unit>, String> {
+    let chosen: Vec<usize> = (0..snapshot.gpus.len())
+        .filter(|&i| selected(settings, &snapshot.gpus[i]))
+        .collect();
+    let whole = |keep: &dyn Fn(&GpuInfo) -> bool| -> Vec<Unit> {
+        chosen
+            .iter()
+            .filter(|&&p| keep(&snapshot.gpus[p]))
+            .map(|&pos| Unit { pos, mig: None })
+            .collect()
+    };
+    let migs = |keep: &dyn Fn(&MigInfo) -> bool| -> Vec<Unit> {
+        chosen
+            .iter()
+            .flat_map(|&pos| {
+                snapshot.gpus[pos]
+                    .migs
+                    .iter()
+                    .filter(|m| keep(m))
+                    .map(move |m| Unit {
+                        pos,
+                        mig: Some(m.clone()),
+                    })
+            })
+            .collect()
+    };
+    match (settings.mig_strategy, &settings.mig_profile) {
+        (MigStrategy::None, _) => Ok(whole(&|_| true)),
+        (MigStrategy::Mixed, None) => Ok(whole(&|g| !g.mig_enabled)),
+        (MigStrategy::Mixed, Some(profile)) => Ok(migs(&|m| m.profile == *profile)),
+        (MigStrategy::Single, _) => {
+            let on: Vec<&GpuInfo> = chosen
+                .iter()
+                .map(|&p| &snapshot.gpus[p])
+                .filter(|g| g.mig_enabled)
+                .collect();
+            if on.is_empty() {
+                // NVIDIA's single strategy with no GPU in MIG mode serves the GPUs.
+                return Ok(whole(&|_| true));
+            }
+            if let Some(off) = chosen
+                .iter()
+                .map(|&p| &snapshot.gpus[p])
+                .find(|g| !g.mig_enabled)
+            {
+                return Err(format!(
+                    "mig_strategy single: GPU {} ({}) is not in MIG mode while others are; \
+                     enable MIG on it, leave it out (models/exclude_models), or use mixed",
+                    off.index, off.uuid
+                ));
+            }
+            let profiles: BTreeSet<&str> = on
+                .iter()
+                .flat_map(|g| g.migs.iter().map(|m| m.profile.as_str()))
+                .collect();
+            if profiles.len() > 1 {
+                let list: Vec<&str> = profiles.into_iter().collect();
+                return Err(format!(
+                    "mig_strategy single needs one MIG profile, the GPUs have {}; use mixed",
+                    list.join(", ")
+                ));
+            }
+            Ok(migs(&|_| true))
+        }
+    }
 }
 
 /// One resource's view of the node.
@@ -46,6 +175,9 @@ pub struct View {
     pub matrix: PairMatrix,
     /// True if some GPU has more than one replica.
     pub shared: bool,
+    /// Why this resource serves less than it should (a MIG layout its strategy cannot serve,
+    /// `mig-minors` unreadable), if so: the backend reports it as not ready.
+    pub problem: Option<String>,
 }
 
 fn glob_match(globs: &[String], text: &str) -> bool {
@@ -102,31 +234,73 @@ impl View {
     /// The view of `snapshot` for a resource with these settings.
     pub fn build(settings: &NvidiaSettings, snapshot: &Snapshot) -> View {
         let addresses: Vec<&str> = snapshot.gpus.iter().map(|g| g.bus_id.as_str()).collect();
-        let positions: Vec<usize> = (0..snapshot.gpus.len())
-            .filter(|&i| selected(settings, &snapshot.gpus[i]))
-            .collect();
+        let (mut units, mut problem) = match units(settings, snapshot) {
+            Ok(u) => (u, None),
+            Err(e) => (Vec::new(), Some(e)),
+        };
+        let minors = if units.iter().any(|u| u.mig.is_some()) {
+            let path = settings.proc_root.join(MIG_MINORS);
+            match std::fs::read_to_string(&path) {
+                Ok(text) => parse_mig_minors(&text),
+                Err(e) => {
+                    problem = Some(format!(
+                        "cannot read {}: {e}; MIG devices need their caps nodes",
+                        path.display()
+                    ));
+                    units.retain(|u| u.mig.is_none());
+                    HashMap::new()
+                }
+            }
+        } else {
+            HashMap::new()
+        };
+        let mut positions = Vec::new();
         let mut gpus = Vec::new();
         let mut index = HashMap::new();
         let mut shared = false;
-        for &p in &positions {
+        for unit in units {
+            let p = unit.pos;
             let info = snapshot.gpus[p].clone();
+            let caps = match &unit.mig {
+                Some(mig) => match caps_nodes(&minors, &info, mig) {
+                    Ok(caps) => caps,
+                    Err(why) => {
+                        tracing::warn!(mig = %mig.uuid, %why, "MIG device left out: its caps nodes are unknown");
+                        continue;
+                    }
+                },
+                None => Vec::new(),
+            };
+            let uuid = unit.mig.as_ref().map_or(&info.uuid, |m| &m.uuid).clone();
             let device = settings.sys_root.join("bus/pci/devices").join(&info.bus_id);
             let device = std::fs::canonicalize(&device).unwrap_or(device);
             let numa = numa_node(&settings.sys_root, &device);
             let n = replicas_for(settings, &info);
             shared |= n > 1;
             let ids: Vec<String> = if n == 1 {
-                vec![info.uuid.clone()]
+                vec![uuid]
             } else {
-                (0..n).map(|k| format!("{}::{k}", info.uuid)).collect()
+                (0..n).map(|k| format!("{uuid}::{k}")).collect()
             };
             for id in &ids {
                 index.insert(id.clone(), gpus.len());
             }
-            gpus.push(ServedGpu { info, numa, ids });
+            positions.push(p);
+            gpus.push(ServedGpu {
+                info,
+                mig: unit.mig,
+                caps,
+                numa,
+                ids,
+            });
         }
         let numa: Vec<Option<i64>> = gpus.iter().map(|g| g.numa).collect();
+        let any_mig = gpus.iter().any(|g| g.mig.is_some());
         let matrix = PairMatrix::from_fn(numa, |a, b| {
+            if any_mig {
+                // MIG devices share their GPU's links; only NUMA tells them apart.
+                return 0;
+            }
             let (pa, pb) = (positions[a], positions[b]);
             let pcie = snapshot
                 .pcie
@@ -143,6 +317,7 @@ impl View {
             index,
             matrix,
             shared,
+            problem,
         }
     }
 
@@ -160,8 +335,8 @@ impl View {
             .collect()
     }
 
-    /// The CDI spec: one device per GPU (named by UUID) with its node, the control nodes as
-    /// common edits.
+    /// The CDI spec: one device per GPU or MIG device (named by UUID) with its nodes (a MIG
+    /// device: its GPU's node and its caps nodes), the control nodes as common edits.
     pub fn spec(&self, dev_root: &Path) -> Spec {
         let common = ContainerEdits {
             devices: Self::control_nodes(dev_root)
@@ -173,10 +348,10 @@ impl View {
         let mut spec = Spec::new(CDI_KIND).common(&common);
         for gpu in &self.gpus {
             let edits = ContainerEdits {
-                devices: vec![dev_node(dev_root, &Self::gpu_node(&gpu.info))],
+                devices: gpu.nodes().iter().map(|n| dev_node(dev_root, n)).collect(),
                 ..Default::default()
             };
-            spec = spec.device(gpu.info.uuid.clone(), &edits);
+            spec = spec.device(gpu.uuid().to_owned(), &edits);
         }
         spec
     }
@@ -187,6 +362,7 @@ mod tests {
     use super::*;
     use crate::nvidia::lib::PcieLevel;
     use crate::nvidia::settings::ReplicaOverride;
+    use std::path::PathBuf;
 
     fn gpu(index: u32, name: &str, links: &[&str]) -> GpuInfo {
         GpuInfo {
@@ -198,7 +374,79 @@ mod tests {
             bus_id: format!("0000:0{index}:00.0"),
             nvlinks: links.iter().map(|s| s.to_string()).collect(),
             mig_enabled: false,
+            migs: Vec::new(),
         }
+    }
+
+    fn mig(uuid: &str, profile: &str, gi: u32) -> MigInfo {
+        MigInfo {
+            uuid: uuid.into(),
+            profile: profile.into(),
+            gi,
+            ci: 0,
+            memory_bytes: 1,
+        }
+    }
+
+    #[test]
+    fn mig_caps_from_mig_minors_and_what_is_left_out() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut a = gpu(0, "NVIDIA A100-SXM4-40GB", &[]);
+        a.minor = 3;
+        a.mig_enabled = true;
+        a.migs = vec![mig("MIG-a", "1g.5gb", 7), mig("MIG-b", "1g.5gb", 8)];
+        let snapshot = Snapshot {
+            gpus: vec![a, gpu(1, "NVIDIA A100-SXM4-40GB", &[])],
+            pcie: vec![vec![None; 2]; 2],
+        };
+        let settings = NvidiaSettings {
+            mig_strategy: MigStrategy::Mixed,
+            mig_profile: Some("1g.5gb".into()),
+            proc_root: tmp.path().to_owned(),
+            sys_root: tmp.path().to_owned(),
+            ..Default::default()
+        };
+        // No mig-minors: nothing served, and the reason.
+        let view = View::build(&settings, &snapshot);
+        assert!(view.gpus.is_empty());
+        assert!(view.problem.as_deref().unwrap().contains("mig-minors"));
+        // MIG-b's GI has no entry: it is left out; MIG-a gets its GI and CI nodes.
+        let dir = tmp.path().join("driver/nvidia-caps");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("mig-minors"),
+            "config 1\nmonitor 2\ngpu3/gi7/access 66\ngpu3/gi7/ci0/access 67\ngpu3/gi8/ci0/access 77\n",
+        )
+        .unwrap();
+        let view = View::build(&settings, &snapshot);
+        assert_eq!(view.problem, None);
+        assert_eq!(view.gpus.len(), 1);
+        assert_eq!(view.gpus[0].uuid(), "MIG-a");
+        assert_eq!(
+            view.gpus[0].nodes(),
+            [
+                PathBuf::from("nvidia3"),
+                PathBuf::from("nvidia-caps/nvidia-cap66"),
+                PathBuf::from("nvidia-caps/nvidia-cap67")
+            ]
+        );
+        // single: GPU 1 has MIG off while GPU 0 has it on.
+        let single = NvidiaSettings {
+            mig_strategy: MigStrategy::Single,
+            mig_profile: None,
+            ..settings.clone()
+        };
+        let view = View::build(&single, &snapshot);
+        assert!(view.gpus.is_empty());
+        assert!(view.problem.unwrap().contains("GPU 1"));
+        // single with no GPU in MIG mode: the GPUs whole (as NVIDIA does).
+        let plain = Snapshot {
+            gpus: vec![gpu(0, "x", &[]), gpu(1, "x", &[])],
+            pcie: vec![vec![None; 2]; 2],
+        };
+        let view = View::build(&single, &plain);
+        assert_eq!(view.gpus.len(), 2);
+        assert_eq!(view.gpus[1].uuid(), "GPU-1");
     }
 
     #[test]

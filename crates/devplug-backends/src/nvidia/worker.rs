@@ -8,7 +8,7 @@
 
 use super::health::{Change, HealthBook};
 use super::lib::{GpuDriver, GpuSession, RawEvent, SessionEnd, WaitError};
-use super::settings::NvidiaSettings;
+use super::settings::{MigStrategy, NvidiaSettings};
 use super::view::View;
 use crate::cdi::CdiWriter;
 use devplug::{Device, DeviceList, Health};
@@ -163,34 +163,88 @@ pub(crate) fn run(
     }
 }
 
-/// One NVML session: discover, publish, watch health.
-fn monitor(
+/// The MIG layout of a snapshot: per GPU, its MIG mode and MIG device UUIDs.
+type Layout = Vec<(String, bool, Vec<String>)>;
+
+fn layout(snapshot: &super::lib::Snapshot) -> Layout {
+    snapshot
+        .gpus
+        .iter()
+        .map(|g| {
+            let migs = g.migs.iter().map(|m| m.uuid.clone()).collect();
+            (g.uuid.clone(), g.mig_enabled, migs)
+        })
+        .collect()
+}
+
+/// What one discovery found: the installed view, the GPUs to watch, the MIG layout.
+type Found = (Arc<View>, Vec<super::lib::GpuInfo>, Layout);
+
+/// Discovers the GPUs, installs the view (CDI spec first) and says whether it is ready;
+/// returns the view, the GPUs to watch (each once, also when it has several MIG devices) and
+/// the MIG layout it was built from.
+fn discover(
     session: &mut dyn GpuSession,
     settings: &NvidiaSettings,
     shared: &Shared,
-    wake: &Receiver<()>,
-) -> SessionEnd {
-    let snapshot = match session.snapshot() {
-        Ok(s) => s,
-        Err(e) => return SessionEnd::Reopen(format!("GPU discovery failed: {e}")),
-    };
+) -> Result<Found, String> {
+    let snapshot = session
+        .snapshot()
+        .map_err(|e| format!("GPU discovery failed: {e}"))?;
     let view = View::build(settings, &snapshot);
-    for gpu in view.gpus.iter().filter(|g| g.info.mig_enabled) {
-        tracing::warn!(uuid = %gpu.info.uuid, "MIG mode is on; served whole (mig_strategy none)");
+    if settings.mig_strategy == MigStrategy::None {
+        for gpu in view.gpus.iter().filter(|g| g.info.mig_enabled) {
+            tracing::warn!(uuid = %gpu.info.uuid, "MIG mode is on; served whole (mig_strategy none)");
+        }
+    }
+    if let Some(problem) = &view.problem {
+        tracing::error!(%problem, "NVIDIA resource cannot serve its MIG devices");
     }
     tracing::info!(
         gpus = view.gpus.len(),
         devices = view.index.len(),
         "NVIDIA GPUs discovered"
     );
+    let problem = view.problem.clone();
     shared.install(view, settings);
-    shared.set_not_ready(None);
+    shared.set_not_ready(problem);
     let view = shared.view();
+    let mut infos: Vec<super::lib::GpuInfo> = Vec::new();
+    for g in &view.gpus {
+        if !infos.iter().any(|i| i.uuid == g.info.uuid) {
+            infos.push(g.info.clone());
+        }
+    }
+    // With a MIG strategy, every selected GPU is watched, also one that serves nothing now:
+    // a MIG change there can give this resource devices.
+    if settings.mig_strategy != MigStrategy::None {
+        for g in &snapshot.gpus {
+            if super::view::selected(settings, g) && !infos.iter().any(|i| i.uuid == g.uuid) {
+                infos.push(g.clone());
+            }
+        }
+    }
+    Ok((view, infos, layout(&snapshot)))
+}
+
+/// One NVML session: discover, publish, watch health (and MIG changes, discovering again).
+fn monitor(
+    session: &mut dyn GpuSession,
+    settings: &NvidiaSettings,
+    shared: &Shared,
+    wake: &Receiver<()>,
+) -> SessionEnd {
+    let (mut view, mut infos, mut seen_layout) = match discover(session, settings, shared) {
+        Ok(found) => found,
+        Err(e) => return SessionEnd::Reopen(e),
+    };
     let mut book = HealthBook::new(&settings.health.ignored_xids);
-    let infos: Vec<_> = view.gpus.iter().map(|g| g.info.clone()).collect();
     let tick = Duration::from_millis(settings.health.check_interval_ms);
     let retry_max = Duration::from_millis(settings.retry_max_ms);
-    let mut armed = !settings.health.enabled;
+    let watch_mig = settings.mig_strategy != MigStrategy::None;
+    // Events are watched for health, and for MIG layout changes under a MIG strategy.
+    let watching = settings.health.enabled || watch_mig;
+    let mut armed = !watching;
     let mut rearm_backoff = FIRST_RETRY;
     let mut rearm_at = Instant::now();
     let mut last_check = Instant::now();
@@ -202,10 +256,14 @@ fn monitor(
             return SessionEnd::Stop;
         }
         if !armed && Instant::now() >= rearm_at {
-            match session.arm(&infos) {
+            match session.arm(&infos, settings.health.enabled, watch_mig) {
                 Ok(left_out) => {
                     unmonitored.clear();
                     for (uuid, why) in left_out {
+                        if !settings.health.enabled {
+                            tracing::debug!(%uuid, %why, "MIG changes of this GPU are not watched");
+                            continue;
+                        }
                         // Not answering at all: lost, not just unmonitored.
                         if let Some(g) = view.gpus.iter().find(|g| g.info.uuid == uuid) {
                             if !session.probe(g.info.index, &uuid) {
@@ -218,6 +276,22 @@ fn monitor(
                     armed = true;
                     rearm_backoff = FIRST_RETRY;
                     book.set_unknown(None);
+                    // A MIG change between discovery and this registration sent its event to
+                    // no one: look once more now that changes are watched.
+                    if watch_mig && session.snapshot().is_ok_and(|s| layout(&s) != seen_layout) {
+                        tracing::info!("MIG layout changed during discovery; discovering again");
+                        match discover(session, settings, shared) {
+                            Ok(found) => (view, infos, seen_layout) = found,
+                            Err(e) => return SessionEnd::Reopen(e),
+                        }
+                        armed = false;
+                        rearm_at = Instant::now();
+                        continue;
+                    }
+                }
+                Err(e) if !settings.health.enabled => {
+                    tracing::warn!(err = %e, "MIG changes are not watched");
+                    armed = true;
                 }
                 Err(e) => {
                     let reason = format!("health unknown: cannot watch NVML events: {e}");
@@ -234,7 +308,7 @@ fn monitor(
             shared.publish(&view, |u| book.health(u));
             first = false;
         }
-        let result = if armed && settings.health.enabled {
+        let result = if armed && watching {
             session.wait(tick)
         } else {
             let until = if armed {
@@ -249,6 +323,16 @@ fn monitor(
         };
         let mut changed = false;
         match result {
+            Ok(RawEvent::MigChanged { uuid }) => {
+                tracing::info!(%uuid, "MIG layout changed; discovering again");
+                match discover(session, settings, shared) {
+                    Ok(found) => (view, infos, seen_layout) = found,
+                    Err(e) => return SessionEnd::Reopen(e),
+                }
+                // Watch the new layout; published (only if the list changed) once re-armed.
+                armed = false;
+                rearm_at = Instant::now();
+            }
             Ok(event) => changed |= handle(session, &view, &mut book, event),
             Err(WaitError::Timeout) => {}
             Err(WaitError::GpuLost) => {
@@ -320,6 +404,7 @@ fn handle(
             log(&uuid, book.xid(&uuid, xid, action))
         }
         RawEvent::DoubleBitEcc { uuid } => log(&uuid, book.ecc(&uuid)),
+        RawEvent::MigChanged { .. } => false,
         RawEvent::Other { uuid } => {
             let Some(index) = index_of(&uuid) else {
                 return false;
@@ -378,7 +463,12 @@ mod tests {
         fn probe(&mut self, _: u32, _: &str) -> bool {
             true
         }
-        fn arm(&mut self, _: &[GpuInfo]) -> Result<Vec<(String, String)>, String> {
+        fn arm(
+            &mut self,
+            _: &[GpuInfo],
+            _: bool,
+            _: bool,
+        ) -> Result<Vec<(String, String)>, String> {
             Ok(Vec::new())
         }
         fn wait(&mut self, timeout: Duration) -> Result<RawEvent, WaitError> {
@@ -412,6 +502,7 @@ mod tests {
             bus_id: format!("0000:0{index}:00.0"),
             nvlinks: Vec::new(),
             mig_enabled: false,
+            migs: Vec::new(),
         }
     }
 
