@@ -3,7 +3,7 @@
 //! after start, a mixed-partition node), with real inotify.
 #![allow(clippy::unwrap_used)] // a panic in a test is a failed test
 
-use devplug::{Host, ResourceSettings};
+use devplug::{Backend, Host};
 use devplug_backends::fake_sysfs::{pci_dir, scratch_dir, AmdNode, FakeSysfs};
 use devplug_backends::{AmdgpuBackend, AmdgpuSettings};
 use kubelet_sim::Kubelet;
@@ -11,7 +11,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-const WAIT: Duration = Duration::from_secs(10);
+mod support;
+
+use support::WAIT;
 
 fn settings(tree: &FakeSysfs) -> AmdgpuSettings {
     AmdgpuSettings {
@@ -23,22 +25,14 @@ fn settings(tree: &FakeSysfs) -> AmdgpuSettings {
 }
 
 async fn serve(tree: &FakeSysfs, resources: Vec<(&str, AmdgpuSettings)>) -> (Kubelet, Host) {
-    let plugins = tree.path("kubelet/device-plugins");
-    let kubelet = Kubelet::start(&plugins).await.unwrap();
-    let host = Host::new(&plugins).unwrap();
-    for (name, settings) in resources {
-        let backend = Arc::new(AmdgpuBackend::start(&settings).unwrap());
-        host.add_with(
-            name,
-            backend,
-            ResourceSettings {
-                health_hold_down: Duration::ZERO,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-    }
-    (kubelet, host)
+    let backends = resources
+        .into_iter()
+        .map(|(name, settings)| {
+            let backend: Arc<dyn Backend> = Arc::new(AmdgpuBackend::start(&settings).unwrap());
+            (name, backend)
+        })
+        .collect();
+    support::serve(&tree.path("kubelet/device-plugins"), backends).await
 }
 
 /// Waits until the kubelet has `healthy` healthy devices out of `total`.

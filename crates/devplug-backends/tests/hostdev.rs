@@ -2,16 +2,17 @@
 //! folder (no hardware, no root), with real inotify.
 #![allow(clippy::unwrap_used)] // a panic in a test is a failed test
 
-use devplug::{Host, ResourceSettings};
+use devplug::{Backend, Host};
 use devplug_backends::hostdev::{GroupSettings, PciMatch, SharePolicy, UsbMatch};
 use devplug_backends::{HostdevBackend, HostdevSettings};
 use kubelet_sim::Kubelet;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
-const WAIT: Duration = Duration::from_secs(10);
+mod support;
+
+use support::WAIT;
 
 /// A fake machine: two FTDI serial adapters (0403:6001) below a USB controller on NUMA 0, an
 /// NVIDIA GPU (10de:2230) on NUMA 1 with card and render nodes, and /dev/fuse.
@@ -106,44 +107,19 @@ fn paths(p: &[&str]) -> GroupSettings {
 }
 
 async fn serve(fake: &FakeHost, resources: Vec<(&str, HostdevSettings)>) -> (Kubelet, Host) {
-    let plugins = fake.path("kubelet/device-plugins");
-    let kubelet = Kubelet::start(&plugins).await.unwrap();
-    let host = Host::new(&plugins).unwrap();
-    for (name, settings) in resources {
-        let backend = Arc::new(HostdevBackend::start(&settings).unwrap());
-        host.add_with(
-            name,
-            backend,
-            ResourceSettings {
-                health_hold_down: Duration::ZERO,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-    }
-    (kubelet, host)
+    let backends = resources
+        .into_iter()
+        .map(|(name, settings)| {
+            let backend: Arc<dyn Backend> = Arc::new(HostdevBackend::start(&settings).unwrap());
+            (name, backend)
+        })
+        .collect();
+    support::serve(&fake.path("kubelet/device-plugins"), backends).await
 }
 
+/// Waits until the kubelet lists exactly these (id, healthy, NUMA nodes).
 async fn ids(kubelet: &Kubelet, resource: &str, want: &[(&str, bool, &[i64])]) {
-    let want: Vec<(String, bool, Vec<i64>)> = want
-        .iter()
-        .map(|(id, h, n)| (id.to_string(), *h, n.to_vec()))
-        .collect();
-    let got = kubelet
-        .wait_for(WAIT, |n| {
-            let now: Vec<(String, bool, Vec<i64>)> = n
-                .resource(resource)?
-                .devices()
-                .iter()
-                .map(|(id, d)| (id.clone(), d.healthy, d.numa_nodes.clone()))
-                .collect();
-            (now == want).then_some(())
-        })
-        .await;
-    if got.is_err() {
-        let now = kubelet.read(|n| n.resource(resource).map(|r| r.devices().clone()));
-        panic!("{resource}: wanted {want:?}, the kubelet has {now:?}");
-    }
+    support::devices(kubelet, resource, want).await;
 }
 
 fn specs(alloc: &kubelet_sim::Allocation, root: &Path) -> Vec<(String, String, String)> {

@@ -3,16 +3,17 @@
 //! real inotify.
 #![allow(clippy::unwrap_used)] // a panic in a test is a failed test
 
-use devplug::{Host, ResourceSettings};
+use devplug::{Backend, Host};
 use devplug_backends::fake_sysfs::{intel_pair, scratch_dir, FakeSysfs, IntelGpu};
 use devplug_backends::hostdev::SharePolicy;
 use devplug_backends::intel_gpu::IntelDriver;
 use devplug_backends::{IntelGpuBackend, IntelGpuSettings};
 use kubelet_sim::Kubelet;
 use std::sync::Arc;
-use std::time::Duration;
 
-const WAIT: Duration = Duration::from_secs(10);
+mod support;
+
+use support::WAIT;
 
 fn settings(tree: &FakeSysfs, driver: IntelDriver) -> IntelGpuSettings {
     IntelGpuSettings {
@@ -25,45 +26,19 @@ fn settings(tree: &FakeSysfs, driver: IntelDriver) -> IntelGpuSettings {
 }
 
 async fn serve(tree: &FakeSysfs, resources: Vec<(&str, IntelGpuSettings)>) -> (Kubelet, Host) {
-    let plugins = tree.path("kubelet/device-plugins");
-    let kubelet = Kubelet::start(&plugins).await.unwrap();
-    let host = Host::new(&plugins).unwrap();
-    for (name, settings) in resources {
-        let backend = Arc::new(IntelGpuBackend::start(&settings).unwrap());
-        host.add_with(
-            name,
-            backend,
-            ResourceSettings {
-                health_hold_down: Duration::ZERO,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-    }
-    (kubelet, host)
+    let backends = resources
+        .into_iter()
+        .map(|(name, settings)| {
+            let backend: Arc<dyn Backend> = Arc::new(IntelGpuBackend::start(&settings).unwrap());
+            (name, backend)
+        })
+        .collect();
+    support::serve(&tree.path("kubelet/device-plugins"), backends).await
 }
 
 /// Waits until the kubelet lists exactly these (id, healthy, NUMA nodes).
 async fn devices(kubelet: &Kubelet, resource: &str, want: &[(&str, bool, &[i64])]) {
-    let want: Vec<(String, bool, Vec<i64>)> = want
-        .iter()
-        .map(|(id, h, n)| (id.to_string(), *h, n.to_vec()))
-        .collect();
-    let got = kubelet
-        .wait_for(WAIT, |n| {
-            let now: Vec<(String, bool, Vec<i64>)> = n
-                .resource(resource)?
-                .devices()
-                .iter()
-                .map(|(id, d)| (id.clone(), d.healthy, d.numa_nodes.clone()))
-                .collect();
-            (now == want).then_some(())
-        })
-        .await;
-    if got.is_err() {
-        let now = kubelet.read(|n| n.resource(resource).map(|r| r.devices().clone()));
-        panic!("{resource}: wanted {want:?}, the kubelet has {now:?}");
-    }
+    support::devices(kubelet, resource, want).await;
 }
 
 fn containers(alloc: &kubelet_sim::Allocation) -> (Vec<String>, Vec<(String, bool)>, Vec<String>) {

@@ -1,0 +1,51 @@
+//! Helpers shared by the backend integration tests: a kubelet simulator with backends served to
+//! it, and waiting until the kubelet lists exactly some devices.
+// Each test binary includes this module and uses part of it.
+#![allow(dead_code)]
+
+use devplug::{Backend, Host, ResourceSettings};
+use kubelet_sim::Kubelet;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a test waits for the kubelet to see something.
+pub const WAIT: Duration = Duration::from_secs(10);
+
+/// A simulated kubelet in `plugins` and a host serving each (resource, backend), with no health
+/// hold-down (tests flip health back and forth).
+pub async fn serve(plugins: &Path, backends: Vec<(&str, Arc<dyn Backend>)>) -> (Kubelet, Host) {
+    let kubelet = Kubelet::start(plugins).await.unwrap();
+    let host = Host::new(plugins).unwrap();
+    for (name, backend) in backends {
+        let settings = ResourceSettings {
+            health_hold_down: Duration::ZERO,
+            ..Default::default()
+        };
+        host.add_with(name, backend, settings).unwrap();
+    }
+    (kubelet, host)
+}
+
+/// Waits until the kubelet lists exactly these (id, healthy, NUMA nodes) for `resource`.
+pub async fn devices(kubelet: &Kubelet, resource: &str, want: &[(&str, bool, &[i64])]) {
+    let want: Vec<(String, bool, Vec<i64>)> = want
+        .iter()
+        .map(|(id, h, n)| (id.to_string(), *h, n.to_vec()))
+        .collect();
+    let got = kubelet
+        .wait_for(WAIT, |n| {
+            let now: Vec<(String, bool, Vec<i64>)> = n
+                .resource(resource)?
+                .devices()
+                .iter()
+                .map(|(id, d)| (id.clone(), d.healthy, d.numa_nodes.clone()))
+                .collect();
+            (now == want).then_some(())
+        })
+        .await;
+    if got.is_err() {
+        let now = kubelet.read(|n| n.resource(resource).map(|r| r.devices().clone()));
+        panic!("{resource}: wanted {want:?}, the kubelet has {now:?}");
+    }
+}
