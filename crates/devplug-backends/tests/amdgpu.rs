@@ -37,16 +37,7 @@ async fn serve(tree: &FakeSysfs, resources: Vec<(&str, AmdgpuSettings)>) -> (Kub
 
 /// Waits until the kubelet has `healthy` healthy devices out of `total`.
 async fn counts(kubelet: &Kubelet, resource: &str, total: usize, healthy: usize) {
-    let got = kubelet
-        .wait_for(WAIT, |n| {
-            (n.resource(resource).is_some() && n.capacity(resource) == (total, healthy))
-                .then_some(())
-        })
-        .await;
-    if got.is_err() {
-        let now = kubelet.read(|n| n.capacity(resource));
-        panic!("{resource}: wanted ({total}, {healthy}), the kubelet has {now:?}");
-    }
+    support::counts(kubelet, resource, total, healthy).await;
 }
 
 fn host_paths(alloc: &kubelet_sim::Allocation, root: &Path) -> Vec<String> {

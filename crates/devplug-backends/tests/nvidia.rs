@@ -5,7 +5,7 @@
 //! of `nvmlEventSetWait`, as they would from a driver.
 #![allow(clippy::unwrap_used)] // a panic in a test is a failed test
 
-use devplug::{Backend, Host, PreferenceRequest, ResourceSettings};
+use devplug::{Backend, Host, PreferenceRequest};
 use devplug_backends::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
 use devplug_backends::hostdev::SharePolicy;
 use devplug_backends::nvidia::{
@@ -19,7 +19,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-const WAIT: Duration = Duration::from_secs(10);
+mod support;
+
+use support::WAIT;
 
 #[derive(Deserialize)]
 struct Topology {
@@ -185,43 +187,21 @@ async fn serve(
     node: &Node,
     resources: Vec<(&str, NvidiaSettings)>,
 ) -> (Kubelet, Host, Vec<Arc<NvidiaBackend>>) {
-    let plugins = node.tree.path("kubelet/device-plugins");
-    let kubelet = Kubelet::start(&plugins).await.unwrap();
-    let host = Host::new(&plugins).unwrap();
     let mut backends = Vec::new();
+    let mut served: Vec<(&str, Arc<dyn Backend>)> = Vec::new();
     for (name, settings) in resources {
         let backend = Arc::new(NvidiaBackend::start(name, &settings).unwrap());
-        host.add_with(
-            name,
-            backend.clone(),
-            ResourceSettings {
-                health_hold_down: Duration::ZERO,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        served.push((name, backend.clone()));
         backends.push(backend);
     }
+    let plugins = node.tree.path("kubelet/device-plugins");
+    let (kubelet, host) = support::serve(&plugins, served).await;
     (kubelet, host, backends)
 }
 
 /// Waits until the kubelet has `healthy` healthy devices out of `total`.
 async fn counts(kubelet: &Kubelet, resource: &str, total: usize, healthy: usize) {
-    let got = kubelet
-        .wait_for(WAIT, |n| {
-            (n.resource(resource).is_some() && n.capacity(resource) == (total, healthy))
-                .then_some(())
-        })
-        .await;
-    if got.is_err() {
-        let now = kubelet.read(|n| n.capacity(resource));
-        let reasons: Vec<String> = kubelet.read(|n| {
-            n.resource(resource)
-                .map(|r| r.devices().values().map(|d| format!("{d:?}")).collect())
-                .unwrap_or_default()
-        });
-        panic!("{resource}: wanted ({total}, {healthy}), the kubelet has {now:?}: {reasons:?}");
-    }
+    support::counts(kubelet, resource, total, healthy).await;
 }
 
 /// Waits until the backend says why it is not ready, and returns that.

@@ -11,7 +11,10 @@ use std::time::{Duration, Instant};
 
 const RESOURCE: &str = "bench.example/backend";
 
-async fn serve(
+/// A simulated kubelet in `plugins` and a host serving `backend` as `resource` with no hold-down,
+/// once the kubelet has the first list (so it is not counted as an update later).
+pub(crate) async fn serve(
+    resource: &str,
     backend: Arc<dyn devplug::Backend>,
     plugins: &std::path::Path,
 ) -> anyhow::Result<(Kubelet, Host)> {
@@ -21,11 +24,11 @@ async fn serve(
         health_hold_down: Duration::ZERO,
         ..Default::default()
     };
-    host.add_with(RESOURCE, backend, settings)?;
+    host.add_with(resource, backend, settings)?;
     kubelet
         .wait_for(WAIT, |n| {
             // Connected and the first list received, so it is not counted as an update later.
-            let r = n.resource(RESOURCE)?;
+            let r = n.resource(resource)?;
             (r.is_connected() && r.updates() >= 1).then_some(())
         })
         .await?;
@@ -38,7 +41,7 @@ pub async fn file_created() -> anyhow::Result<()> {
     let dir = tmp.path().join("devices");
     std::fs::create_dir(&dir)?;
     let backend = Arc::new(FilesBackend::start(&FilesSettings::new(&dir))?);
-    let (kubelet, host) = serve(backend, &tmp.path().join("plugins")).await?;
+    let (kubelet, host) = serve(RESOURCE, backend, &tmp.path().join("plugins")).await?;
     let mut samples = Vec::with_capacity(1000);
     for i in 0..1000 {
         let name = format!("dev-{i}");
@@ -78,7 +81,7 @@ pub async fn hotplug_burst() -> anyhow::Result<()> {
             ..HostdevSettings::new(vec![group])
         };
         let backend = Arc::new(HostdevBackend::start(&settings)?);
-        let (kubelet, host) = serve(backend, &tmp.path().join("plugins")).await?;
+        let (kubelet, host) = serve(RESOURCE, backend, &tmp.path().join("plugins")).await?;
         let before = kubelet.read(|n| n.resource(RESOURCE).map_or(0, |r| r.updates()));
         let t = Instant::now();
         for i in 0..100 {

@@ -4,13 +4,12 @@
 //! on the MI300X-like node (64 partitions), with the placement search against brute force.
 
 use crate::{print_row, WAIT};
-use devplug::{Backend, Host, PreferenceRequest, ResourceSettings};
+use devplug::{Backend, PreferenceRequest};
 use devplug_backends::fake_sysfs::{intel_pair, scratch_dir, AmdNode, FakeSysfs};
 use devplug_backends::placement::{brute_force, PairMatrix};
 use devplug_backends::{AmdgpuBackend, AmdgpuSettings, IntelGpuBackend, IntelGpuSettings};
-use kubelet_sim::Kubelet;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 const RESOURCE: &str = "amd.com/gpu";
 
@@ -45,26 +44,6 @@ fn mi300x() -> anyhow::Result<(tempfile::TempDir, FakeSysfs, AmdNode)> {
     let node = AmdNode::mi300x();
     node.create(&tree)?;
     Ok((tmp, tree, node))
-}
-
-async fn serve(
-    backend: Arc<dyn Backend>,
-    plugins: &std::path::Path,
-) -> anyhow::Result<(Kubelet, Host)> {
-    let kubelet = Kubelet::start(plugins).await?;
-    let host = Host::new(plugins)?;
-    let settings = ResourceSettings {
-        health_hold_down: Duration::ZERO,
-        ..Default::default()
-    };
-    host.add_with(RESOURCE, backend, settings)?;
-    kubelet
-        .wait_for(WAIT, |n| {
-            let r = n.resource(RESOURCE)?;
-            (r.is_connected() && r.updates() >= 1).then_some(())
-        })
-        .await?;
-    Ok((kubelet, host))
 }
 
 /// Backend start (first scan, CDI spec written, list published), 100 times each.
@@ -118,7 +97,8 @@ pub async fn late_driver() -> anyhow::Result<()> {
     for _ in 0..20 {
         let (tmp, tree, node) = mi300x()?;
         let backend = Arc::new(AmdgpuBackend::start(&amd_settings(&tree))?);
-        let (kubelet, host) = serve(backend, &tmp.path().join("plugins")).await?;
+        let (kubelet, host) =
+            crate::backends::serve(RESOURCE, backend, &tmp.path().join("plugins")).await?;
         let t = Instant::now();
         node.load_driver(&tree)?;
         loads.push(t.elapsed());
@@ -145,7 +125,8 @@ pub async fn change_latency() -> anyhow::Result<()> {
     let (tmp, tree, node) = mi300x()?;
     node.load_driver(&tree)?;
     let backend = Arc::new(AmdgpuBackend::start(&amd_settings(&tree))?);
-    let (kubelet, host) = serve(backend, &tmp.path().join("plugins")).await?;
+    let (kubelet, host) =
+        crate::backends::serve(RESOURCE, backend, &tmp.path().join("plugins")).await?;
     let render = tree.path("dev/dri/renderD129");
     let mut samples = Vec::new();
     for i in 0..400 {

@@ -49,3 +49,23 @@ pub async fn devices(kubelet: &Kubelet, resource: &str, want: &[(&str, bool, &[i
         panic!("{resource}: wanted {want:?}, the kubelet has {now:?}");
     }
 }
+
+/// Waits until the kubelet has `healthy` healthy devices out of `total` for `resource`; on
+/// failure says what it has, device by device.
+pub async fn counts(kubelet: &Kubelet, resource: &str, total: usize, healthy: usize) {
+    let got = kubelet
+        .wait_for(WAIT, |n| {
+            (n.resource(resource).is_some() && n.capacity(resource) == (total, healthy))
+                .then_some(())
+        })
+        .await;
+    if got.is_err() {
+        let now = kubelet.read(|n| n.capacity(resource));
+        let devices: Vec<String> = kubelet.read(|n| {
+            n.resource(resource)
+                .map(|r| r.devices().values().map(|d| format!("{d:?}")).collect())
+                .unwrap_or_default()
+        });
+        panic!("{resource}: wanted ({total}, {healthy}), the kubelet has {now:?}: {devices:?}");
+    }
+}
