@@ -57,3 +57,19 @@ pub const POD_RESOURCES_QPS: u32 = 100;
 
 /// The burst the kubelet's pod resources rate limit allows.
 pub const POD_RESOURCES_BURST: u32 = 10;
+
+/// The service names a DRA plugin lists in `PluginInfo.supported_versions`, newest first: the
+/// kubelet takes the first one it supports (protocol.md §5). These are not the gRPC paths.
+pub const DRA_SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
+
+/// The kubelet's folder of plugin sockets; a DRA driver serves `<this>/<driver>/dra.sock`.
+pub const PLUGINS_PATH: &str = "/var/lib/kubelet/plugins/";
+
+/// The file name of a DRA driver's `DRAPlugin` socket in its folder under [`PLUGINS_PATH`].
+pub const DRA_SOCKET_NAME: &str = "dra.sock";
+
+/// How long the kubelet gives each `NodePrepareResources` / `NodeUnprepareResources`, in seconds.
+pub const DRA_CALL_TIMEOUT_SECS: u64 = 45;
+
+/// The folder of dynamic CDI spec files (the runtime also reads `/etc/cdi`, static ones).
+pub const CDI_DYNAMIC_DIR: &str = "/var/run/cdi";

@@ -16,8 +16,12 @@
 //! - [`podresources`]: the kubelet's pod resources API v1 (package `v1`), generated from
 //!   `proto/podresources/api.proto`.
 //!
+//! - [`dra_v1`] and [`dra_v1beta1`]: the kubelet's DRA plugin API (`DRAPlugin`), packages
+//!   `k8s.io.kubelet.pkg.apis.dra.v1` (Kubernetes 1.34+) and `…v1beta1` (1.32+), generated from
+//!   `proto/dra/*/api.proto`.
+//!
 //! Field names, numbers and the package names come from `../shared/protocol.md` §1 and
-//! `../shared/reliability.md` §1–§2, and are pinned by `tests/wire.rs`.
+//! `../shared/reliability.md` §1–§2 (DRA: `protocol.md` §5), and are pinned by `tests/wire.rs`.
 
 pub mod authority;
 pub mod constants;
@@ -59,4 +63,29 @@ pub mod pluginregistration {
 )]
 pub mod podresources {
     include!("gen/v1.rs");
+}
+
+/// Generated code for the kubelet's DRA plugin API, package `k8s.io.kubelet.pkg.apis.dra.v1`.
+#[allow(
+    missing_docs,
+    clippy::all,
+    clippy::pedantic,
+    clippy::unwrap_used,
+    clippy::expect_used
+)]
+pub mod dra_v1 {
+    include!("gen/k8s.io.kubelet.pkg.apis.dra.v1.rs");
+}
+
+/// Generated code for the kubelet's DRA plugin API, package
+/// `k8s.io.kubelet.pkg.apis.dra.v1beta1`.
+#[allow(
+    missing_docs,
+    clippy::all,
+    clippy::pedantic,
+    clippy::unwrap_used,
+    clippy::expect_used
+)]
+pub mod dra_v1beta1 {
+    include!("gen/k8s.io.kubelet.pkg.apis.dra.v1beta1.rs");
 }

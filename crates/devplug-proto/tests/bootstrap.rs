@@ -3,7 +3,8 @@
 //! `cargo test -p devplug-proto --test bootstrap`, then commit the files.
 //!
 //! One `.proto` per package: `v1beta1` (device plugins), `pluginregistration` (the kubelet's plugin
-//! watcher) and `v1` (pod resources); prost names each generated file after its package.
+//! watcher), `v1` (pod resources) and the two DRA packages `k8s.io.kubelet.pkg.apis.dra.v1` and
+//! `…v1beta1`; prost names each generated file after its package.
 
 use std::path::PathBuf;
 
@@ -16,6 +17,8 @@ fn generated_code_is_up_to_date() {
         ("v1beta1/api.proto", "v1beta1.rs"),
         ("pluginregistration/api.proto", "pluginregistration.rs"),
         ("podresources/api.proto", "v1.rs"),
+        ("dra/v1/api.proto", "k8s.io.kubelet.pkg.apis.dra.v1.rs"),
+        ("dra/v1beta1/api.proto", "k8s.io.kubelet.pkg.apis.dra.v1beta1.rs"),
     ];
     let mut stale = Vec::new();
     for (proto, generated) in files {

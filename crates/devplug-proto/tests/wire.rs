@@ -471,3 +471,90 @@ impl devplug_proto::pluginregistration::registration_server::Registration for Un
         Err(tonic::Status::unimplemented(""))
     }
 }
+
+#[test]
+fn dra_matches_the_kubelet() {
+    for (proto, package, generated) in [
+        (
+            "dra/v1/api.proto",
+            "k8s.io.kubelet.pkg.apis.dra.v1",
+            include_str!("../src/gen/k8s.io.kubelet.pkg.apis.dra.v1.rs"),
+        ),
+        (
+            "dra/v1beta1/api.proto",
+            "k8s.io.kubelet.pkg.apis.dra.v1beta1",
+            include_str!("../src/gen/k8s.io.kubelet.pkg.apis.dra.v1beta1.rs"),
+        ),
+    ] {
+        let (got_package, fields, services) = fields_of(proto);
+        assert_eq!(got_package, package);
+        let mut expected = vec![
+            ("NodePrepareResourcesRequest", "claims", 1),
+            ("NodePrepareResourcesResponse", "claims", 1),
+            ("NodePrepareResourceResponse", "devices", 1),
+            ("NodePrepareResourceResponse", "error", 2),
+            ("Device", "request_names", 1),
+            ("Device", "pool_name", 2),
+            ("Device", "device_name", 3),
+            ("Device", "cdi_device_ids", 4),
+            ("Device", "share_id", 5),
+            ("NodeUnprepareResourcesRequest", "claims", 1),
+            ("NodeUnprepareResourcesResponse", "claims", 1),
+            ("NodeUnprepareResourceResponse", "error", 1),
+            ("Claim", "namespace", 1),
+            ("Claim", "uid", 2),
+            ("Claim", "name", 3),
+        ];
+        if package.ends_with("v1beta1") {
+            // share_id came with v1 (Kubernetes 1.35).
+            expected.retain(|(_, field, _)| *field != "share_id");
+        }
+        // Map entries are nested messages; the top-level messages are what the wire names.
+        let got: Vec<(&str, &str, i32)> = fields
+            .iter()
+            .map(|(m, f, n)| (m.as_str(), f.as_str(), *n))
+            .collect();
+        assert_eq!(got, expected, "{proto}");
+        assert_eq!(
+            services,
+            vec![(
+                "DRAPlugin".to_owned(),
+                vec![
+                    "NodePrepareResources".to_owned(),
+                    "NodeUnprepareResources".to_owned()
+                ]
+            )]
+        );
+        for method in ["NodePrepareResources", "NodeUnprepareResources"] {
+            let path = format!("\"/{package}.DRAPlugin/{method}\"");
+            assert_eq!(generated.matches(&path).count(), 2, "{path}");
+        }
+    }
+    assert_eq!(
+        devplug_proto::constants::DRA_SUPPORTED_VERSIONS,
+        ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    );
+    // Claim{namespace: "n", uid: "u", name: "c"} and a device with a CDI id, encoded by hand.
+    use devplug_proto::dra_v1 as dra;
+    let claim = dra::Claim {
+        namespace: "n".into(),
+        uid: "u".into(),
+        name: "c".into(),
+    };
+    let mut want = ld(1, b"n");
+    want.extend(ld(2, b"u"));
+    want.extend(ld(3, b"c"));
+    assert_eq!(claim.encode_to_vec(), want);
+    let device = dra::Device {
+        request_names: vec!["r".into()],
+        pool_name: "p".into(),
+        device_name: "d".into(),
+        cdi_device_ids: vec!["k/c=d".into()],
+        share_id: None,
+    };
+    let mut want = ld(1, b"r");
+    want.extend(ld(2, b"p"));
+    want.extend(ld(3, b"d"));
+    want.extend(ld(4, b"k/c=d"));
+    assert_eq!(device.encode_to_vec(), want);
+}
