@@ -3,6 +3,7 @@
 //! - [`capacity`]: extended resources on a Node's status by JSON patch (seed 003): set, remove
 //!   (a missing key is "already gone"), list.
 //! - [`advertise`]: resources kept on our own Node by `devplug run` (`advertise:`), event-driven.
+//! - [`dra`]: a backend served as a DRA driver: ResourceSlices, claim preparation, CDI specs.
 //! - [`events`]: device health, registration and config reload problems as Events on the Node.
 //! - [`testenv`]: a real etcd + kube-apiserver for tests (`KUBEBUILDER_ASSETS`, as envtest).
 //!
@@ -11,6 +12,7 @@
 
 pub mod advertise;
 pub mod capacity;
+pub mod dra;
 pub mod events;
 pub mod testenv;
 

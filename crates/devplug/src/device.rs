@@ -1,5 +1,7 @@
-//! The device model: a device's id, health and NUMA nodes, and the list a backend publishes.
+//! The device model: a device's id, health, NUMA nodes and (for DRA) attributes, and the list a
+//! backend publishes.
 
+use crate::attributes::{AttributeValue, DeviceAttributes};
 use devplug_proto::constants::{HEALTHY, MAX_RECV_MESSAGE_BYTES, UNHEALTHY};
 use devplug_proto::v1beta1 as pb;
 use prost::Message;
@@ -90,6 +92,9 @@ pub struct Device {
     pub health: Health,
     /// NUMA nodes the device is attached to; empty means no NUMA preference.
     pub numa_nodes: Vec<i64>,
+    /// Attributes and capacities for DRA selectors; `None` when the backend gives none. The
+    /// device plugin path ignores them. Boxed: most device plugin lists never carry any.
+    pub attributes: Option<Box<DeviceAttributes>>,
 }
 
 impl Device {
@@ -99,7 +104,35 @@ impl Device {
             id: id.into(),
             health: Health::Healthy,
             numa_nodes: Vec::new(),
+            attributes: None,
         }
+    }
+
+    /// The same device with one more DRA attribute (`model`, `numa`, `uuid`…).
+    pub fn with_attribute(mut self, name: impl Into<String>, value: AttributeValue) -> Self {
+        self.attributes
+            .get_or_insert_with(Box::default)
+            .attributes
+            .insert(name.into(), value);
+        self
+    }
+
+    /// The same device with one more DRA capacity (`memory` in bytes…).
+    pub fn with_capacity(mut self, name: impl Into<String>, value: u64) -> Self {
+        self.attributes
+            .get_or_insert_with(Box::default)
+            .capacity
+            .insert(name.into(), value);
+        self
+    }
+
+    /// The device's DRA attributes and capacities (empty when it has none).
+    pub fn dra_attributes(&self) -> &DeviceAttributes {
+        static NONE: DeviceAttributes = DeviceAttributes {
+            attributes: std::collections::BTreeMap::new(),
+            capacity: std::collections::BTreeMap::new(),
+        };
+        self.attributes.as_deref().unwrap_or(&NONE)
     }
 
     /// The same device attached to the given NUMA nodes.

@@ -6,12 +6,14 @@
 //! clean shutdown.
 //!
 //! - [`device`]: devices, health and the published list.
+//! - [`attributes`]: what a device says about itself for DRA selectors (model, NUMA, UUID…).
 //! - [`edits`]: what an allocation does to a container.
 //! - [`backend`]: the trait a vendor implements.
 //! - [`health`]: health that recovers, after a hold-down.
 //! - [`host`]: the kubelet lifecycle.
 //! - [`podresources`]: a client of the kubelet's pod resources API (who holds which device).
 
+pub mod attributes;
 pub mod backend;
 pub mod device;
 pub mod edits;
@@ -20,6 +22,7 @@ pub mod host;
 pub mod podresources;
 mod signal;
 
+pub use attributes::{AttributeValue, DeviceAttributes};
 pub use backend::{
     AllocateError, Backend, BackendWarning, Options, PreStartError, PreferenceRequest,
 };

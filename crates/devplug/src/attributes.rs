@@ -1,0 +1,163 @@
+//! What a device says about itself for Dynamic Resource Allocation: attributes (model, NUMA
+//! node, PCI address, UUID…) and capacities (memory…) that CEL selectors in a DeviceClass or a
+//! ResourceClaim test (`device.attributes["npu.example.com"].model == "x1"`). Optional data on a
+//! [`Device`](crate::Device): the device plugin path ignores it, the DRA driver publishes it in
+//! ResourceSlices. Names follow the API server's rules for a ResourceSlice (protocol.md §5), so
+//! a backend finds a bad name in its own tests rather than as a refused slice.
+
+use std::collections::BTreeMap;
+
+/// The longest attribute or capacity name the API server takes, without a domain prefix.
+pub const MAX_NAME_LEN: usize = 32;
+
+/// How many attributes and capacities one device may have together in a ResourceSlice.
+pub const MAX_PER_DEVICE: usize = 32;
+
+/// One attribute's value; the API server knows exactly these four kinds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttributeValue {
+    /// An integer, e.g. a NUMA node or a core count.
+    Int(i64),
+    /// A flag.
+    Bool(bool),
+    /// A string of at most 64 bytes, e.g. a model name or a UUID.
+    String(String),
+    /// A semantic version (`1.2.3`), compared as a version by CEL.
+    Version(String),
+}
+
+/// A device's attributes and capacities, by name. A name is a C identifier of at most 32
+/// characters (the driver's own domain), or `domain/identifier` for a name another driver or
+/// Kubernetes defines (`resource.kubernetes.io/pciBusID`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeviceAttributes {
+    /// Attributes, for selectors.
+    pub attributes: BTreeMap<String, AttributeValue>,
+    /// Capacities (bytes, counts), published as quantities.
+    pub capacity: BTreeMap<String, u64>,
+}
+
+impl DeviceAttributes {
+    /// True when there is nothing to publish.
+    pub fn is_empty(&self) -> bool {
+        self.attributes.is_empty() && self.capacity.is_empty()
+    }
+
+    /// Checks every name and value against the API server's rules; returns what is wrong.
+    pub fn check(&self) -> Result<(), String> {
+        let total = self.attributes.len().saturating_add(self.capacity.len());
+        if total > MAX_PER_DEVICE {
+            return Err(format!(
+                "{total} attributes and capacities; a ResourceSlice takes at most {MAX_PER_DEVICE} \
+                 a device"
+            ));
+        }
+        for name in self.attributes.keys().chain(self.capacity.keys()) {
+            check_name(name)?;
+        }
+        for (name, value) in &self.attributes {
+            if let AttributeValue::String(s) | AttributeValue::Version(s) = value {
+                if s.len() > 64 {
+                    return Err(format!(
+                        "attribute {name}: {} bytes; the API server takes at most 64",
+                        s.len()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks an attribute or capacity name: `identifier` or `domain/identifier`, the identifier a
+/// C identifier of at most [`MAX_NAME_LEN`] characters, the domain a DNS subdomain.
+pub fn check_name(name: &str) -> Result<(), String> {
+    let (domain, id) = match name.rsplit_once('/') {
+        Some((domain, id)) => (Some(domain), id),
+        None => (None, name),
+    };
+    let c_identifier = id
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !c_identifier || id.len() > MAX_NAME_LEN {
+        return Err(format!(
+            "attribute name {name:?}: the part after the domain must be a C identifier (letters, \
+             digits, '_', not starting with a digit) of at most {MAX_NAME_LEN} characters"
+        ));
+    }
+    if let Some(domain) = domain {
+        check_dns_subdomain(domain).map_err(|e| format!("attribute name {name:?}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Checks a DNS subdomain (RFC 1123: lower-case letters, digits, '-' and '.', at most 253
+/// characters, each label starting and ending with a letter or digit), as DRA driver names and
+/// attribute domains must be.
+pub fn check_dns_subdomain(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > 253 {
+        return Err(format!(
+            "{name:?} must be a DNS subdomain of 1 to 253 characters"
+        ));
+    }
+    for label in name.split('.') {
+        let ok = !label.is_empty()
+            && label.len() <= 63
+            && label
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            && !label.starts_with('-')
+            && !label.ends_with('-');
+        if !ok {
+            return Err(format!(
+                "{name:?} is not a DNS subdomain: lower-case letters, digits, '-' and '.', each \
+                 part starting and ending with a letter or digit (e.g. npu.example.com)"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_api_servers_rules() {
+        assert!(check_name("model").is_ok());
+        assert!(check_name("resource.kubernetes.io/pciBusID").is_ok());
+        assert!(check_name("numa_node").is_ok());
+        assert!(check_name("1numa").is_err());
+        assert!(check_name("pci-bus").is_err());
+        assert!(check_name(&"x".repeat(33)).is_err());
+        assert!(check_name("Example.com/model").is_err());
+        assert!(check_name("/model").is_err());
+        assert!(check_name("").is_err());
+    }
+
+    #[test]
+    fn driver_names_are_dns_subdomains() {
+        assert!(check_dns_subdomain("npu.example.com").is_ok());
+        assert!(check_dns_subdomain("example.com/npu").is_err());
+        assert!(check_dns_subdomain("NPU.example.com").is_err());
+        assert!(check_dns_subdomain("-a.com").is_err());
+        assert!(check_dns_subdomain("a..com").is_err());
+    }
+
+    #[test]
+    fn check_counts_and_lengths() {
+        let mut attrs = DeviceAttributes::default();
+        assert!(attrs.is_empty() && attrs.check().is_ok());
+        attrs
+            .attributes
+            .insert("uuid".into(), AttributeValue::String("x".repeat(65)));
+        assert!(attrs.check().unwrap_err().contains("at most 64"));
+        attrs.attributes.clear();
+        for i in 0..33 {
+            attrs.capacity.insert(format!("c{i}"), 1);
+        }
+        assert!(attrs.check().unwrap_err().contains("at most 32"));
+    }
+}
