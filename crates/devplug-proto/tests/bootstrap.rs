@@ -18,7 +18,10 @@ fn generated_code_is_up_to_date() {
         ("pluginregistration/api.proto", "pluginregistration.rs"),
         ("podresources/api.proto", "v1.rs"),
         ("dra/v1/api.proto", "k8s.io.kubelet.pkg.apis.dra.v1.rs"),
-        ("dra/v1beta1/api.proto", "k8s.io.kubelet.pkg.apis.dra.v1beta1.rs"),
+        (
+            "dra/v1beta1/api.proto",
+            "k8s.io.kubelet.pkg.apis.dra.v1beta1.rs",
+        ),
     ];
     let mut stale = Vec::new();
     for (proto, generated) in files {

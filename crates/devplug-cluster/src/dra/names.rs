@@ -59,14 +59,27 @@ mod tests {
     #[test]
     fn labels_stay_and_others_get_a_stable_hash() {
         assert_eq!(device_name("npu-0"), "npu-0");
-        assert_eq!(device_name("GPU-a"), format!("gpu-a-{:08x}", fnv1a(b"GPU-a")));
+        assert_eq!(
+            device_name("GPU-a"),
+            format!("gpu-a-{:08x}", fnv1a(b"GPU-a"))
+        );
         assert_ne!(device_name("GPU-a"), device_name("gpu-a"));
         assert!(device_name("0000:03:00.0").starts_with("0000-03-00-0-"));
         assert!(device_name("___").starts_with("d-"));
         let long = "X".repeat(200);
         assert!(is_dns_label(&device_name(&long)));
-        for id in ["ttyUSB0", "MIG-1/2", "a..b", "-x-", "GPU-3f2a4b5c-1111-2222-3333-444455556666"] {
-            assert!(is_dns_label(&device_name(id)), "{id} -> {}", device_name(id));
+        for id in [
+            "ttyUSB0",
+            "MIG-1/2",
+            "a..b",
+            "-x-",
+            "GPU-3f2a4b5c-1111-2222-3333-444455556666",
+        ] {
+            assert!(
+                is_dns_label(&device_name(id)),
+                "{id} -> {}",
+                device_name(id)
+            );
         }
         // Pinned: a changed hash would orphan prepared claims across an upgrade.
         assert_eq!(device_name("GPU-a"), "gpu-a-a414910b");
