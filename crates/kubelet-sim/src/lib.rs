@@ -21,14 +21,34 @@
 //!
 //! With [`SimConfig::plugins_registry`] set it also runs the kubelet's plugin watcher on that
 //! folder (`plugin_watcher`): device plugins registering through a socket there are found, asked
-//! `GetInfo`, connected and notified as the kubelet does.
+//! `GetInfo`, connected and notified as the kubelet does, and so are DRA plugins (`dra`): their
+//! service version is chosen as the kubelet chooses it, and [`Kubelet::dra_prepare`] /
+//! [`Kubelet::dra_unprepare`] call `NodePrepareResources` / `NodeUnprepareResources` on them
+//! and check the answers as the kubelet does.
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! use kubelet_sim::{DraClaim, Kubelet, SimConfig};
+//! let dir = std::path::Path::new("/tmp/kubelet/device-plugins");
+//! let kubelet = Kubelet::start_with(dir, SimConfig::default().with_watcher_beside(dir)).await?;
+//! let claim = DraClaim::new("default", "gpu-claim", "4f1c…");
+//! let results = kubelet.dra_prepare("gpu.example.com", &[claim]).await?;
+//! for (uid, result) in &results {
+//!     println!("{uid}: {result:?}");
+//! }
+//! # Ok(()) }
+//! ```
 //!
 //! Files: `registration` (the Registration service and the ListAndWatch consumer),
-//! `allocation` (the kubelet's allocation rules), `state` (what the node knows), and
+//! `allocation` (the kubelet's allocation rules), `state` (what the node knows),
+//! `plugin_watcher` (the plugin watcher and plugin manager), `dra` (the kubelet's DRA
+//! registration handler, calls and prepared claims), `pod_resources` (the pod resources API),
 //! [`fake_plugin`], a minimal device plugin written without the devplug library (another
-//! vendor's plugin, for tests).
+//! vendor's plugin, for tests), and [`fake_dra_plugin`], a minimal DRA plugin of the same kind.
 
 mod allocation;
+mod dra;
+pub mod fake_dra_plugin;
 pub mod fake_plugin;
 mod plugin_watcher;
 mod pod_resources;
@@ -36,11 +56,15 @@ mod registration;
 mod state;
 
 pub use allocation::AllocationError;
+pub use dra::{
+    ClaimError, ClaimResults, DraClaim, DraDevice, DraError, DraPluginRecord, DraService,
+    PreparedClaim,
+};
 pub use state::{Allocation, NodeState, RegistrationRecord, ResourceState, SimDevice};
 
 use allocation::ContainerKind;
 use devplug_proto::constants::{
-    CHECKPOINT_FILE_NAME, ENDPOINT_STOP_GRACE_SECS, KUBELET_SOCKET_NAME,
+    CHECKPOINT_FILE_NAME, DRA_CALL_TIMEOUT_SECS, ENDPOINT_STOP_GRACE_SECS, KUBELET_SOCKET_NAME,
 };
 use devplug_proto::v1beta1::registration_server::RegistrationServer;
 use registration::RegistrationService;
@@ -71,6 +95,9 @@ pub struct SimConfig {
     /// Where to serve the pod resources API v1 (the kubelet:
     /// `/var/lib/kubelet/pod-resources/kubelet.sock`); `None` serves none.
     pub pod_resources_socket: Option<PathBuf>,
+    /// How long a DRA plugin has to answer `NodePrepareResources` or `NodeUnprepareResources`
+    /// (the kubelet: 45 s).
+    pub dra_call_timeout: Duration,
 }
 
 impl Default for SimConfig {
@@ -82,6 +109,7 @@ impl Default for SimConfig {
             plugins_registry: None,
             watcher_reconcile: Duration::from_secs(1),
             pod_resources_socket: None,
+            dra_call_timeout: Duration::from_secs(DRA_CALL_TIMEOUT_SECS),
         }
     }
 }
@@ -335,6 +363,51 @@ impl Kubelet {
         self.shared.config.pod_resources_socket.as_deref()
     }
 
+    /// Calls `NodePrepareResources` for `claims` on a registered plugin of `driver`, over the
+    /// service version chosen at registration, within [`SimConfig::dra_call_timeout`]. Each
+    /// requested claim gets a result: its devices, or why not (missing from the answer, or the
+    /// plugin's `error`). Claims that succeed are kept as prepared
+    /// ([`NodeState::dra_prepared`]). This is the bare per-driver call: it asks the plugin even
+    /// for claims already prepared ([`Kubelet::dra_prepare_pod`] skips those, as the kubelet
+    /// does).
+    pub async fn dra_prepare(
+        &self,
+        driver: &str,
+        claims: &[DraClaim],
+    ) -> Result<ClaimResults<Vec<DraDevice>>, DraError> {
+        dra::prepare(&self.shared, driver, claims).await
+    }
+
+    /// Calls `NodeUnprepareResources` for `claims` on a registered plugin of `driver`; claims
+    /// that succeed are no longer prepared.
+    pub async fn dra_unprepare(
+        &self,
+        driver: &str,
+        claims: &[DraClaim],
+    ) -> Result<ClaimResults<()>, DraError> {
+        dra::unprepare(&self.shared, driver, claims).await
+    }
+
+    /// Prepares a pod's claims as the kubelet does before starting it: every driver must be
+    /// registered (otherwise nothing changes), the pod then references each claim, and the
+    /// claims not prepared yet (for another pod) are prepared in one call per driver. The first
+    /// failure, whole-call or per-claim, is the error.
+    pub async fn dra_prepare_pod(
+        &self,
+        pod_uid: &str,
+        claims: &[(&str, DraClaim)],
+    ) -> Result<(), DraError> {
+        dra::prepare_pod(&self.shared, pod_uid, claims).await
+    }
+
+    /// Unprepares a removed pod's claims as the kubelet does: a claim another pod still
+    /// references only loses this pod's reference; the others are unprepared in one call per
+    /// driver. On a failure the pod keeps its references, so calling it again retries. Returns
+    /// false if the pod referenced no claim.
+    pub async fn dra_remove_pod(&self, pod_uid: &str) -> Result<bool, DraError> {
+        dra::remove_pod(&self.shared, pod_uid).await
+    }
+
     /// Removes a terminated pod; its devices become free.
     pub fn remove_pod(&self, pod: &str) -> bool {
         self.shared.modify(|node| node.pods.remove(pod).is_some())
@@ -448,6 +521,9 @@ impl Kubelet {
             stop.cancel();
             let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
         }
+        // The plugin manager's registrations die with the process (plugins register again
+        // through the watcher); prepared claims stay, as the claim checkpoint keeps them.
+        self.shared.modify(|node| node.dra.plugins.clear());
         if remove_socket {
             let _ = std::fs::remove_file(self.socket_path());
         }

@@ -1,32 +1,35 @@
-//! The kubelet's plugin watcher and plugin manager, for device plugins (reliability.md §1,
-//! protocol.md §3.4), as one kubelet session runs them:
+//! The kubelet's plugin watcher and plugin manager, for device plugins and DRA plugins
+//! (reliability.md §1, protocol.md §3.4 and §5), as one kubelet session runs them:
 //!
 //! - the watcher walks `plugins_registry/` at start (sub-folders too) and follows it with inotify;
 //!   names starting with `.` and files that are not sockets are ignored;
 //! - a reconciler runs every [`SimConfig::watcher_reconcile`](crate::SimConfig) (the kubelet: 1 s)
-//!   and registers each new socket: dial (10 s), `GetInfo` with a **1 s** deadline, check type,
-//!   version and name, add the plugin to the actual state, **then** `RegisterPlugin` (dial the
-//!   endpoint, `GetDevicePluginOptions`, ListAndWatch), then `NotifyRegistrationStatus` (5 s);
+//!   and registers each new socket: dial (10 s), `GetInfo` with a **1 s** deadline, pick the
+//!   handler by type, validate (a device plugin: version and name; a DRA plugin: its services,
+//!   see `dra`), add the plugin to the actual state, **then** `RegisterPlugin` (a device plugin:
+//!   dial the endpoint, `GetDevicePluginOptions`, ListAndWatch; a DRA plugin: add the endpoint
+//!   with a lazy connection), then `NotifyRegistrationStatus` (5 s);
 //! - a failure before the plugin is in the actual state (dial, GetInfo, validation) is retried
 //!   for that socket with backoff from 500 ms doubling to 2 min; a failed `RegisterPlugin` is not
 //!   retried (kubernetes#133725): the plugin only gets `Notify(false)`;
-//! - a socket that vanished is deregistered: its resource's endpoint disconnects (every device
-//!   unhealthy, the grace period starts). With [`ClientKeying::ResourceName`] (kubelets up to
-//!   1.36) whatever client holds the name is dropped; with [`ClientKeying::SocketPath`] only the
-//!   plugin's own endpoint.
+//! - a socket that vanished is deregistered: a device plugin's resource endpoint disconnects
+//!   (every device unhealthy, the grace period starts; with [`ClientKeying::ResourceName`],
+//!   kubelets up to 1.36, whatever client holds the name is dropped, with
+//!   [`ClientKeying::SocketPath`] only the plugin's own endpoint); a DRA plugin's endpoint is
+//!   removed from its driver.
 //!
 //! The watcher's real dial sends the socket path as `:authority` (reliability.md §6); this one
 //! sends `localhost`, because tonic's client cannot send a path. Serving a path authority is
 //! tested separately with raw HTTP/2 frames (devplug's `tests/it/watcher.rs`).
 
 use crate::registration::{connect_plugin, disconnect};
-use crate::{ClientKeying, Shared};
+use crate::{dra, ClientKeying, Shared};
 use devplug_proto::constants::{
     DIAL_TIMEOUT_SECS, GET_INFO_TIMEOUT_MILLIS, NOTIFY_TIMEOUT_SECS, PLUGIN_TYPE_DEVICE_PLUGIN,
-    VERSION,
+    PLUGIN_TYPE_DRA, VERSION,
 };
 use devplug_proto::pluginregistration::{
-    registration_client::RegistrationClient, InfoRequest, RegistrationStatus,
+    registration_client::RegistrationClient, InfoRequest, PluginInfo, RegistrationStatus,
 };
 use devplug_proto::{resource_name, uds};
 use inotify::{Inotify, WatchMask};
@@ -44,9 +47,17 @@ use tonic::transport::Channel;
 const RETRY_FIRST: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(120);
 
+/// The handler a plugin was registered with, and the name it registered under.
+enum Handler {
+    /// A device plugin, for this extended resource.
+    DevicePlugin(String),
+    /// A DRA plugin, for this driver.
+    Dra(String),
+}
+
 /// A plugin in the actual state.
 struct Registered {
-    resource: String,
+    handler: Handler,
     endpoint: PathBuf,
     /// The desired-state timestamp it was registered for: a socket deleted and created again
     /// between two reconciler passes has a new one, and is registered again.
@@ -93,7 +104,7 @@ async fn run(shared: &Arc<Shared>, dir: &Path, session: &CancellationToken) -> s
         tokio::select! {
             _ = session.cancelled() => return Ok(()),
             _ = tick.tick() => {
-                reconcile(shared, &desired, &mut actual, &mut retries).await;
+                reconcile(shared, session, &desired, &mut actual, &mut retries).await;
             }
             event = events.next() => {
                 let Some(event) = event else { return Ok(()) };
@@ -158,6 +169,7 @@ fn is_plugin_socket(path: &Path) -> bool {
 /// One pass of the plugin manager's reconciler.
 async fn reconcile(
     shared: &Arc<Shared>,
+    session: &CancellationToken,
     desired: &BTreeMap<PathBuf, u64>,
     actual: &mut BTreeMap<PathBuf, Registered>,
     retries: &mut BTreeMap<PathBuf, Retry>,
@@ -181,7 +193,10 @@ async fn reconcile(
         .map(|(p, seen)| (p.clone(), *seen))
         .collect();
     for (path, seen) in new {
-        match register(shared, &path, seen).await {
+        if session.is_cancelled() {
+            return;
+        }
+        match register(shared, session, &path, seen).await {
             Ok(plugin) => {
                 retries.remove(&path);
                 actual.insert(path, plugin);
@@ -205,7 +220,12 @@ async fn reconcile(
 
 /// `RegisterPlugin` as the operation generator runs it; `Ok` once the plugin is in the actual
 /// state, whether or not the device plugin could be connected.
-async fn register(shared: &Arc<Shared>, path: &Path, seen: u64) -> Result<Registered, String> {
+async fn register(
+    shared: &Arc<Shared>,
+    session: &CancellationToken,
+    path: &Path,
+    seen: u64,
+) -> Result<Registered, String> {
     let channel = uds::connect(path, Duration::from_secs(DIAL_TIMEOUT_SECS))
         .await
         .map_err(|err| format!("dial failed at socket {}: {err}", path.display()))?;
@@ -223,6 +243,9 @@ async fn register(shared: &Arc<Shared>, path: &Path, seen: u64) -> Result<Regist
             )
         })?
         .into_inner();
+    if info.r#type == PLUGIN_TYPE_DRA {
+        return register_dra(shared, session, &mut client, path, seen, info).await;
+    }
     if info.r#type != PLUGIN_TYPE_DEVICE_PLUGIN {
         let err = format!("no handler registered for plugin type: {}", info.r#type);
         notify(&mut client, false, &err).await;
@@ -248,7 +271,7 @@ async fn register(shared: &Arc<Shared>, path: &Path, seen: u64) -> Result<Regist
     };
     // In the actual state first, then RegisterPlugin: a failure here is never retried.
     let registered = Registered {
-        resource: info.name.clone(),
+        handler: Handler::DevicePlugin(info.name.clone()),
         endpoint: endpoint.clone(),
         seen,
     };
@@ -274,6 +297,49 @@ async fn register(shared: &Arc<Shared>, path: &Path, seen: u64) -> Result<Regist
     Ok(registered)
 }
 
+/// The DRA handler's `ValidatePlugin` and `RegisterPlugin` (`dra`), with the plugin manager's
+/// notifications: a validation failure is retried, a registration failure is not.
+async fn register_dra(
+    shared: &Arc<Shared>,
+    session: &CancellationToken,
+    client: &mut RegistrationClient<Channel>,
+    path: &Path,
+    seen: u64,
+    info: PluginInfo,
+) -> Result<Registered, String> {
+    let endpoint = if info.endpoint.is_empty() {
+        path.to_path_buf()
+    } else {
+        PathBuf::from(&info.endpoint)
+    };
+    let service = match dra::validate(&info.name, &endpoint, &info.supported_versions) {
+        Ok(service) => service,
+        Err(err) => {
+            let err = format!("RegisterPlugin error -- plugin validation failed with err: {err}");
+            notify(client, false, &err).await;
+            return Err(err);
+        }
+    };
+    if session.is_cancelled() {
+        // This kubelet session ended during GetInfo: its registrations are gone already.
+        return Err("the kubelet stopped".to_owned());
+    }
+    let registered = Registered {
+        handler: Handler::Dra(info.name.clone()),
+        endpoint: endpoint.clone(),
+        seen,
+    };
+    match dra::add(shared, &info.name, &endpoint, path, service) {
+        Ok(()) => notify(client, true, "").await,
+        Err(err) => {
+            let err = format!("RegisterPlugin error -- plugin registration failed with err: {err}");
+            tracing::warn!(driver = %info.name, %err, "DRA plugin not registered; the kubelet will not retry");
+            notify(client, false, &err).await;
+        }
+    }
+    Ok(registered)
+}
+
 /// `NotifyRegistrationStatus` with the kubelet's 5 s deadline; its failure is only logged.
 async fn notify(client: &mut RegistrationClient<Channel>, registered: bool, error: &str) {
     let mut request = tonic::Request::new(RegistrationStatus {
@@ -286,17 +352,25 @@ async fn notify(client: &mut RegistrationClient<Channel>, registered: bool, erro
     }
 }
 
-/// `DeRegisterPlugin`: the plugin's socket is gone; disconnect its client.
+/// `DeRegisterPlugin`: the plugin's socket is gone; disconnect its client (a device plugin) or
+/// remove its endpoint (a DRA plugin).
 fn deregister(shared: &Arc<Shared>, plugin: &Registered) {
+    let resource = match &plugin.handler {
+        Handler::DevicePlugin(resource) => resource,
+        Handler::Dra(driver) => {
+            dra::remove(shared, driver, &plugin.endpoint);
+            return;
+        }
+    };
     let generation = shared.read(|node| {
-        let r = node.resource(&plugin.resource)?;
+        let r = node.resource(resource)?;
         let endpoint = r.endpoint.as_ref()?;
         let ours = endpoint.socket == plugin.endpoint;
         (ours || shared.config.clients == ClientKeying::ResourceName).then_some(r.generation)
     });
-    tracing::info!(resource = %plugin.resource, "plugin socket removed; deregistering");
+    tracing::info!(%resource, "plugin socket removed; deregistering");
     if let Some(generation) = generation {
-        disconnect(shared, &plugin.resource, generation);
+        disconnect(shared, resource, generation);
     }
 }
 

@@ -1,7 +1,9 @@
 //! What the simulated kubelet knows about the node: resources with their devices and endpoint,
-//! pods with their allocations, and the registration history. Read it through
+//! pods with their allocations, the registration history, and the DRA side (registered DRA
+//! plugins, prepared claims, pods' claim references). Read it through
 //! [`Kubelet::wait_for`](crate::Kubelet::wait_for) or [`Kubelet::read`](crate::Kubelet::read).
 
+use crate::dra::{DraClaim, DraPluginRecord, PreparedClaim};
 use devplug_proto::v1beta1::{ContainerAllocateResponse, DevicePluginOptions};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -17,6 +19,7 @@ pub struct NodeState {
     pub(crate) restarts: u64,
     pub(crate) bound_at: Option<Instant>,
     pub(crate) pod_resources_calls: u64,
+    pub(crate) dra: crate::dra::DraState,
 }
 
 impl NodeState {
@@ -63,6 +66,41 @@ impl NodeState {
     /// How many simulated kubelet restarts have happened.
     pub fn restarts(&self) -> u64 {
         self.restarts
+    }
+
+    /// Every registered DRA plugin endpoint, oldest registration first (a driver has several
+    /// during a rolling update).
+    pub fn dra_plugins(&self) -> impl Iterator<Item = &DraPluginRecord> {
+        self.dra.plugins.iter().map(|p| &p.record)
+    }
+
+    /// The registered endpoints of one DRA driver, oldest first.
+    pub fn dra_driver(&self, driver: &str) -> Vec<&DraPluginRecord> {
+        self.dra_plugins().filter(|p| p.driver == driver).collect()
+    }
+
+    /// The claims prepared through `driver`, by claim UID.
+    pub fn dra_prepared(&self, driver: &str) -> impl Iterator<Item = &PreparedClaim> {
+        self.dra
+            .prepared
+            .get(driver)
+            .into_iter()
+            .flat_map(|m| m.values())
+    }
+
+    /// The claim with UID `uid` if `driver` prepared it.
+    pub fn dra_claim(&self, driver: &str, uid: &str) -> Option<&PreparedClaim> {
+        self.dra.prepared.get(driver)?.get(uid)
+    }
+
+    /// The (driver, claim) pairs a pod references through
+    /// [`Kubelet::dra_prepare_pod`](crate::Kubelet::dra_prepare_pod).
+    pub fn dra_pod_claims(&self, pod: &str) -> impl Iterator<Item = (&str, &DraClaim)> {
+        self.dra
+            .pods
+            .get(pod)
+            .into_iter()
+            .flat_map(|refs| refs.iter().map(|(d, c)| (d.as_str(), c)))
     }
 
     /// The devices allocated to one container for one resource.
