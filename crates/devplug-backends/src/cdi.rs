@@ -231,6 +231,31 @@ pub fn valid_device_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || "_-.:".contains(c))
 }
 
+/// Writes `bytes` to `path` atomically: a temp file in the same folder (created if missing),
+/// synced, then renamed over `path`, so a reader sees the old file or the new one, never half
+/// of one. Returns the (device, inode) of the new file.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<(u64, u64)> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let result = (|| {
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        let meta = file.metadata()?;
+        std::fs::rename(&tmp, path)?;
+        Ok((meta.dev(), meta.ino()))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
 /// Writes one spec file, atomically, and removes it on drop if it is still ours.
 #[derive(Debug)]
 pub struct CdiWriter {
@@ -275,32 +300,9 @@ impl CdiWriter {
                 return Ok(false);
             }
         }
-        let dir = self.path.parent().unwrap_or(Path::new("."));
-        std::fs::create_dir_all(dir)?;
-        let name = self
-            .path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-        let result = (|| {
-            let mut file = std::fs::File::create(&tmp)?;
-            file.write_all(text.as_bytes())?;
-            file.sync_all()?;
-            let meta = file.metadata()?;
-            std::fs::rename(&tmp, &self.path)?;
-            Ok((meta.dev(), meta.ino()))
-        })();
-        match result {
-            Ok((dev, ino)) => {
-                self.written = Some((text, dev, ino));
-                Ok(true)
-            }
-            Err(err) => {
-                let _ = std::fs::remove_file(&tmp);
-                Err(err)
-            }
-        }
+        let (dev, ino) = write_atomic(&self.path, text.as_bytes())?;
+        self.written = Some((text, dev, ino));
+        Ok(true)
     }
 
     fn is_ours(&self, dev: u64, ino: u64) -> bool {

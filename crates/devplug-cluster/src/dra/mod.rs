@@ -1,5 +1,18 @@
-//! Dynamic Resource Allocation: one backend served as a DRA driver (issue 12).
+//! Dynamic Resource Allocation: one backend served as a DRA driver (issue 12), beside or
+//! instead of its device plugin.
 //!
 //! - [`names`]: device names in a ResourceSlice (DNS labels) from backend ids, a pure function
 //!   so every part agrees.
+//! - [`claims`]: a claim's allocation, read from the API server and checked against its UID.
+//! - [`checkpoint`]: the prepared claims, on disk, so a restart neither loses nor repeats one.
+//! - [`prepare`]: `NodePrepareResources` / `NodeUnprepareResources` claim by claim: backend
+//!   edits, one CDI spec per claim, the checkpoint.
+//! - `service.rs`: the `DRAPlugin` gRPC service, v1 and v1beta1, over [`prepare::Preparer`].
+//! - [`kubelet`]: the driver's sockets and its plugin-watcher registration.
+
+pub mod checkpoint;
+pub mod claims;
+pub mod kubelet;
 pub mod names;
+pub mod prepare;
+mod service;

@@ -1,0 +1,171 @@
+//! The prepared claims of one DRA driver on this node, in a JSON file beside its socket
+//! (`<plugins>/<driver>/checkpoint.json`), written atomically after every change and read at
+//! start, so a restarted devplug answers a repeated `NodePrepareResources` from what it did
+//! before (never preparing a claim twice) and can still unprepare claims prepared before the
+//! restart (never losing one).
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The format version written in the file.
+const VERSION: u32 = 1;
+
+/// One prepared device of a claim, as answered to the kubelet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PreparedDevice {
+    /// The claim's requests this device serves.
+    pub request_names: Vec<String>,
+    /// The pool (the node name).
+    pub pool: String,
+    /// The device's name in the ResourceSlice.
+    pub device: String,
+    /// The backend's id of the device.
+    pub id: String,
+    /// CDI ids (`vendor/class=name`) the runtime injects for this device.
+    pub cdi_device_ids: Vec<String>,
+    /// The share of a consumable-capacity device, as allocated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_id: Option<String>,
+}
+
+/// One prepared claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PreparedClaim {
+    /// The claim's namespace.
+    pub namespace: String,
+    /// The claim's name.
+    pub name: String,
+    /// Its devices.
+    pub devices: Vec<PreparedDevice>,
+    /// The CDI spec file written for it.
+    pub cdi_spec: PathBuf,
+}
+
+/// Every prepared claim of one driver, by claim UID.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    version: u32,
+    /// The driver the file belongs to.
+    pub driver: String,
+    /// Prepared claims by UID.
+    pub claims: BTreeMap<String, PreparedClaim>,
+}
+
+/// A checkpoint file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// It could not be read.
+    #[error("cannot read the DRA checkpoint {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// It is not a checkpoint of this driver in a format we know.
+    #[error(
+        "the DRA checkpoint {path} cannot be used: {reason}; the claims it lists may still be \
+         prepared: move it away only after checking /var/run/cdi and the pods on this node"
+    )]
+    Invalid {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+impl Checkpoint {
+    /// An empty checkpoint of `driver`.
+    pub fn new(driver: &str) -> Checkpoint {
+        Checkpoint {
+            version: VERSION,
+            driver: driver.to_owned(),
+            claims: BTreeMap::new(),
+        }
+    }
+
+    /// Reads the checkpoint at `path`; a missing file is an empty checkpoint.
+    pub fn load(path: &Path, driver: &str) -> Result<Checkpoint, CheckpointError> {
+        let text = match std::fs::read(path) {
+            Ok(text) => text,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Checkpoint::new(driver))
+            }
+            Err(source) => {
+                return Err(CheckpointError::Read {
+                    path: path.display().to_string(),
+                    source,
+                })
+            }
+        };
+        let invalid = |reason: String| CheckpointError::Invalid {
+            path: path.display().to_string(),
+            reason,
+        };
+        let checkpoint: Checkpoint =
+            serde_json::from_slice(&text).map_err(|e| invalid(e.to_string()))?;
+        if checkpoint.version != VERSION {
+            return Err(invalid(format!(
+                "version {} (this devplug writes {VERSION})",
+                checkpoint.version
+            )));
+        }
+        if checkpoint.driver != driver {
+            return Err(invalid(format!(
+                "it belongs to driver {:?}, not {driver:?}",
+                checkpoint.driver
+            )));
+        }
+        Ok(checkpoint)
+    }
+
+    /// Writes the checkpoint to `path` atomically.
+    pub fn save(&self, path: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
+        devplug_backends::cdi::write_atomic(path, &text).map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_refusals() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("checkpoint.json");
+        assert_eq!(
+            Checkpoint::load(&path, "npu.example.com").unwrap(),
+            Checkpoint::new("npu.example.com")
+        );
+        let mut checkpoint = Checkpoint::new("npu.example.com");
+        checkpoint.claims.insert(
+            "u1".into(),
+            PreparedClaim {
+                namespace: "ns".into(),
+                name: "c".into(),
+                devices: vec![PreparedDevice {
+                    request_names: vec!["npus".into()],
+                    pool: "node-a".into(),
+                    device: "npu-1".into(),
+                    id: "npu-1".into(),
+                    cdi_device_ids: vec!["npu.example.com/claim=u1-npus".into()],
+                    share_id: None,
+                }],
+                cdi_spec: "/var/run/cdi/x.json".into(),
+            },
+        );
+        checkpoint.save(&path).unwrap();
+        assert_eq!(
+            Checkpoint::load(&path, "npu.example.com").unwrap(),
+            checkpoint
+        );
+        let err = Checkpoint::load(&path, "gpu.example.com").unwrap_err();
+        assert!(err.to_string().contains("belongs to driver"), "{err}");
+        std::fs::write(&path, b"{").unwrap();
+        let err = Checkpoint::load(&path, "npu.example.com").unwrap_err();
+        assert!(err.to_string().contains("cannot be used"), "{err}");
+    }
+}

@@ -1,0 +1,186 @@
+//! Which devices the scheduler gave a claim: the `ResourceClaim`'s
+//! `status.allocation.devices.results`, read from the API server by namespace and name and
+//! checked against the UID the kubelet sent (a claim deleted and created again under the same
+//! name is another claim). Only results of our driver count. Behind [`ClaimSource`] so that the
+//! prepare path can be driven without an API server where that is the point of a test.
+
+use devplug::backend::BoxFuture;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde::{Deserialize, Serialize};
+
+/// A claim as the kubelet names it in `NodePrepareResources`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct ClaimRef {
+    /// The claim's namespace.
+    pub namespace: String,
+    /// The claim's name.
+    pub name: String,
+    /// The claim's UID.
+    pub uid: String,
+}
+
+impl std::fmt::Display for ClaimRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{} ({})", self.namespace, self.name, self.uid)
+    }
+}
+
+/// One device the scheduler allocated to a claim, for one of the claim's requests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocatedDevice {
+    /// The request (`gpus`, or `gpus/small` for a sub-request of a prioritized list).
+    pub request: String,
+    /// The pool the device came from (ours: the node name).
+    pub pool: String,
+    /// The device's name in the ResourceSlice.
+    pub device: String,
+    /// The share of a device with consumable capacity, if any.
+    pub share_id: Option<String>,
+}
+
+/// Where the prepare path learns a claim's allocation.
+pub trait ClaimSource: Send + Sync + 'static {
+    /// The devices of our driver allocated to `claim`, or why there are none to prepare.
+    fn allocation<'a>(
+        &'a self,
+        claim: &'a ClaimRef,
+    ) -> BoxFuture<'a, Result<Vec<AllocatedDevice>, String>>;
+}
+
+/// Claims read from the API server.
+#[derive(Clone)]
+pub struct KubeClaims {
+    client: kube::Client,
+    driver: String,
+}
+
+impl KubeClaims {
+    /// Reads claims with `client`, keeping the results of `driver`.
+    pub fn new(client: kube::Client, driver: impl Into<String>) -> KubeClaims {
+        KubeClaims {
+            client,
+            driver: driver.into(),
+        }
+    }
+}
+
+impl ClaimSource for KubeClaims {
+    fn allocation<'a>(
+        &'a self,
+        claim: &'a ClaimRef,
+    ) -> BoxFuture<'a, Result<Vec<AllocatedDevice>, String>> {
+        Box::pin(async move {
+            let api: kube::Api<ResourceClaim> =
+                kube::Api::namespaced(self.client.clone(), &claim.namespace);
+            let found = api
+                .get_opt(&claim.name)
+                .await
+                .map_err(|e| format!("cannot read ResourceClaim {claim}: {e}"))?
+                .ok_or_else(|| format!("ResourceClaim {claim} does not exist"))?;
+            our_devices(&found, claim, &self.driver)
+        })
+    }
+}
+
+/// The results of `driver` in `found`, after checking that it is the claim the kubelet meant.
+pub fn our_devices(
+    found: &ResourceClaim,
+    claim: &ClaimRef,
+    driver: &str,
+) -> Result<Vec<AllocatedDevice>, String> {
+    let uid = found.metadata.uid.as_deref().unwrap_or_default();
+    if uid != claim.uid {
+        return Err(format!(
+            "ResourceClaim {}/{} has UID {uid:?}, not {:?}: it was deleted and created again",
+            claim.namespace, claim.name, claim.uid
+        ));
+    }
+    let results = found
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .ok_or_else(|| format!("ResourceClaim {claim} is not allocated"))?
+        .devices
+        .as_ref()
+        .and_then(|d| d.results.as_ref());
+    let ours: Vec<AllocatedDevice> = results
+        .into_iter()
+        .flatten()
+        .filter(|r| r.driver == driver)
+        .map(|r| AllocatedDevice {
+            request: r.request.clone(),
+            pool: r.pool.clone(),
+            device: r.device.clone(),
+            share_id: r.share_id.clone(),
+        })
+        .collect();
+    if ours.is_empty() {
+        return Err(format!(
+            "ResourceClaim {claim} has no device of driver {driver} in its allocation"
+        ));
+    }
+    Ok(ours)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::resource::v1::{
+        AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult,
+        ResourceClaimStatus,
+    };
+
+    fn result(driver: &str, device: &str) -> DeviceRequestAllocationResult {
+        DeviceRequestAllocationResult {
+            driver: driver.into(),
+            pool: "node-a".into(),
+            device: device.into(),
+            request: "npus".into(),
+            ..Default::default()
+        }
+    }
+
+    fn claim(uid: &str, results: Option<Vec<DeviceRequestAllocationResult>>) -> ResourceClaim {
+        let mut claim = ResourceClaim::default();
+        claim.metadata.uid = Some(uid.into());
+        claim.status = Some(ResourceClaimStatus {
+            allocation: results.map(|results| AllocationResult {
+                devices: Some(DeviceAllocationResult {
+                    results: Some(results),
+                    config: None,
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        claim
+    }
+
+    #[test]
+    fn keeps_our_results_and_checks_the_uid() {
+        let want = ClaimRef {
+            namespace: "ns".into(),
+            name: "c".into(),
+            uid: "u1".into(),
+        };
+        let found = claim(
+            "u1",
+            Some(vec![
+                result("npu.example.com", "npu-1"),
+                result("other.io", "x"),
+            ]),
+        );
+        let ours = our_devices(&found, &want, "npu.example.com").unwrap();
+        assert_eq!(ours.len(), 1);
+        assert_eq!(
+            (ours[0].device.as_str(), ours[0].request.as_str()),
+            ("npu-1", "npus")
+        );
+        let err = our_devices(&claim("u2", None), &want, "npu.example.com").unwrap_err();
+        assert!(err.contains("deleted and created again"), "{err}");
+        let err = our_devices(&claim("u1", None), &want, "npu.example.com").unwrap_err();
+        assert!(err.contains("not allocated"), "{err}");
+        let err = our_devices(&found, &want, "gpu.example.com").unwrap_err();
+        assert!(err.contains("no device of driver gpu.example.com"), "{err}");
+    }
+}

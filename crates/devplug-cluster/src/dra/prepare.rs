@@ -1,0 +1,420 @@
+//! `NodePrepareResources` and `NodeUnprepareResources` for one driver, without the gRPC: what
+//! the kubelet asks for, claim by claim, with an answer for every claim and never a whole-call
+//! failure for one bad claim.
+//!
+//! Preparing a claim: its allocation from the [`ClaimSource`] (our driver's results only, in our
+//! pool), the devices looked up by their slice names in the backend's newest list (a device
+//! that left or is unhealthy is that claim's error), the backend's `allocate` once per request
+//! of the claim (the same container edits `Allocate` gives a device plugin container; its
+//! `pre_start` too when the backend asks for it), one CDI spec file per claim written
+//! atomically with one CDI device per request (`<driver>/claim=<claim uid>-<request>`), then
+//! the claim in the checkpoint, then the answer. The first device of each request carries that
+//! request's CDI id: the kubelet gives a container the CDI ids of the devices of the requests it
+//! uses, so each request's edits reach it exactly once.
+//!
+//! Repeats are answered from the checkpoint; unpreparing a claim we do not know is a success.
+//! Calls are serialized per driver (the checkpoint is one file).
+
+use super::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, PreparedDevice};
+use super::claims::{AllocatedDevice, ClaimRef, ClaimSource};
+use super::names::device_name;
+use devplug::Backend;
+use devplug_backends::cdi::{qualified_name, Spec};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Mutex;
+
+/// How long one claim's read from the API server may take (the kubelet gives the whole call
+/// 45 s).
+const CLAIM_READ_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Per-claim results of a call, by claim UID.
+pub type ClaimResults<T> = BTreeMap<String, Result<T, String>>;
+
+/// Where a driver keeps its files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrepareFiles {
+    /// Folder of the CDI spec files (`/var/run/cdi`).
+    pub cdi_dir: PathBuf,
+    /// The checkpoint file.
+    pub checkpoint: PathBuf,
+}
+
+/// Prepares and unprepares the claims of one driver.
+pub struct Preparer {
+    driver: String,
+    pool: String,
+    backend: Arc<dyn Backend>,
+    claims: Arc<dyn ClaimSource>,
+    files: PrepareFiles,
+    state: Mutex<Checkpoint>,
+}
+
+impl Preparer {
+    /// A preparer of `driver`'s claims for `pool` (the node name), reading the checkpoint.
+    pub fn new(
+        driver: &str,
+        pool: &str,
+        backend: Arc<dyn Backend>,
+        claims: Arc<dyn ClaimSource>,
+        files: PrepareFiles,
+    ) -> Result<Preparer, CheckpointError> {
+        let checkpoint = Checkpoint::load(&files.checkpoint, driver)?;
+        Ok(Preparer {
+            driver: driver.to_owned(),
+            pool: pool.to_owned(),
+            backend,
+            claims,
+            files,
+            state: Mutex::new(checkpoint),
+        })
+    }
+
+    /// The driver's name.
+    pub fn driver(&self) -> &str {
+        &self.driver
+    }
+
+    /// The prepared claims now, by UID.
+    pub async fn prepared(&self) -> BTreeMap<String, PreparedClaim> {
+        self.state.lock().await.claims.clone()
+    }
+
+    /// Prepares every claim; one result per distinct claim UID.
+    pub async fn prepare(&self, claims: &[ClaimRef]) -> ClaimResults<Vec<PreparedDevice>> {
+        let mut results = BTreeMap::new();
+        let mut state = self.state.lock().await;
+        for claim in claims {
+            if results.contains_key(&claim.uid) {
+                continue;
+            }
+            let result = self.prepare_one(&mut state, claim).await;
+            if let Err(err) = &result {
+                tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot prepare the claim");
+            }
+            results.insert(claim.uid.clone(), result);
+        }
+        results
+    }
+
+    async fn prepare_one(
+        &self,
+        state: &mut Checkpoint,
+        claim: &ClaimRef,
+    ) -> Result<Vec<PreparedDevice>, String> {
+        if let Some(done) = state.claims.get(&claim.uid) {
+            return Ok(done.devices.clone());
+        }
+        let allocated = tokio::time::timeout(CLAIM_READ_TIMEOUT, self.claims.allocation(claim))
+            .await
+            .map_err(|_| {
+                format!("reading ResourceClaim {claim} took over {CLAIM_READ_TIMEOUT:?}")
+            })??;
+        let (spec, devices) = self.plan(claim, &allocated)?;
+        if self.backend.options().pre_start_required {
+            let ids: Vec<String> = devices.iter().map(|d| d.id.clone()).collect();
+            self.backend
+                .pre_start(&ids)
+                .await
+                .map_err(|e| format!("preparing the devices failed: {}", e.0))?;
+        }
+        let spec_path = self.spec_path(&claim.uid);
+        devplug_backends::cdi::write_atomic(&spec_path, spec.to_json().as_bytes())
+            .map_err(|e| format!("cannot write the CDI spec {}: {e}", spec_path.display()))?;
+        state.claims.insert(
+            claim.uid.clone(),
+            PreparedClaim {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                devices: devices.clone(),
+                cdi_spec: spec_path.clone(),
+            },
+        );
+        if let Err(err) = state.save(&self.files.checkpoint) {
+            state.claims.remove(&claim.uid);
+            let _ = std::fs::remove_file(&spec_path);
+            return Err(format!(
+                "cannot write the checkpoint {}: {err}",
+                self.files.checkpoint.display()
+            ));
+        }
+        tracing::info!(driver = %self.driver, claim = %claim, devices = devices.len(), "claim prepared");
+        Ok(devices)
+    }
+
+    /// The CDI spec and the answer for a claim's allocation, from the backend's newest list.
+    fn plan(
+        &self,
+        claim: &ClaimRef,
+        allocated: &[AllocatedDevice],
+    ) -> Result<(Spec, Vec<PreparedDevice>), String> {
+        let list = self.backend.devices().borrow().clone();
+        let by_name: HashMap<String, &devplug::Device> = list
+            .devices()
+            .iter()
+            .map(|d| (device_name(&d.id), d))
+            .collect();
+        // Requests in allocation order, each with its devices' ids.
+        let mut requests: Vec<(&str, Vec<String>)> = Vec::new();
+        let mut devices: Vec<PreparedDevice> = Vec::new();
+        for result in allocated {
+            if result.pool != self.pool {
+                return Err(format!(
+                    "device {} is in pool {:?}, not this node's pool {:?}",
+                    result.device, result.pool, self.pool
+                ));
+            }
+            let device = by_name.get(&result.device).ok_or_else(|| {
+                format!(
+                    "device {} is not one of driver {}'s devices on this node (any more)",
+                    result.device, self.driver
+                )
+            })?;
+            if let devplug::Health::Unhealthy { reason } = &device.health {
+                return Err(format!("device {} is unhealthy: {reason}", result.device));
+            }
+            match requests.iter_mut().find(|(r, _)| *r == result.request) {
+                Some((_, ids)) => {
+                    if !ids.contains(&device.id) {
+                        ids.push(device.id.clone())
+                    }
+                }
+                None => requests.push((&result.request, vec![device.id.clone()])),
+            }
+            match devices.iter_mut().find(|d| d.device == result.device) {
+                Some(known) => known.request_names.push(result.request.clone()),
+                None => devices.push(PreparedDevice {
+                    request_names: vec![result.request.clone()],
+                    pool: result.pool.clone(),
+                    device: result.device.clone(),
+                    id: device.id.clone(),
+                    cdi_device_ids: Vec::new(),
+                    share_id: result.share_id.clone(),
+                }),
+            }
+        }
+        let kind = self.cdi_kind();
+        let mut spec = Spec::new(kind.clone());
+        for (request, ids) in &requests {
+            let edits = self
+                .backend
+                .allocate(ids)
+                .map_err(|e| format!("the backend refused devices {ids:?}: {e}"))?;
+            let name = cdi_device_name(&claim.uid, request);
+            spec = spec.device(name.clone(), &edits);
+            if let Some(first) = devices
+                .iter_mut()
+                .find(|d| d.request_names.iter().any(|r| r == request))
+            {
+                first.cdi_device_ids.push(qualified_name(&kind, &name));
+            }
+        }
+        Ok((spec, devices))
+    }
+
+    /// Unprepares every claim; one result per distinct claim UID.
+    pub async fn unprepare(&self, claims: &[ClaimRef]) -> ClaimResults<()> {
+        let mut results = BTreeMap::new();
+        let mut state = self.state.lock().await;
+        for claim in claims {
+            let result = self.unprepare_one(&mut state, claim);
+            if let Err(err) = &result {
+                tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot unprepare the claim");
+            }
+            results.insert(claim.uid.clone(), result);
+        }
+        results
+    }
+
+    fn unprepare_one(&self, state: &mut Checkpoint, claim: &ClaimRef) -> Result<(), String> {
+        let Some(prepared) = state.claims.get(&claim.uid) else {
+            return Ok(());
+        };
+        match std::fs::remove_file(&prepared.cdi_spec) {
+            Ok(()) => {}
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+            Err(err) => {
+                return Err(format!(
+                    "cannot remove the CDI spec {}: {err}",
+                    prepared.cdi_spec.display()
+                ))
+            }
+        }
+        let Some(removed) = state.claims.remove(&claim.uid) else {
+            return Ok(());
+        };
+        if let Err(err) = state.save(&self.files.checkpoint) {
+            state.claims.insert(claim.uid.clone(), removed);
+            return Err(format!(
+                "cannot write the checkpoint {}: {err}",
+                self.files.checkpoint.display()
+            ));
+        }
+        tracing::info!(driver = %self.driver, claim = %claim, "claim unprepared");
+        Ok(())
+    }
+
+    /// The CDI kind of this driver's claim specs: `<driver>/claim`.
+    pub fn cdi_kind(&self) -> String {
+        format!("{}/claim", self.driver)
+    }
+
+    fn spec_path(&self, uid: &str) -> PathBuf {
+        spec_path(&self.files.cdi_dir, &self.driver, uid)
+    }
+}
+
+/// The CDI spec file of a claim: `<cdi_dir>/devplug-<driver>-<uid>.json`.
+pub fn spec_path(cdi_dir: &Path, driver: &str, uid: &str) -> PathBuf {
+    let clean = |s: &str| -> String {
+        s.chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect()
+    };
+    cdi_dir.join(format!("devplug-{}-{}.json", clean(driver), clean(uid)))
+}
+
+/// The CDI device name of one request of a claim: `<uid>-<request>`, with characters CDI does
+/// not take (the `/` of a sub-request) as `_`.
+fn cdi_device_name(uid: &str, request: &str) -> String {
+    format!("{uid}-{request}")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "_-.:".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use devplug::backend::BoxFuture;
+    use devplug::{AllocateError, ContainerEdits, Device, DeviceList, Health};
+    use tokio::sync::watch;
+
+    struct Npus(watch::Sender<DeviceList>);
+
+    impl Backend for Npus {
+        fn devices(&self) -> watch::Receiver<DeviceList> {
+            self.0.subscribe()
+        }
+        fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
+            Ok(ContainerEdits::default().env("NPU_VISIBLE_DEVICES", ids.join(",")))
+        }
+    }
+
+    struct Fixed(HashMap<String, Vec<AllocatedDevice>>);
+
+    impl ClaimSource for Fixed {
+        fn allocation<'a>(
+            &'a self,
+            claim: &'a ClaimRef,
+        ) -> BoxFuture<'a, Result<Vec<AllocatedDevice>, String>> {
+            let found = self.0.get(&claim.uid).cloned();
+            Box::pin(async move { found.ok_or_else(|| "no such claim".to_owned()) })
+        }
+    }
+
+    fn allocated(request: &str, device: &str) -> AllocatedDevice {
+        AllocatedDevice {
+            request: request.into(),
+            pool: "node-a".into(),
+            device: device.into(),
+            share_id: None,
+        }
+    }
+
+    fn claim(uid: &str) -> ClaimRef {
+        ClaimRef {
+            namespace: "ns".into(),
+            name: format!("claim-{uid}"),
+            uid: uid.into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn prepare_writes_a_spec_per_claim_and_survives_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let list = DeviceList::new([
+            Device::new("npu-0"),
+            Device::new("NPU-1"),
+            Device::new("npu-2").with_health(Health::unhealthy("hot")),
+        ]);
+        let (tx, _) = watch::channel(list);
+        let backend: Arc<dyn Backend> = Arc::new(Npus(tx));
+        let claims: Arc<dyn ClaimSource> = Arc::new(Fixed(HashMap::from([
+            (
+                "u1".to_owned(),
+                vec![
+                    allocated("a", "npu-0"),
+                    allocated("a", &device_name("NPU-1")),
+                ],
+            ),
+            ("u2".to_owned(), vec![allocated("a", "npu-2")]),
+            ("u3".to_owned(), vec![allocated("a", "npu-9")]),
+        ])));
+        let files = PrepareFiles {
+            cdi_dir: dir.path().join("cdi"),
+            checkpoint: dir.path().join("checkpoint.json"),
+        };
+        let preparer = Preparer::new(
+            "npu.example.com",
+            "node-a",
+            backend.clone(),
+            claims.clone(),
+            files.clone(),
+        )
+        .unwrap();
+        let results = preparer
+            .prepare(&[claim("u1"), claim("u2"), claim("u3"), claim("u4")])
+            .await;
+        let devices = results["u1"].as_ref().unwrap();
+        assert_eq!(devices.len(), 2);
+        assert_eq!(
+            devices[0].cdi_device_ids,
+            vec!["npu.example.com/claim=u1-a".to_owned()]
+        );
+        assert!(
+            devices[1].cdi_device_ids.is_empty(),
+            "one CDI id per request"
+        );
+        assert_eq!(devices[1].id, "NPU-1");
+        assert!(results["u2"]
+            .as_ref()
+            .unwrap_err()
+            .contains("unhealthy: hot"));
+        assert!(results["u3"]
+            .as_ref()
+            .unwrap_err()
+            .contains("npu-9 is not one"));
+        assert!(results["u4"]
+            .as_ref()
+            .unwrap_err()
+            .contains("no such claim"));
+        let spec_file = spec_path(&files.cdi_dir, "npu.example.com", "u1");
+        let spec = std::fs::read_to_string(&spec_file).unwrap();
+        assert!(spec.contains("NPU_VISIBLE_DEVICES=npu-0,NPU-1"), "{spec}");
+
+        // A new process answers the repeat from the checkpoint, and can unprepare.
+        drop(preparer);
+        let again = Preparer::new("npu.example.com", "node-a", backend, claims, files).unwrap();
+        let results = again.prepare(&[claim("u1")]).await;
+        assert_eq!(results["u1"].as_ref().unwrap(), devices);
+        let results = again.unprepare(&[claim("u1"), claim("u9")]).await;
+        assert!(results.values().all(Result::is_ok));
+        assert!(!spec_file.exists());
+        assert!(again.prepared().await.is_empty());
+    }
+}

@@ -1,0 +1,142 @@
+//! The DRA driver's kubelet side against the kubelet simulator over real Unix sockets: found by
+//! the plugin watcher, registered as `v1.DRAPlugin`, claims prepared with CDI ids and a spec on
+//! disk, unprepared, and a restarted driver answering from its checkpoint. Claims come from a
+//! fixed table here (the API server path is tested in `dra_e2e.rs`).
+
+use devplug::backend::BoxFuture;
+use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList};
+use devplug_cluster::dra::claims::{AllocatedDevice, ClaimRef, ClaimSource};
+use devplug_cluster::dra::kubelet::{KubeletDirs, KubeletSide, Registered};
+use devplug_cluster::dra::prepare::{PrepareFiles, Preparer};
+use kubelet_sim::{DraClaim, DraService, Kubelet, SimConfig};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+const DRIVER: &str = "npu.example.com";
+
+struct Npus(watch::Sender<DeviceList>);
+
+impl Backend for Npus {
+    fn devices(&self) -> watch::Receiver<DeviceList> {
+        self.0.subscribe()
+    }
+    fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
+        Ok(ContainerEdits::default().env("NPU_VISIBLE_DEVICES", ids.join(",")))
+    }
+}
+
+struct Fixed(HashMap<String, Vec<AllocatedDevice>>);
+
+impl ClaimSource for Fixed {
+    fn allocation<'a>(
+        &'a self,
+        claim: &'a ClaimRef,
+    ) -> BoxFuture<'a, Result<Vec<AllocatedDevice>, String>> {
+        let found = self.0.get(&claim.uid).cloned();
+        Box::pin(async move { found.ok_or_else(|| format!("no claim {}", claim.uid)) })
+    }
+}
+
+fn device(request: &str, name: &str) -> AllocatedDevice {
+    AllocatedDevice {
+        request: request.into(),
+        pool: "node-a".into(),
+        device: name.into(),
+        share_id: None,
+    }
+}
+
+fn preparer(files: &PrepareFiles) -> Arc<Preparer> {
+    let list = DeviceList::new((0..4).map(|i| Device::new(format!("npu-{i}"))));
+    let (tx, _) = watch::channel(list);
+    let claims = Fixed(HashMap::from([(
+        "uid-1".to_owned(),
+        vec![device("npus", "npu-1"), device("npus", "npu-2")],
+    )]));
+    Arc::new(
+        Preparer::new(
+            DRIVER,
+            "node-a",
+            Arc::new(Npus(tx)),
+            Arc::new(claims),
+            files.clone(),
+        )
+        .unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn the_kubelet_registers_the_driver_and_prepares_claims_across_a_restart() {
+    let root = tempfile::tempdir().unwrap();
+    let device_plugins = root.path().join("device-plugins");
+    std::fs::create_dir_all(&device_plugins).unwrap();
+    let dirs = KubeletDirs::beside(&device_plugins);
+    let config = SimConfig {
+        watcher_reconcile: Duration::from_millis(50),
+        ..SimConfig::default()
+    }
+    .with_watcher_beside(&device_plugins);
+    let kubelet = Kubelet::start_with(&device_plugins, config).await.unwrap();
+    let files = PrepareFiles {
+        cdi_dir: root.path().join("cdi"),
+        checkpoint: dirs.driver_dir(DRIVER).join("checkpoint.json"),
+    };
+    let side = KubeletSide::start(preparer(&files), &dirs).unwrap();
+    let mut registered = side.registered();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        registered.wait_for(|r| *r == Registered::Yes),
+    )
+    .await
+    .expect("registered within 10 s")
+    .unwrap();
+    let service = kubelet.read(|node| node.dra_driver(DRIVER).first().map(|r| r.service));
+    assert_eq!(service, Some(DraService::V1));
+
+    let claim = DraClaim::new("ns", "claim-1", "uid-1");
+    let unknown = DraClaim::new("ns", "claim-9", "uid-9");
+    let results = kubelet
+        .dra_prepare(DRIVER, &[claim.clone(), unknown.clone()])
+        .await
+        .unwrap();
+    let devices = results["uid-1"].as_ref().unwrap();
+    assert_eq!(devices.len(), 2);
+    assert_eq!(devices[0].device_name, "npu-1");
+    assert_eq!(devices[0].pool_name, "node-a");
+    assert_eq!(
+        devices[0].cdi_device_ids,
+        vec![format!("{DRIVER}/claim=uid-1-npus")]
+    );
+    let err = results["uid-9"].as_ref().unwrap_err();
+    assert!(format!("{err:?}").contains("no claim uid-9"), "{err:?}");
+    let spec_path = devplug_cluster::dra::prepare::spec_path(&files.cdi_dir, DRIVER, "uid-1");
+    let spec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&spec_path).unwrap()).unwrap();
+    assert_eq!(spec["kind"], format!("{DRIVER}/claim"));
+    assert_eq!(spec["devices"][0]["name"], "uid-1-npus");
+    assert_eq!(
+        spec["devices"][0]["containerEdits"]["env"][0],
+        "NPU_VISIBLE_DEVICES=npu-1,npu-2"
+    );
+
+    // devplug restarts: the new instance registers again and knows the claim.
+    assert!(side.stop().await.is_empty());
+    let side = KubeletSide::start(preparer(&files), &dirs).unwrap();
+    let mut registered = side.registered();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        registered.wait_for(|r| *r == Registered::Yes),
+    )
+    .await
+    .expect("registered again within 10 s")
+    .unwrap();
+    let again = kubelet.dra_prepare(DRIVER, &[claim.clone()]).await.unwrap();
+    assert_eq!(again["uid-1"].as_ref().unwrap(), devices);
+    let gone = kubelet.dra_unprepare(DRIVER, &[claim]).await.unwrap();
+    assert!(gone["uid-1"].is_ok());
+    assert!(!spec_path.exists(), "the claim's CDI spec is removed");
+    assert!(side.stop().await.is_empty());
+    kubelet.stop().await;
+}
