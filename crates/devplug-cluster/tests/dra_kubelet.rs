@@ -48,6 +48,7 @@ fn device(request: &str, name: &str) -> AllocatedDevice {
     }
 }
 
+#[allow(clippy::unwrap_used)]
 fn preparer(files: &PrepareFiles) -> Arc<Preparer> {
     let list = DeviceList::new((0..4).map(|i| Device::new(format!("npu-{i}"))));
     let (tx, _) = watch::channel(list);
@@ -132,7 +133,7 @@ async fn the_kubelet_registers_the_driver_and_prepares_claims_across_a_restart()
     .await
     .expect("registered again within 10 s")
     .unwrap();
-    let again = kubelet.dra_prepare(DRIVER, &[claim.clone()]).await.unwrap();
+    let again = kubelet.dra_prepare(DRIVER, std::slice::from_ref(&claim)).await.unwrap();
     assert_eq!(again["uid-1"].as_ref().unwrap(), devices);
     let gone = kubelet.dra_unprepare(DRIVER, &[claim]).await.unwrap();
     assert!(gone["uid-1"].is_ok());
