@@ -99,6 +99,30 @@ pub struct ResourceConfig {
     /// No device and no socket: `run` keeps `count` of this extended resource on its own Node's
     /// status (seed 003), through the API server.
     pub advertise: Option<AdvertiseSettings>,
+    /// Serve this resource's devices as a DRA driver (ResourceSlices, claim preparation); by
+    /// itself, or beside its device plugin with `device_plugin: true`.
+    pub dra: Option<DraSettings>,
+}
+
+/// A resource served as a Dynamic Resource Allocation driver.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DraSettings {
+    /// The driver's name: a DNS subdomain such as `npu.example.com` (no `/`; the API server
+    /// refuses `example.com/npu`). DeviceClasses select it with `device.driver == "…"`.
+    pub driver: String,
+    /// Also serve the device plugin (default false). Both at once offer the same devices to
+    /// two allocators that do not know of each other: only for devices that can be shared, or
+    /// while moving a node from one to the other.
+    #[serde(default)]
+    pub device_plugin: bool,
+}
+
+impl ResourceConfig {
+    /// True when the resource is served through the kubelet's device plugin API.
+    pub fn serves_device_plugin(&self) -> bool {
+        self.advertise.is_none() && self.dra.as_ref().is_none_or(|d| d.device_plugin)
+    }
 }
 
 /// An extended resource advertised on the Node, with no device plugin behind it.
@@ -194,6 +218,7 @@ impl Config {
 
     fn validate(&self, path: &Path) -> Result<(), ConfigError> {
         let mut seen = HashSet::new();
+        let mut drivers: std::collections::HashMap<&str, usize> = Default::default();
         for (index, resource) in self.resources.iter().enumerate() {
             let fail = |problem: String| ConfigError::Resource {
                 path: path.to_owned(),
@@ -208,6 +233,24 @@ impl Config {
                 ));
             }
             resource.settings_check().map_err(fail)?;
+            if let Some(dra) = &resource.dra {
+                if resource.advertise.is_some() {
+                    return Err(fail(
+                        "dra: an advertise: resource has no devices to serve as a DRA driver; \
+                         remove one of the two"
+                            .into(),
+                    ));
+                }
+                devplug::attributes::check_dns_subdomain(&dra.driver)
+                    .map_err(|e| fail(format!("dra.driver: {e}")))?;
+                if let Some(first) = drivers.insert(dra.driver.as_str(), index) {
+                    return Err(fail(format!(
+                        "dra.driver: {} is already the driver of resources[{first}]; each \
+                         driver serves one resource",
+                        dra.driver
+                    )));
+                }
+            }
         }
         if self.resources.is_empty() {
             return Err(ConfigError::Parse {
@@ -500,6 +543,27 @@ mod tests {
     }
 
     #[test]
+    fn dra_parses_and_decides_the_device_plugin() {
+        let config = parse(
+            "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.example.com }\n  - name: example.com/both\n    virtual: { count: 2 }\n    dra: { driver: both.example.com, device_plugin: true }\n  - name: example.com/dp\n    virtual: { count: 2 }\n",
+        )
+        .unwrap();
+        let serves: Vec<bool> = config
+            .resources
+            .iter()
+            .map(ResourceConfig::serves_device_plugin)
+            .collect();
+        assert_eq!(serves, [false, true, true]);
+        assert_eq!(
+            config.resources[0].dra,
+            Some(DraSettings {
+                driver: "npu.example.com".into(),
+                device_plugin: false
+            })
+        );
+    }
+
+    #[test]
     fn advertise_parses() {
         let config =
             parse("resources:\n  - name: example.com/dongle\n    advertise: { count: 4 }\n")
@@ -551,6 +615,9 @@ resources:
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/x\n    virtual: { count: 1 }\n", "resources[1] (a.com/x): name: this resource is listed twice"),
             ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files, hostdev, amdgpu, intel_gpu, nvidia, advertise"),
             ("resources:\n  - name: a.com/x\n    advertise: { count: 0 }\n", "resources[0] (a.com/x): advertise.count: must be between 1"),
+            ("resources:\n  - name: a.com/x\n    virtual: { count: 2 }\n    dra: { driver: a.com/x }\n", "resources[0] (a.com/x): dra.driver: \"a.com/x\" is not a DNS subdomain"),
+            ("resources:\n  - name: a.com/x\n    virtual: { count: 2 }\n    dra: { driver: x.a.com }\n  - name: a.com/y\n    virtual: { count: 2 }\n    dra: { driver: x.a.com }\n", "resources[1] (a.com/y): dra.driver: x.a.com is already the driver of resources[0]"),
+            ("resources:\n  - name: a.com/x\n    advertise: { count: 2 }\n    dra: { driver: x.a.com }\n", "resources[0] (a.com/x): dra: an advertise: resource"),
             ("resources:\n  - name: a.com/x\n    advertise: { count: 1 }\n    virtual: { count: 1 }\n", "2 backends (virtual, advertise)"),
             ("resources:\n  - name: a.com/x\n    hostdev: { groups: [ { paths: [ttyUSB0] } ] }\n", "resources[0] (a.com/x): hostdev.groups[0].paths[0]: \"ttyUSB0\" must be a device node path under /dev/"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    files: { dir: /x }\n", "2 backends (virtual, files)"),

@@ -35,6 +35,7 @@ pub struct ApiServer {
 }
 
 static SHARED: OnceLock<Result<ApiServer, String>> = OnceLock::new();
+static SCHEDULER: OnceLock<Result<(), String>> = OnceLock::new();
 
 /// Why the control plane could not start.
 fn fail(what: &str, err: impl std::fmt::Display) -> String {
@@ -66,6 +67,36 @@ impl ApiServer {
             Ok(server) => Some(server),
             Err(err) => panic!("cannot start the test control plane: {err}"),
         }
+    }
+
+    /// Starts `kube-scheduler` from `KUBEBUILDER_ASSETS` against this API server, once per test
+    /// binary (the DRA tests need it: it allocates ResourceClaims and binds pods). Stopped by
+    /// PID when the test binary exits.
+    pub fn start_scheduler(&self) -> Result<(), String> {
+        SCHEDULER
+            .get_or_init(|| {
+                let assets = std::env::var_os("KUBEBUILDER_ASSETS")
+                    .ok_or_else(|| "KUBEBUILDER_ASSETS is not set".to_owned())?;
+                let binary = Path::new(&assets).join("kube-scheduler");
+                if !binary.is_file() {
+                    return Err(format!(
+                        "{} is missing: the DRA tests need kube-scheduler beside kube-apiserver \
+                         (../shared/k8s/setup.sh puts it there)",
+                        binary.display()
+                    ));
+                }
+                let child = spawn(
+                    &binary,
+                    &[
+                        format!("--kubeconfig={}", self.kubeconfig.display()),
+                        "--leader-elect=false".into(),
+                        "--secure-port=0".into(),
+                    ],
+                    &self.dir.join("kube-scheduler.log"),
+                )?;
+                reap_at_exit(&self.dir, &[child.id()])
+            })
+            .clone()
     }
 
     /// A kubeconfig for `token`, written beside the admin's; for permission tests.
