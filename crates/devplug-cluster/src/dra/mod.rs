@@ -8,11 +8,15 @@
 //! - [`prepare`]: `NodePrepareResources` / `NodeUnprepareResources` claim by claim: backend
 //!   edits, one CDI spec per claim, the checkpoint.
 //! - `service.rs`: the `DRAPlugin` gRPC service, v1 and v1beta1, over [`prepare::Preparer`].
+//! - `driver.rs`: all of it for one backend, started and stopped as one ([`DraDriver`]).
 //! - [`kubelet`]: the driver's sockets and its plugin-watcher registration.
 
 pub mod checkpoint;
 pub mod claims;
+mod driver;
 pub mod kubelet;
 pub mod names;
 pub mod prepare;
 mod service;
+
+pub use driver::{DraDriver, DraDriverSettings, DraStartError};

@@ -1,0 +1,133 @@
+//! `dra:` resources of `devplug run`: each one's backend served as a DRA driver on this node
+//! (ResourceSlices through the API server, `DRAPlugin` for the kubelet), started with the config
+//! and restarted when a reload changes the resource. Prepared claims outlive a restart (the
+//! driver's checkpoint); only the node's slices are taken down and published again.
+
+use crate::config::ResourceConfig;
+use anyhow::Context;
+use devplug::Backend;
+use devplug_cluster::dra::kubelet::KubeletDirs;
+use devplug_cluster::dra::{DraDriver, DraDriverSettings};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// What every driver of this process shares.
+pub struct DraSetup {
+    /// The kubelet's plugin folders.
+    pub dirs: KubeletDirs,
+    /// The folder of dynamic CDI specs.
+    pub cdi_dir: PathBuf,
+    /// This node's name.
+    pub node: Option<String>,
+    /// The kubeconfig (default: the usual places, then in-cluster).
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// The running drivers, by resource name.
+pub struct DraDrivers {
+    setup: DraSetup,
+    client: Option<kube::Client>,
+    running: BTreeMap<String, (ResourceConfig, DraDriver)>,
+}
+
+impl DraDrivers {
+    /// No drivers yet.
+    pub fn new(setup: DraSetup) -> DraDrivers {
+        DraDrivers {
+            setup,
+            client: None,
+            running: BTreeMap::new(),
+        }
+    }
+
+    /// Makes the running drivers those of `resources` (the `dra:` ones): stops the removed and
+    /// changed ones, starts the new and changed ones. `shared` gives a backend already built for
+    /// a resource's device plugin, so both serve one instance. Returns the resources that failed.
+    pub async fn apply(
+        &mut self,
+        resources: &[ResourceConfig],
+        shared: &BTreeMap<String, Arc<dyn Backend>>,
+    ) -> Vec<(String, anyhow::Error)> {
+        let wanted: BTreeMap<&str, &ResourceConfig> = resources
+            .iter()
+            .filter(|r| r.dra.is_some())
+            .map(|r| (r.name.as_str(), r))
+            .collect();
+        let stale: Vec<String> = self
+            .running
+            .iter()
+            .filter(|(name, (config, _))| wanted.get(name.as_str()) != Some(&config))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in stale {
+            if let Some((_, driver)) = self.running.remove(&name) {
+                for problem in driver.shutdown().await {
+                    tracing::warn!(resource = %name, %problem, "DRA driver not fully cleaned up");
+                }
+            }
+        }
+        let mut failed = Vec::new();
+        for (name, resource) in wanted {
+            if self.running.contains_key(name) {
+                continue;
+            }
+            match self.start(resource, shared.get(name).cloned()).await {
+                Ok(driver) => {
+                    self.running
+                        .insert(name.to_owned(), (resource.clone(), driver));
+                }
+                Err(err) => failed.push((name.to_owned(), err)),
+            }
+        }
+        failed
+    }
+
+    async fn start(
+        &mut self,
+        resource: &ResourceConfig,
+        backend: Option<Arc<dyn Backend>>,
+    ) -> anyhow::Result<DraDriver> {
+        let Some(dra) = &resource.dra else {
+            anyhow::bail!("{} has no dra: settings", resource.name);
+        };
+        let node = self.setup.node.clone().context(
+            "dra: resources need this node's name: set NODE_NAME (the downward API's \
+             spec.nodeName) or --node-name",
+        )?;
+        let backend = match backend {
+            Some(backend) => backend,
+            None => resource
+                .build()
+                .map_err(|(key, err)| anyhow::anyhow!("{}: {key}.{err}", resource.name))?,
+        };
+        let client = match &self.client {
+            Some(client) => client.clone(),
+            None => {
+                let client = devplug_cluster::connect(self.setup.kubeconfig.as_deref()).await?;
+                self.client = Some(client.clone());
+                client
+            }
+        };
+        let settings = DraDriverSettings {
+            driver: dra.driver.clone(),
+            node,
+            dirs: self.setup.dirs.clone(),
+            cdi_dir: self.setup.cdi_dir.clone(),
+        };
+        let driver = DraDriver::start(settings, backend, client)
+            .await
+            .with_context(|| format!("cannot start DRA driver {} for {}", dra.driver, resource.name))?;
+        tracing::info!(resource = %resource.name, driver = %dra.driver, "serving as a DRA driver");
+        Ok(driver)
+    }
+
+    /// Stops every driver: sockets and the node's slices removed, prepared claims kept.
+    pub async fn shutdown(self) {
+        for (name, (_, driver)) in self.running {
+            for problem in driver.shutdown().await {
+                tracing::warn!(resource = %name, %problem, "DRA driver not fully cleaned up");
+            }
+        }
+    }
+}

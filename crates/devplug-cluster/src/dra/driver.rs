@@ -1,0 +1,127 @@
+//! One backend served as a DRA driver on this node: the ResourceSlices of its devices, its
+//! sockets and plugin-watcher registration, and claim preparation, started and stopped as one.
+
+use super::claims::KubeClaims;
+use super::kubelet::{KubeletDirs, KubeletSide, Registered};
+use super::prepare::{PrepareFiles, Preparer};
+use super::checkpoint::{CheckpointError, PreparedClaim};
+use super::slices::{SliceError, SlicePublisher};
+use devplug::Backend;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// Where and as what a driver runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DraDriverSettings {
+    /// The driver name (a DNS subdomain, e.g. `npu.example.com`).
+    pub driver: String,
+    /// This node's name: the pool name and the slices' node.
+    pub node: String,
+    /// The kubelet's plugin folders.
+    pub dirs: KubeletDirs,
+    /// The folder of dynamic CDI specs (`/var/run/cdi`).
+    pub cdi_dir: PathBuf,
+}
+
+/// Why a driver could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DraStartError {
+    /// The checkpoint of prepared claims cannot be used.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The slice publisher refused to start (a driver name the API server would refuse).
+    #[error(transparent)]
+    Slices(#[from] SliceError),
+    /// A socket could not be served.
+    #[error("DRA driver {driver}: cannot serve its sockets in {dir}: {source}")]
+    Sockets {
+        /// The driver.
+        driver: String,
+        /// The driver's folder.
+        dir: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// A running DRA driver.
+pub struct DraDriver {
+    preparer: Arc<Preparer>,
+    kubelet: KubeletSide,
+    slices: SlicePublisher,
+    stop: CancellationToken,
+}
+
+impl DraDriver {
+    /// Starts publishing `backend`'s devices and serving the kubelet.
+    pub async fn start(
+        settings: DraDriverSettings,
+        backend: Arc<dyn Backend>,
+        client: kube::Client,
+    ) -> Result<DraDriver, DraStartError> {
+        let driver = settings.driver.clone();
+        let stop = CancellationToken::new();
+        let slices = SlicePublisher::spawn(
+            client.clone(),
+            &driver,
+            &settings.node,
+            backend.devices(),
+            &stop,
+        )?;
+        let files = PrepareFiles {
+            cdi_dir: settings.cdi_dir.clone(),
+            checkpoint: settings.dirs.driver_dir(&driver).join("checkpoint.json"),
+        };
+        let claims = Arc::new(KubeClaims::new(client.clone(), driver.clone()));
+        let preparer = Arc::new(Preparer::new(
+            &driver,
+            &settings.node,
+            backend.clone(),
+            claims,
+            files,
+        )?);
+        let kubelet = KubeletSide::start(preparer.clone(), &settings.dirs).map_err(|source| {
+            DraStartError::Sockets {
+                driver: driver.clone(),
+                dir: settings.dirs.driver_dir(&driver).display().to_string(),
+                source,
+            }
+        })?;
+        Ok(DraDriver {
+            preparer,
+            kubelet,
+            slices,
+            stop,
+        })
+    }
+
+    /// What the kubelet last said about the registration.
+    pub fn registered(&self) -> watch::Receiver<Registered> {
+        self.kubelet.registered()
+    }
+
+    /// The prepared claims, by UID.
+    pub async fn prepared(&self) -> BTreeMap<String, PreparedClaim> {
+        self.preparer.prepared().await
+    }
+
+    /// The slice publisher (counters, published generation).
+    pub fn slices(&self) -> &SlicePublisher {
+        &self.slices
+    }
+
+    /// Stops serving, removes the sockets and the node's slices of this driver; prepared claims
+    /// stay prepared (their CDI specs and the checkpoint are kept for the next start). Returns
+    /// what could not be cleaned up.
+    pub async fn shutdown(self) -> Vec<String> {
+        self.stop.cancel();
+        let mut problems = self.kubelet.stop().await;
+        if let Err(err) = self.slices.shutdown().await {
+            problems.push(format!("ResourceSlices: {err}"));
+        }
+        problems
+    }
+}

@@ -1,0 +1,297 @@
+//! DRA end to end (issue 12 item 5): a real etcd, kube-apiserver and kube-scheduler (1.36), a
+//! Node, devplug's DRA driver for it (ResourceSlices appear), a DeviceClass, a ResourceClaim
+//! for 2 devices with a CEL selector on an attribute, and a Pod using it. The real scheduler
+//! allocates the claim and binds the pod; the kubelet simulator, as the node's kubelet, calls
+//! NodePrepareResources; the CDI spec on disk and the answer match the allocation; the driver
+//! restarting keeps the prepared claim; deleting the pod unprepares; a device turning unhealthy
+//! leaves the slice. Skips loudly without `KUBEBUILDER_ASSETS`.
+
+use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, DeviceList, Health};
+use devplug_cluster::dra::kubelet::{KubeletDirs, Registered};
+use devplug_cluster::dra::{DraDriver, DraDriverSettings};
+use devplug_cluster::testenv::{self, ApiServer};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::Api;
+use kubelet_sim::{DraClaim, Kubelet, SimConfig};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+const DRIVER: &str = "npu.example.com";
+const NODE: &str = "dra-node-1";
+const NS: &str = "dra-e2e";
+
+struct Npus(watch::Sender<DeviceList>);
+
+impl Backend for Npus {
+    fn devices(&self) -> watch::Receiver<DeviceList> {
+        self.0.subscribe()
+    }
+    fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
+        Ok(ContainerEdits::default().env("NPU_VISIBLE_DEVICES", ids.join(",")))
+    }
+}
+
+fn npu(i: i64) -> Device {
+    Device::new(format!("npu-{i}"))
+        .with_numa_nodes([i / 2])
+        .with_attribute("model", AttributeValue::String("dummy-x1".into()))
+        .with_capacity("memory", 16 << 30)
+}
+
+async fn until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn slice_devices(slices: &Api<ResourceSlice>) -> Vec<String> {
+    let list = slices
+        .list(&ListParams::default().fields(&format!("spec.nodeName={NODE},spec.driver={DRIVER}")))
+        .await
+        .unwrap();
+    let mut names: Vec<String> = list
+        .items
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten().map(|d| d.name.clone()))
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
+    let Some(server) = ApiServer::shared("the_scheduler_allocates_and_the_kubelet_prepares_through_devplug") else {
+        return;
+    };
+    server.start_scheduler().unwrap();
+    let client = testenv::client(&server.kubeconfig).await.unwrap();
+
+    // The node, schedulable: the not-ready taint added at admission removed, as a node
+    // controller would once the kubelet reports Ready.
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node: Node = serde_json::from_value(json!({
+        "metadata": { "name": NODE, "labels": { "kubernetes.io/hostname": NODE } },
+    }))
+    .unwrap();
+    nodes.create(&PostParams::default(), &node).await.unwrap();
+    nodes
+        .patch(NODE, &PatchParams::default(), &Patch::Merge(json!({ "spec": { "taints": [] } })))
+        .await
+        .unwrap();
+    nodes
+        .patch_status(
+            NODE,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": {
+                "capacity": { "cpu": "4", "memory": "8Gi", "pods": "110" },
+                "allocatable": { "cpu": "4", "memory": "8Gi", "pods": "110" },
+                "conditions": [{ "type": "Ready", "status": "True", "reason": "Test",
+                                 "lastHeartbeatTime": "2026-01-01T00:00:00Z",
+                                 "lastTransitionTime": "2026-01-01T00:00:00Z" }],
+            } })),
+        )
+        .await
+        .unwrap();
+
+    // The node's kubelet (the simulator, with its plugin watcher) and devplug's driver.
+    let root = tempfile::tempdir().unwrap();
+    let device_plugins = root.path().join("device-plugins");
+    std::fs::create_dir_all(&device_plugins).unwrap();
+    let config = SimConfig {
+        watcher_reconcile: Duration::from_millis(50),
+        ..SimConfig::default()
+    }
+    .with_watcher_beside(&device_plugins);
+    let kubelet = Kubelet::start_with(&device_plugins, config).await.unwrap();
+    let (devices, _) = watch::channel(DeviceList::new((0..4).map(npu)));
+    let backend: Arc<dyn Backend> = Arc::new(Npus(devices.clone()));
+    let settings = DraDriverSettings {
+        driver: DRIVER.into(),
+        node: NODE.into(),
+        dirs: KubeletDirs::beside(&device_plugins),
+        cdi_dir: root.path().join("cdi"),
+    };
+    let driver = DraDriver::start(settings.clone(), backend.clone(), client.clone())
+        .await
+        .unwrap();
+    let mut registered = driver.registered();
+    tokio::time::timeout(Duration::from_secs(10), registered.wait_for(|r| *r == Registered::Yes))
+        .await
+        .expect("the kubelet registered the driver")
+        .unwrap();
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let published = until("4 devices in the slices", Duration::from_secs(20), || async {
+        let names = slice_devices(&slices).await;
+        (names.len() == 4).then_some(names)
+    })
+    .await;
+    assert_eq!(published, ["npu-0", "npu-1", "npu-2", "npu-3"]);
+
+    // A class, a claim for 2 devices on NUMA node 1, and a pod using it.
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({ "metadata": { "name": NS } })).unwrap(),
+        )
+        .await
+        .unwrap();
+    let classes: Api<DeviceClass> = Api::all(client.clone());
+    classes
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": "npu" },
+                "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == \"{DRIVER}\"") } }] },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
+    claims
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": "two-npus" },
+                "spec": { "devices": { "requests": [{
+                    "name": "npus",
+                    "exactly": {
+                        "deviceClassName": "npu",
+                        "allocationMode": "ExactCount",
+                        "count": 2,
+                        "selectors": [{ "cel": { "expression":
+                            format!("device.attributes[\"{DRIVER}\"].numa == 1") } }],
+                    },
+                }] } },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({
+            "metadata": { "name": "trainer" },
+            "spec": {
+                "resourceClaims": [{ "name": "npus", "resourceClaimName": "two-npus" }],
+                "containers": [{ "name": "main", "image": "example.invalid/trainer",
+                                 "resources": { "claims": [{ "name": "npus" }] } }],
+            },
+        }))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+
+    // The scheduler allocates the claim and binds the pod to our node.
+    let bound = until("the pod bound", Duration::from_secs(60), || async {
+        let pod = pods.get("trainer").await.ok()?;
+        pod.spec?.node_name
+    })
+    .await;
+    assert_eq!(bound, NODE);
+    let claim = claims.get("two-npus").await.unwrap();
+    let results = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.clone())
+        .unwrap();
+    let mut allocated: Vec<&str> = results.iter().map(|r| r.device.as_str()).collect();
+    allocated.sort();
+    assert_eq!(allocated, ["npu-2", "npu-3"], "the CEL selector picked NUMA node 1");
+    assert!(results.iter().all(|r| r.driver == DRIVER && r.pool == NODE));
+
+    // The kubelet prepares the pod's claim.
+    let uid = claim.metadata.uid.clone().unwrap();
+    let sim_claim = DraClaim::new(NS, "two-npus", &uid);
+    let started = Instant::now();
+    let answer = kubelet
+        .dra_prepare(DRIVER, std::slice::from_ref(&sim_claim))
+        .await
+        .unwrap();
+    eprintln!("NodePrepareResources of the first claim: {:?}", started.elapsed());
+    let prepared = answer[&uid].as_ref().unwrap().clone();
+    let mut names: Vec<&str> = prepared.iter().map(|d| d.device_name.as_str()).collect();
+    names.sort();
+    assert_eq!(names, allocated);
+    let cdi_ids: Vec<&String> = prepared.iter().flat_map(|d| &d.cdi_device_ids).collect();
+    assert_eq!(cdi_ids, [&format!("{DRIVER}/claim={uid}-npus")]);
+    let spec_path = devplug_cluster::dra::prepare::spec_path(&settings.cdi_dir, DRIVER, &uid);
+    let spec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&spec_path).unwrap()).unwrap();
+    let env = spec["devices"][0]["containerEdits"]["env"][0].as_str().unwrap().to_owned();
+    assert!(
+        env == "NPU_VISIBLE_DEVICES=npu-2,npu-3" || env == "NPU_VISIBLE_DEVICES=npu-3,npu-2",
+        "{env}"
+    );
+
+    // devplug restarts mid-way: the prepared claim is kept, not prepared again.
+    assert!(driver.shutdown().await.is_empty());
+    let driver = DraDriver::start(settings.clone(), backend.clone(), client.clone())
+        .await
+        .unwrap();
+    let mut registered = driver.registered();
+    tokio::time::timeout(Duration::from_secs(10), registered.wait_for(|r| *r == Registered::Yes))
+        .await
+        .expect("registered again")
+        .unwrap();
+    let again = kubelet
+        .dra_prepare(DRIVER, std::slice::from_ref(&sim_claim))
+        .await
+        .unwrap();
+    assert_eq!(again[&uid].as_ref().unwrap(), &prepared);
+    assert!(driver.prepared().await.contains_key(&uid));
+
+    // A device turning unhealthy leaves the slice, and comes back.
+    devices.send_modify(|list| {
+        list.set_health("npu-0", Health::unhealthy("test"));
+    });
+    until("npu-0 out of the slice", Duration::from_secs(20), || async {
+        (slice_devices(&slices).await == ["npu-1", "npu-2", "npu-3"]).then_some(())
+    })
+    .await;
+    devices.send_modify(|list| {
+        list.set_health("npu-0", Health::Healthy);
+    });
+    until("npu-0 back", Duration::from_secs(20), || async {
+        (slice_devices(&slices).await.len() == 4).then_some(())
+    })
+    .await;
+
+    // The pod is deleted: the kubelet unprepares its claim.
+    pods.delete("trainer", &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    let gone = kubelet
+        .dra_unprepare(DRIVER, std::slice::from_ref(&sim_claim))
+        .await
+        .unwrap();
+    assert!(gone[&uid].is_ok());
+    assert!(!spec_path.exists(), "the claim's CDI spec is removed");
+    assert!(driver.prepared().await.is_empty());
+
+    // Shutdown removes the node's slices of this driver.
+    assert!(driver.shutdown().await.is_empty());
+    until("the slices removed", Duration::from_secs(20), || async {
+        slice_devices(&slices).await.is_empty().then_some(())
+    })
+    .await;
+    kubelet.stop().await;
+}
