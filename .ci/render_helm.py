@@ -10,9 +10,12 @@ import helm_python as helm
 CHART = Path(__file__).resolve().parent.parent / "deploy" / "helm" / "devplug"
 
 # Each set of values becomes one release. "all-options" turns on every optional block of the
-# templates, so that each `if`/`with` branch is rendered and checked at least once.
+# templates, so that each `if`/`with` branch is rendered and checked at least once;
+# "node-events" is the one cluster feature alone (the DaemonSet then runs the full /devplug;
+# the defaults run /devplug-lite).
 RELEASES = {
     "defaults": {},
+    "node-events": {"nodeEvents": {"enabled": True}},
     "all-options": {
         "hostdev": {"enabled": True},
         "nodeEvents": {"enabled": True},

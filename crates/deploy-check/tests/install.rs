@@ -1,7 +1,8 @@
 //! The install path as the READMEs write it: `kubectl apply -k` on folders that exist (kubectl
 //! alone, no `kustomize edit`), an overlay whose image is set in one place and reaches the
 //! DaemonSet, and the two image builds (deploy/Dockerfile, .ci/build-image with
-//! deploy/Containerfile.prebuilt) making the same image from the same cargo command.
+//! deploy/Containerfile.prebuilt) making the same image, with the same two binaries (the full
+//! `/devplug` and the device-plugin-only `/devplug-lite`), from the same cargo commands.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
 use deploy_check::{documents, repo_root, strict};
@@ -182,32 +183,67 @@ fn both_image_builds_make_the_same_image_from_the_same_command() {
     let last = format!("FROM {}", stages.last().unwrap());
     let mut from_dockerfile = instructions(&last);
     let prebuilt = instructions(&read("deploy/Containerfile.prebuilt"));
-    // Only where the binary comes from differs.
-    let copy = from_dockerfile
+    // Only where the binaries come from differs: both builds, at the image's root.
+    let copies: Vec<&mut String> = from_dockerfile
         .iter_mut()
-        .find(|i| i.starts_with("COPY "))
-        .unwrap();
-    assert_eq!(copy, "COPY --from=builder /out/devplug /devplug");
-    *copy = "COPY devplug /devplug".into();
+        .filter(|i| i.starts_with("COPY "))
+        .collect();
+    assert_eq!(copies.len(), 2);
+    for (copy, binary) in copies.into_iter().zip(["devplug", "devplug-lite"]) {
+        assert_eq!(
+            *copy,
+            format!("COPY --from=builder /out/{binary} /{binary}")
+        );
+        *copy = format!("COPY {binary} /{binary}");
+    }
     assert_eq!(from_dockerfile, prebuilt);
     assert_eq!(prebuilt[0], "FROM scratch");
     assert!(prebuilt.contains(&"USER 0".to_owned()));
+    // The default entrypoint is the full build; the manifests name the one they run.
     assert!(prebuilt.contains(&"ENTRYPOINT [\"/devplug\"]".to_owned()));
 
-    // The binary: the same cargo command, for the same target.
-    let cargo = dockerfile
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("&& cargo build "))
-        .expect("the Dockerfile builds with cargo")
-        .trim_end_matches('\\')
-        .trim_end();
+    // The binaries: the same cargo commands, in the same order (each build replaces
+    // target/…/devplug), for the same target; the lean one without the `cluster` feature.
+    let cargo_lines = |text: &str, prefix: &str| -> Vec<String> {
+        text.lines()
+            .filter_map(|l| l.trim().strip_prefix(prefix))
+            .map(|c| c.trim_end_matches('\\').trim_end().to_owned())
+            .collect()
+    };
+    let from_docker = cargo_lines(&dockerfile, "&& cargo build ");
     let script = read(".ci/build-image");
-    assert!(
-        script
+    assert_eq!(from_docker.len(), 2, "{from_docker:?}");
+    assert!(from_docker[0].ends_with("-p devplug-cli --no-default-features"));
+    assert!(from_docker[1].ends_with("-p devplug-cli"));
+    assert_eq!(cargo_lines(&script, "cargo build "), from_docker);
+    // Each build is copied out as the binary it is, before the next replaces it.
+    for (text, into) in [(&dockerfile, "/out/"), (&script, "\"$context/")] {
+        let order: Vec<&str> = text
             .lines()
-            .any(|l| l.trim() == format!("cargo build {cargo}")),
-        ".ci/build-image does not run `cargo build {cargo}`"
-    );
+            .filter_map(|l| {
+                let l = l.trim();
+                if l.contains("cargo build ") {
+                    Some(if l.contains("--no-default-features") {
+                        "build lite"
+                    } else {
+                        "build full"
+                    })
+                } else if l.contains("install ") && l.contains(&format!("{into}devplug-lite")) {
+                    Some("copy lite")
+                } else if l.contains("install ") && l.contains(&format!("{into}devplug")) {
+                    Some("copy full")
+                } else {
+                    None
+                }
+            })
+            .collect();
+        assert_eq!(
+            order,
+            ["build lite", "copy lite", "build full", "copy full"]
+        );
+    }
+    // And the image check runs both.
+    assert!(script.contains("for binary in devplug devplug-lite; do"));
     let target = |text: &str| {
         text.lines()
             .find_map(|l| {

@@ -1,7 +1,9 @@
 //! Every manifest in `deploy/` against the Kubernetes API types (k8s-openapi, API 1.33), strictly:
 //! unknown or misplaced fields and wrong types fail with their path. Also: the kustomization
 //! lists exactly the manifests beside it, and the objects refer to each other correctly (service
-//! account, config volume and file, kubelet folder).
+//! account, config volume and file, kubelet folder), and each workload runs the right one of the
+//! image's two binaries (the lean `/devplug-lite` unless the config or flags need the API server;
+//! the uninstall Jobs the full `/devplug`).
 //!
 //! The Helm chart is checked the same way when `DEVPLUG_HELM_RENDERED` names a folder of rendered
 //! releases (`.ci/render-helm` writes one); rendering needs Helm, which tests do not fetch.
@@ -10,7 +12,7 @@
 use deploy_check::{documents, repo_root, strict, yaml_files, CheckError};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, PodSpec, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -383,6 +385,25 @@ fn references(objects: &[Object]) -> Vec<String> {
         }
     }
 
+    // The binary: the full one only where the API server is used.
+    let config = cm
+        .data
+        .as_ref()
+        .and_then(|d| d.get("config.yaml"))
+        .map(|text| serde_saphyr::from_str::<Value>(text))
+        .transpose();
+    match config {
+        Ok(config) => {
+            let config = config.unwrap_or(Value::Null);
+            problems.extend(binary_problem(
+                "the DaemonSet",
+                container.command.as_deref(),
+                needs_cluster(&config, args),
+            ));
+        }
+        Err(err) => problems.push(format!("the ConfigMap's config.yaml is not YAML: {err}")),
+    }
+
     // --kubelet-dir DIR: mounted from the host's DIR at DIR.
     match arg("--kubelet-dir") {
         None => problems.push("the container has no --kubelet-dir argument".into()),
@@ -402,8 +423,45 @@ fn references(objects: &[Object]) -> Vec<String> {
     problems
 }
 
+/// The image's full build (deploy/Containerfile.prebuilt; tests/install.rs pins both names).
+const FULL: &str = "/devplug";
+/// The image's device-plugin-only build: no Kubernetes API client.
+const LITE: &str = "/devplug-lite";
+
+/// What in devplug's config (the ConfigMap's `config.yaml`) or the container's arguments needs the
+/// Kubernetes API client, if anything: `advertise:` resources or `--node-events`. Keep in step
+/// with devplug's `config::needs_cluster` (crates/devplug-cli/src/config.rs), which devplug-lite
+/// uses to refuse such a config.
+fn needs_cluster(config: &Value, args: &[String]) -> Option<String> {
+    let resources = config["resources"].as_array().into_iter().flatten();
+    for (i, resource) in resources.enumerate() {
+        if resource.get("advertise").is_some() {
+            return Some(format!("resources[{i}].advertise"));
+        }
+    }
+    args.iter().find(|a| a.as_str() == "--node-events").cloned()
+}
+
+/// A problem if a workload's `command` is not the binary it should run: the full one when
+/// `needs` names what needs the API server, else the lean one (less memory).
+fn binary_problem(what: &str, command: Option<&[String]>, needs: Option<String>) -> Option<String> {
+    let want = if needs.is_some() { FULL } else { LITE };
+    if command == Some(&[want.to_owned()][..]) {
+        return None;
+    }
+    Some(match needs {
+        Some(field) => {
+            format!("{what} runs {command:?}, but {field} needs the API client: command [{FULL:?}]")
+        }
+        None => format!(
+            "{what} runs {command:?}; nothing needs the API client, so command [{LITE:?}] (the \
+             device-plugin-only build, less memory)"
+        ),
+    })
+}
+
 /// RBAC and Job checks: every binding names a ClusterRole and ServiceAccounts of the release;
-/// every Job runs as one of its accounts and calls `devplug capacity`; the uninstall role grants
+/// every Job runs as one of its accounts and calls `devplug capacity` with the full binary; the uninstall role grants
 /// exactly get/list/watch on nodes and get/patch on nodes/status; the advertise role the same.
 fn rbac_references(objects: &[Object]) -> Vec<String> {
     let mut problems = Vec::new();
@@ -535,6 +593,11 @@ fn rbac_references(objects: &[Object]) -> Vec<String> {
                             j.metadata.name, c.name
                         ));
                     }
+                    problems.extend(binary_problem(
+                        &format!("job {:?} container {}", j.metadata.name, c.name),
+                        c.command.as_deref(),
+                        Some("capacity".into()),
+                    ));
                 }
             }
             _ => {}
@@ -593,6 +656,99 @@ fn kustomize_uninstall_is_strictly_valid_and_consistent() {
     }))
     .unwrap();
     assert!(!rbac_references(&[Object::ClusterRole(wider)]).is_empty());
+}
+
+#[test]
+fn the_wrong_binary_for_the_config_is_caught() {
+    let objects = || load_ok(&kustomize_manifests());
+    assert!(references(&objects()).is_empty());
+    let set = |objects: &mut [Object], f: &dyn Fn(&mut DaemonSet, &mut ConfigMap)| {
+        let (mut ds, mut cm) = (None, None);
+        for o in objects.iter_mut() {
+            match o {
+                Object::DaemonSet(d) => ds = Some(d),
+                Object::ConfigMap(c) => cm = Some(c),
+                _ => {}
+            }
+        }
+        f(ds.unwrap(), cm.unwrap());
+    };
+    fn container(d: &mut DaemonSet) -> &mut Container {
+        &mut d
+            .spec
+            .as_mut()
+            .unwrap()
+            .template
+            .spec
+            .as_mut()
+            .unwrap()
+            .containers[0]
+    }
+
+    // The full binary with nothing that needs it: memory wasted.
+    let mut full = objects();
+    set(&mut full, &|d, _| {
+        container(d).command = Some(vec!["/devplug".into()])
+    });
+    let problems = references(&full);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("nothing needs the API client")),
+        "{problems:?}"
+    );
+
+    // The lean binary with an advertise: resource, or with --node-events: it would refuse.
+    let mut advertising = objects();
+    set(&mut advertising, &|_, c| {
+        let data = c.data.as_mut().unwrap();
+        let text = data.get_mut("config.yaml").unwrap();
+        text.push_str("  - name: example.com/dongle\n    advertise: { count: 4 }\n");
+    });
+    let problems = references(&advertising);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("resources[1].advertise needs the API client")),
+        "{problems:?}"
+    );
+    let mut events = objects();
+    set(&mut events, &|d, _| {
+        container(d)
+            .args
+            .as_mut()
+            .unwrap()
+            .push("--node-events".into())
+    });
+    let problems = references(&events);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("--node-events needs the API client")),
+        "{problems:?}"
+    );
+
+    // An uninstall Job on the lean binary cannot run `capacity`.
+    let mut job_objects = load_ok(
+        &yaml_files(&uninstall_dir())
+            .unwrap()
+            .into_iter()
+            .filter(|p| p.file_name().is_some_and(|n| n != "kustomization.yaml"))
+            .collect::<Vec<_>>(),
+    );
+    for o in &mut job_objects {
+        if let Object::Job(j) = o {
+            let spec = j.spec.as_mut().unwrap().template.spec.as_mut().unwrap();
+            spec.containers[0].command = Some(vec!["/devplug-lite".into()]);
+        }
+    }
+    let problems = rbac_references(&job_objects);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("capacity needs the API client")),
+        "{problems:?}"
+    );
 }
 
 #[test]

@@ -29,8 +29,9 @@ pub fn percentiles(samples: &mut [Duration]) -> Sample {
     }
 }
 
-/// The `devplug` binary: `$DEVPLUG_BIN` (e.g. the static musl build the image ships), else the
-/// one built next to this one (`cargo build --release -p devplug-cli`).
+/// The `devplug` binary: `$DEVPLUG_BIN` (e.g. the static musl build the image ships, or a copy
+/// of the device-plugin-only build named devplug-lite), else the one built next to this one
+/// (`cargo build --release -p devplug-cli`).
 pub(crate) fn devplug_binary() -> anyhow::Result<PathBuf> {
     if let Some(bin) = std::env::var_os("DEVPLUG_BIN") {
         return Ok(PathBuf::from(bin));
@@ -151,6 +152,18 @@ fn rss_by_mapping(pid: u32) -> Vec<(String, u64)> {
     sums
 }
 
+/// With `DEVPLUG_BENCH_SMAPS=DIR`: copies /proc/PID/smaps to `DIR/smaps-<what>` for a closer look
+/// at where the memory goes (code, relocated data, heap) than the summary rows give.
+fn keep_smaps(pid: u32, what: &str) {
+    let Some(dir) = std::env::var_os("DEVPLUG_BENCH_SMAPS") else {
+        return;
+    };
+    let to = std::path::Path::new(&dir).join(format!("smaps-{what}"));
+    if let Err(err) = std::fs::copy(format!("/proc/{pid}/smaps"), &to) {
+        eprintln!("cannot keep smaps in {}: {err}", to.display());
+    }
+}
+
 /// Starts `devplug run` quietly with `config` against the kubelet folder `plugins`.
 pub(crate) fn spawn_run(
     bin: &std::path::Path,
@@ -194,6 +207,7 @@ pub async fn small_process_memory() -> anyhow::Result<(u64, u64, u64)> {
             .await?;
     }
     let pid = child.id();
+    keep_smaps(pid, "64");
     let figures = (
         status_field(pid, "VmHWM:").unwrap_or(0),
         status_field(pid, "RssAnon:").unwrap_or(0),
@@ -263,12 +277,19 @@ pub async fn process_figures() -> anyhow::Result<()> {
     let file = status_field(pid, "RssFile:").unwrap_or(0);
     let threads = status_field(pid, "Threads:").unwrap_or(0);
     let by_mapping = rss_by_mapping(pid);
+    keep_smaps(pid, "3x1000");
     stop(child);
     let size = std::fs::metadata(&bin)?.len();
     let (small_peak, small_anon, small_file) = small_process_memory().await?;
 
     println!();
-    println!("| `devplug run`, 3 resources × 1,000 devices | value |");
+    let name = bin
+        .file_name()
+        .map_or_else(|| "devplug".into(), |n| n.to_string_lossy());
+    println!(
+        "| `{name} run` ({}), 3 resources × 1,000 devices | value |",
+        bin.display()
+    );
     println!("|---|---|");
     let starts = percentiles(&mut starts);
     println!(

@@ -11,6 +11,10 @@
 //!
 //! `registration: socket | watcher` (top level, or per resource; default `socket`) picks how the
 //! kubelet learns of a resource: `kubelet.sock`, or a socket in its plugin-watcher folder.
+//!
+//! Some settings need the Kubernetes API client (`advertise:`), which only the full build has
+//! (cargo feature `cluster`); [`needs_cluster`] finds them, and the device-plugin-only build
+//! (`devplug-lite`) refuses such a file with [`ConfigError::NeedsCluster`].
 
 use devplug::Backend;
 use devplug_backends::{
@@ -168,6 +172,42 @@ pub enum ConfigError {
         /// The field and what to do.
         problem: String,
     },
+    /// The file uses the API server (e.g. `advertise:`), and this build has no client for it.
+    #[error("config file {path}: {}", not_in_this_build(field))]
+    NeedsCluster {
+        /// The file.
+        path: PathBuf,
+        /// Where in the file, e.g. `resources[2].advertise`.
+        field: String,
+    },
+}
+
+/// Whether this binary has the Kubernetes API client (the `cluster` feature): `devplug`, not
+/// `devplug-lite`.
+pub const HAS_CLUSTER: bool = cfg!(feature = "cluster");
+
+/// The first place in `config` that needs the Kubernetes API client, as a field path
+/// (`resources[2].advertise`), or `None` if the device-plugin-only build can serve it all.
+///
+/// The one list of config settings that need the `cluster` feature: a new one (say a `dra:`
+/// resource) is added here, and the lean build then refuses it in `check-config`, `run` and
+/// reloads, and the deploy manifests' choice of binary must follow (crates/deploy-check).
+pub fn needs_cluster(config: &Config) -> Option<String> {
+    config
+        .resources
+        .iter()
+        .position(|r| r.advertise.is_some())
+        .map(|index| format!("resources[{index}].advertise"))
+}
+
+/// What the device-plugin-only build says about `what` (a config field path, a flag or a
+/// command) that needs the Kubernetes API client.
+pub fn not_in_this_build(what: &str) -> String {
+    format!(
+        "{what}: needs the Kubernetes API client, and this is devplug-lite, the \
+         device-plugin-only build; run the full `devplug` binary instead (in the image: \
+         /devplug), or build with `--features cluster`"
+    )
 }
 
 impl Config {
@@ -208,12 +248,24 @@ impl Config {
             }
         })?;
         config.validate(path)?;
+        config.check_build(path, HAS_CLUSTER)?;
         // Each resource carries its route, so that a reload sees a changed default as a change.
         let default_route = config.registration.unwrap_or(RegistrationRoute::Socket);
         for resource in &mut config.resources {
             resource.registration.get_or_insert(default_route);
         }
         Ok(config)
+    }
+
+    /// Refuses a config that needs the API client when this build (`has_cluster` false) has none.
+    fn check_build(&self, path: &Path, has_cluster: bool) -> Result<(), ConfigError> {
+        match needs_cluster(self) {
+            Some(field) if !has_cluster => Err(ConfigError::NeedsCluster {
+                path: path.to_owned(),
+                field,
+            }),
+            _ => Ok(()),
+        }
     }
 
     fn validate(&self, path: &Path) -> Result<(), ConfigError> {
@@ -565,12 +617,74 @@ mod tests {
 
     #[test]
     fn advertise_parses() {
-        let config =
-            parse("resources:\n  - name: example.com/dongle\n    advertise: { count: 4 }\n")
-                .unwrap();
+        let text = "resources:\n  - name: example.com/dongle\n    advertise: { count: 4 }\n";
+        if !HAS_CLUSTER {
+            // devplug-lite: refused, naming the field (see the tests below).
+            assert!(parse(text)
+                .unwrap_err()
+                .contains("resources[0].advertise: needs"));
+            return;
+        }
+        let config = parse(text).unwrap();
         assert_eq!(
             config.resources[0].advertise,
             Some(AdvertiseSettings { count: 4 })
+        );
+    }
+
+    /// A config as `Config::parse` makes it before the build check.
+    fn unchecked(text: &str) -> Config {
+        let config: Config = serde_saphyr::from_str(text).unwrap();
+        config.validate(Path::new("test.yaml")).unwrap();
+        config
+    }
+
+    #[test]
+    fn needs_cluster_names_the_first_field_that_needs_the_api_client() {
+        let plugins_only = unchecked(
+            "resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/y\n    files: { dir: /tmp }\n",
+        );
+        assert_eq!(needs_cluster(&plugins_only), None);
+        let advertising = unchecked(
+            "resources:
+  - name: a.com/x
+    virtual: { count: 1 }
+  - name: a.com/y
+    virtual: { count: 1 }
+  - name: a.com/dongle
+    advertise: { count: 4 }
+  - name: a.com/other
+    advertise: { count: 1 }
+",
+        );
+        assert_eq!(
+            needs_cluster(&advertising).as_deref(),
+            Some("resources[2].advertise")
+        );
+    }
+
+    #[test]
+    fn the_device_plugin_only_build_refuses_cluster_settings_naming_field_and_fix() {
+        let config = unchecked(
+            "resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/dongle\n    advertise: { count: 4 }\n",
+        );
+        let path = Path::new("/etc/devplug/config.yaml");
+        assert!(config.check_build(path, true).is_ok());
+        let err = config.check_build(path, false).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "config file /etc/devplug/config.yaml: resources[1].advertise: needs the Kubernetes \
+             API client, and this is devplug-lite, the device-plugin-only build; run the full \
+             `devplug` binary instead (in the image: /devplug), or build with `--features cluster`"
+        );
+        // Nothing to refuse without cluster settings.
+        let plain = unchecked("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n");
+        assert!(plain.check_build(path, false).is_ok());
+        // The build check comes after the file's own errors.
+        assert!(
+            parse("resources:\n  - name: a.com/x\n    advertise: { count: 0 }\n")
+                .unwrap_err()
+                .contains("advertise.count: must be between 1")
         );
     }
 

@@ -3,7 +3,12 @@
 //! any device plugin socket as the kubelet would; `check-config` validates a config file;
 //! `completions` and `man` print shell completions and the man page.
 //! `capacity` sets, removes and lists extended resources on a Node through the API server.
+//!
+//! Built without the `cluster` feature (no Kubernetes API client), the binary is `devplug-lite`:
+//! the same commands but `capacity`, and `run`/`check-config` refuse a config or flag that needs
+//! the API server, naming it ([`config::needs_cluster`]).
 
+#[cfg(feature = "cluster")]
 mod capacity;
 mod check_config;
 mod config;
@@ -27,10 +32,19 @@ use std::process::ExitCode;
 /// commit (see build.rs).
 const VERSION: &str = env!("DEVPLUG_VERSION");
 
+/// The command's name in `--help`, `--version`, completions and the man page: `devplug`, or
+/// `devplug-lite` for the device-plugin-only build (no `cluster` feature), as the image names
+/// the two binaries.
+const NAME: &str = if cfg!(feature = "cluster") {
+    "devplug"
+} else {
+    "devplug-lite"
+};
+
 /// Kubernetes device plugins: virtual devices, device files and host device nodes, served to the
 /// kubelet over the device plugin API v1beta1.
 #[derive(Debug, Parser)]
-#[command(name = "devplug", version = VERSION, propagate_version = true)]
+#[command(name = NAME, version = VERSION, propagate_version = true)]
 struct Cli {
     /// Log format.
     #[arg(
@@ -59,7 +73,16 @@ enum Command {
     CheckConfig(check_config::CheckConfigArgs),
     /// Extended resources on a Node's status, through the API server: set, remove (also the
     /// clean uninstall of a device plugin's leftover capacity 0), list.
+    #[cfg(feature = "cluster")]
     Capacity(capacity::CapacityArgs),
+    /// Not in this build: says to run the full `devplug` instead.
+    #[cfg(not(feature = "cluster"))]
+    #[command(hide = true, disable_help_flag = true)]
+    Capacity {
+        /// Whatever was given; ignored.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Print a shell completion script, e.g. `devplug completions bash >
     /// /etc/bash_completion.d/devplug`.
     Completions {
@@ -74,7 +97,7 @@ enum Command {
 /// Prints the completion script for `shell`.
 fn completions(shell: clap_complete::Shell) -> anyhow::Result<()> {
     let mut script = Vec::new();
-    clap_complete::generate(shell, &mut Cli::command(), "devplug", &mut script);
+    clap_complete::generate(shell, &mut Cli::command(), NAME, &mut script);
     output::print(&String::from_utf8_lossy(&script))
 }
 
@@ -125,10 +148,13 @@ fn main() -> ExitCode {
             logging::init(cli.log_format, "warn");
             runtime.block_on(inspect::inspect(args))
         }
+        #[cfg(feature = "cluster")]
         Command::Capacity(args) => {
             logging::init(cli.log_format, "warn");
             runtime.block_on(capacity::capacity(args))
         }
+        #[cfg(not(feature = "cluster"))]
+        Command::Capacity { .. } => Err(anyhow::anyhow!(config::not_in_this_build("capacity"))),
         Command::CheckConfig(args) => {
             logging::init(cli.log_format, "warn");
             check_config::check_config(&args)

@@ -3,6 +3,9 @@
 //! config serving. A valid one is diffed by resource name: unchanged resources keep their
 //! sockets and streams, changed ones are updated in place where possible, removed ones stop and
 //! new ones start.
+//!
+//! `advertise:` resources and `--node-events` use the API server (kube-rs), only in the full
+//! build (cargo feature `cluster`); devplug-lite refuses them at start, naming the field or flag.
 
 use crate::config::{Config, ResourceConfig};
 use crate::endpoints::{self, Endpoints, ReloadCounters};
@@ -46,7 +49,8 @@ pub struct RunArgs {
     /// kubelet's 100 calls a second are shared by every client on the node).
     #[arg(long, value_name = "SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
     pub pod_resources_interval: u64,
-    /// This node's name (the downward API's spec.nodeName), for `advertise:` resources.
+    /// This node's name (the downward API's spec.nodeName), for `advertise:` resources and node
+    /// events.
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
     /// The kubeconfig for `advertise:` resources and node events (default: KUBECONFIG,
@@ -55,7 +59,8 @@ pub struct RunArgs {
     pub kubeconfig: Option<PathBuf>,
     /// Write Kubernetes Events on this node (NODE_NAME): devices unhealthy (with the reason) and
     /// recovered, registration lost and regained, config reloads that failed. Rate-limited and
-    /// aggregated. Needs create/patch on events.k8s.io events in namespace default.
+    /// aggregated. Needs create/patch on events.k8s.io events in namespace default. Full
+    /// `devplug` only (devplug-lite has no API client).
     #[arg(long, env = "DEVPLUG_NODE_EVENTS")]
     pub node_events: bool,
 }
@@ -82,25 +87,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         current: BTreeMap::new(),
         text,
         reloads: Arc::default(),
-        advertiser: None,
-        node_name: args.node_name.clone(),
-        kubeconfig: args.kubeconfig.clone(),
-        events: None,
+        #[cfg(feature = "cluster")]
+        cluster: Cluster {
+            advertiser: None,
+            node_name: args.node_name.clone(),
+            kubeconfig: args.kubeconfig.clone(),
+            events: None,
+        },
     };
     if args.node_events {
-        let node = args.node_name.clone().context(
-            "--node-events needs this node's name: set NODE_NAME (the downward API's spec.nodeName) or --node-name",
-        )?;
-        let client = devplug_cluster::connect(args.kubeconfig.as_deref()).await?;
-        let instance = std::env::var("POD_NAME").unwrap_or_else(|_| node.clone());
-        let events = devplug_cluster::events::NodeEvents::spawn(
-            client,
-            node,
-            instance,
-            CancellationToken::new(),
-        );
-        events.forward(runner.host.events());
-        runner.events = Some(events);
+        runner.start_node_events(&args).await?;
     }
     runner.start(&config).await?;
     if let Some(socket) = &args.pod_resources_socket {
@@ -192,6 +188,15 @@ struct Runner {
     current: BTreeMap<String, ResourceConfig>,
     text: String,
     reloads: Arc<ReloadCounters>,
+    /// The API-server side, in the full build.
+    #[cfg(feature = "cluster")]
+    cluster: Cluster,
+}
+
+/// What `run` keeps for the API server: the advertiser and node events, each started when
+/// first needed.
+#[cfg(feature = "cluster")]
+struct Cluster {
     /// Keeps `advertise:` resources on our Node; started with the first one.
     advertiser: Option<devplug_cluster::advertise::Advertiser>,
     node_name: Option<String>,
@@ -236,29 +241,82 @@ impl Runner {
         Ok(())
     }
 
+    /// Starts node events (`--node-events`): an API client, and this node's name.
+    #[cfg(feature = "cluster")]
+    async fn start_node_events(&mut self, args: &RunArgs) -> anyhow::Result<()> {
+        let node = args.node_name.clone().context(
+            "--node-events needs this node's name: set NODE_NAME (the downward API's spec.nodeName) or --node-name",
+        )?;
+        let client = devplug_cluster::connect(args.kubeconfig.as_deref()).await?;
+        let instance = std::env::var("POD_NAME").unwrap_or_else(|_| node.clone());
+        let events = devplug_cluster::events::NodeEvents::spawn(
+            client,
+            node,
+            instance,
+            CancellationToken::new(),
+        );
+        events.forward(self.host.events());
+        self.cluster.events = Some(events);
+        Ok(())
+    }
+
+    /// devplug-lite has no API client for `--node-events`.
+    #[cfg(not(feature = "cluster"))]
+    async fn start_node_events(&mut self, _args: &RunArgs) -> anyhow::Result<()> {
+        anyhow::bail!(crate::config::not_in_this_build(
+            "--node-events (DEVPLUG_NODE_EVENTS)"
+        ))
+    }
+
     /// Hands the `advertise:` resources to the advertiser, starting it (API client, `NODE_NAME`)
     /// the first time there are any.
+    #[cfg(feature = "cluster")]
     async fn advertise(&mut self, resources: BTreeMap<String, u64>) -> anyhow::Result<()> {
-        if self.advertiser.is_none() {
+        let cluster = &mut self.cluster;
+        if cluster.advertiser.is_none() {
             if resources.is_empty() {
                 return Ok(());
             }
-            let node = self.node_name.clone().context(
+            let node = cluster.node_name.clone().context(
                 "advertise: resources need this node's name: set NODE_NAME (the downward API's \
                  spec.nodeName) or --node-name",
             )?;
-            let client = devplug_cluster::connect(self.kubeconfig.as_deref()).await?;
+            let client = devplug_cluster::connect(cluster.kubeconfig.as_deref()).await?;
             tracing::info!(%node, "advertising extended resources on our Node");
-            self.advertiser = Some(devplug_cluster::advertise::Advertiser::spawn(
+            cluster.advertiser = Some(devplug_cluster::advertise::Advertiser::spawn(
                 client,
                 node,
                 CancellationToken::new(),
             ));
         }
-        if let Some(advertiser) = &self.advertiser {
+        if let Some(advertiser) = &cluster.advertiser {
             advertiser.set(resources);
         }
         Ok(())
+    }
+
+    /// devplug-lite: `Config::parse` already refused `advertise:` resources
+    /// ([`crate::config::needs_cluster`]), so there is nothing to advertise.
+    #[cfg(not(feature = "cluster"))]
+    async fn advertise(&mut self, resources: BTreeMap<String, u64>) -> anyhow::Result<()> {
+        match resources.keys().next() {
+            None => Ok(()),
+            Some(name) => anyhow::bail!(crate::config::not_in_this_build(&format!(
+                "{name}: advertise"
+            ))),
+        }
+    }
+
+    /// Tells the node events, if any, that a config reload failed.
+    fn reload_failed(&self, err: &crate::config::ConfigError) {
+        #[cfg(feature = "cluster")]
+        if let Some(events) = &self.cluster.events {
+            events.publish(devplug_cluster::events::NodeEvent::config_reload_failed(
+                &err.to_string(),
+            ));
+        }
+        #[cfg(not(feature = "cluster"))]
+        let _ = err;
     }
 
     /// Applies a changed config file, or keeps the previous one if the new one is invalid.
@@ -270,11 +328,7 @@ impl Runner {
             Ok(config) => config,
             Err(err) => {
                 tracing::error!(error = %err, "config reload failed; keeping the previous config");
-                if let Some(events) = &self.events {
-                    events.publish(devplug_cluster::events::NodeEvent::config_reload_failed(
-                        &err.to_string(),
-                    ));
-                }
+                self.reload_failed(&err);
                 self.reloads.failures.fetch_add(1, Ordering::Relaxed);
                 self.text = text;
                 return;

@@ -1,7 +1,8 @@
 //! The `devplug` binary against a real kube-apiserver (`KUBEBUILDER_ASSETS`, shared helper of
 //! devplug-cluster): `devplug capacity set|list|remove`, and `devplug run` keeping `advertise:`
 //! resources on its Node and removing one that leaves the config. Skipped loudly without the
-//! binaries.
+//! binaries. Full build only (feature `cluster`); devplug-lite's refusals are in tests/lite.rs.
+#![cfg(feature = "cluster")]
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
 mod support;

@@ -93,6 +93,16 @@ get a token and NODE_NAME.
 {{- end }}
 
 {{/*
+The binary the DaemonSet runs: the full /devplug when the pods talk to the API server, else
+/devplug-lite, the device-plugin-only build (no API client: less memory). Keyed on
+devplug.apiClient, like the token, NODE_NAME and RBAC; a new cluster feature extends that
+helper (and devplug's config::needs_cluster) and this follows.
+*/}}
+{{- define "devplug.binary" -}}
+{{- if include "devplug.apiClient" . }}/devplug{{ else }}/devplug-lite{{ end }}
+{{- end }}
+
+{{/*
 "true" when a resource registers through the kubelet's plugin watcher (registration: watcher).
 */}}
 {{- define "devplug.watcher" -}}

@@ -1,0 +1,152 @@
+//! The two builds of the binary: the full `devplug` (cargo feature `cluster`, the default) and
+//! `devplug-lite` (`--no-default-features`: no Kubernetes API client). Each test checks what the
+//! build under test must do, so both `cargo test -p devplug-cli` and
+//! `cargo test -p devplug-cli --no-default-features --test lite` (in .ci/run) mean something:
+//! the lean build refuses every setting that needs the API server, naming it and the fix, and
+//! the full build accepts it.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_devplug");
+const LITE: bool = cfg!(not(feature = "cluster"));
+
+/// The fix every refusal names.
+const FIX: &str = "run the full `devplug` binary instead (in the image: /devplug), or build with \
+                   `--features cluster`";
+
+fn devplug(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env_remove("NODE_NAME")
+        .env_remove("DEVPLUG_NODE_EVENTS")
+        .env_remove("KUBECONFIG")
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+const ADVERTISING: &str = "resources:
+  - name: example.com/npu
+    virtual: { count: 2 }
+  - name: example.com/dongle
+    advertise: { count: 4 }
+";
+
+#[test]
+fn version_names_the_build() {
+    let out = devplug(&["--version"]);
+    assert!(out.status.success());
+    let said = String::from_utf8_lossy(&out.stdout);
+    let name = if LITE { "devplug-lite " } else { "devplug " };
+    assert!(said.starts_with(name), "{said:?}");
+}
+
+#[test]
+fn check_config_refuses_advertise_only_in_the_lean_build() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(&config, ADVERTISING).unwrap();
+    let out = devplug(&["check-config", "--config", config.to_str().unwrap()]);
+    if LITE {
+        assert!(!out.status.success());
+        let err = stderr(&out);
+        assert!(
+            err.contains(
+                "resources[1].advertise: needs the Kubernetes API client, and this is \
+                 devplug-lite, the device-plugin-only build"
+            ),
+            "{err}"
+        );
+        assert!(err.contains(FIX), "{err}");
+    } else {
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+}
+
+#[test]
+fn run_refuses_advertise_in_the_lean_build_before_serving() {
+    if !LITE {
+        // The full build serves it through the API server: tests/cluster.rs.
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(&config, ADVERTISING).unwrap();
+    let plugins = dir.path().join("device-plugins");
+    std::fs::create_dir(&plugins).unwrap();
+    let out = devplug(&[
+        "run",
+        "--config",
+        config.to_str().unwrap(),
+        "--kubelet-dir",
+        plugins.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("resources[1].advertise: needs"), "{err}");
+    assert!(err.contains(FIX), "{err}");
+    // Nothing was served.
+    assert_eq!(std::fs::read_dir(&plugins).unwrap().count(), 0);
+}
+
+#[test]
+fn run_node_events_is_refused_by_the_lean_build() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n",
+    )
+    .unwrap();
+    let plugins = dir.path().join("device-plugins");
+    std::fs::create_dir(&plugins).unwrap();
+    let out = devplug(&[
+        "run",
+        "--config",
+        config.to_str().unwrap(),
+        "--kubelet-dir",
+        plugins.to_str().unwrap(),
+        "--node-events",
+    ]);
+    // Either build stops at once: the lean one has no client, the full one no NODE_NAME.
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    if LITE {
+        assert!(
+            err.contains("--node-events (DEVPLUG_NODE_EVENTS): needs"),
+            "{err}"
+        );
+        assert!(err.contains(FIX), "{err}");
+    } else {
+        assert!(
+            err.contains("--node-events needs this node's name"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn capacity_is_only_in_the_full_build() {
+    let out = devplug(&["capacity", "list", "--node", "n1"]);
+    if LITE {
+        assert!(!out.status.success());
+        let err = stderr(&out);
+        assert!(
+            err.contains("capacity: needs the Kubernetes API client"),
+            "{err}"
+        );
+        assert!(err.contains(FIX), "{err}");
+        // Not advertised in the help of a build that lacks it.
+        let help = String::from_utf8_lossy(&devplug(&["--help"]).stdout).into_owned();
+        assert!(!help.contains("capacity"), "{help}");
+    } else {
+        let help = devplug(&["capacity", "--help"]);
+        assert!(help.status.success());
+        assert!(String::from_utf8_lossy(&help.stdout).contains("list"));
+    }
+}
