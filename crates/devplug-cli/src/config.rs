@@ -196,8 +196,16 @@ pub fn needs_cluster(config: &Config) -> Option<String> {
     config
         .resources
         .iter()
-        .position(|r| r.advertise.is_some())
-        .map(|index| format!("resources[{index}].advertise"))
+        .enumerate()
+        .find_map(|(index, r)| {
+            if r.advertise.is_some() {
+                Some(format!("resources[{index}].advertise"))
+            } else if r.dra.is_some() {
+                Some(format!("resources[{index}].dra"))
+            } else {
+                None
+            }
+        })
 }
 
 /// What the device-plugin-only build says about `what` (a config field path, a flag or a

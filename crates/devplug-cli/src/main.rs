@@ -10,6 +10,8 @@
 
 #[cfg(feature = "cluster")]
 mod capacity;
+#[cfg(feature = "cluster")]
+mod dra;
 mod check_config;
 mod config;
 mod demo;

@@ -63,6 +63,10 @@ pub struct RunArgs {
     /// `devplug` only (devplug-lite has no API client).
     #[arg(long, env = "DEVPLUG_NODE_EVENTS")]
     pub node_events: bool,
+    /// Where `dra:` resources write the CDI spec of each prepared claim (the container
+    /// runtime's dynamic CDI folder).
+    #[arg(long, env = "DEVPLUG_CDI_DIR", default_value = devplug_proto::constants::CDI_DYNAMIC_DIR)]
+    pub cdi_dir: PathBuf,
 }
 
 /// The plugin-watcher folders from the flags, defaulting beside the kubelet folder.
@@ -93,6 +97,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             node_name: args.node_name.clone(),
             kubeconfig: args.kubeconfig.clone(),
             events: None,
+            dra: crate::dra::DraDrivers::new(crate::dra::DraSetup {
+                dirs: devplug_cluster::dra::kubelet::KubeletDirs::beside(&args.kubelet_dir),
+                cdi_dir: args.cdi_dir.clone(),
+                node: args.node_name.clone(),
+                kubeconfig: args.kubeconfig.clone(),
+            }),
         },
     };
     if args.node_events {
@@ -134,6 +144,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     }
     stop_http.cancel();
+    #[cfg(feature = "cluster")]
+    runner.cluster.dra.shutdown().await;
     let report = runner.host.shutdown().await;
     if report.is_clean() {
         tracing::info!("sockets removed; bye");
@@ -203,6 +215,8 @@ struct Cluster {
     kubeconfig: Option<PathBuf>,
     /// Node events, with --node-events.
     events: Option<devplug_cluster::events::NodeEvents>,
+    /// The `dra:` resources' drivers.
+    dra: crate::dra::DraDrivers,
 }
 
 /// The `advertise:` resources of a config, name → count.
@@ -229,15 +243,45 @@ impl Runner {
     /// Starts every resource; any failure stops the program.
     async fn start(&mut self, config: &Config) -> anyhow::Result<()> {
         self.advertise(advertised(&config.resources)).await?;
-        for resource in config.resources.iter().filter(|r| r.advertise.is_none()) {
+        let mut built = BTreeMap::new();
+        for resource in config
+            .resources
+            .iter()
+            .filter(|r| r.serves_device_plugin())
+        {
             let backend = resource
                 .build()
                 .map_err(|(key, err)| anyhow::anyhow!("{}: {key}.{err}", resource.name))?;
             self.host
-                .add_with(&resource.name, backend, settings_of(resource))
+                .add_with(&resource.name, backend.clone(), settings_of(resource))
                 .with_context(|| format!("cannot serve {}", resource.name))?;
             self.current.insert(resource.name.clone(), resource.clone());
+            built.insert(resource.name.clone(), backend);
         }
+        self.apply_dra(&config.resources, &built).await
+    }
+
+    /// Starts, restarts and stops the `dra:` resources' drivers to match `resources`.
+    #[cfg(feature = "cluster")]
+    async fn apply_dra(
+        &mut self,
+        resources: &[ResourceConfig],
+        built: &BTreeMap<String, Arc<dyn devplug::Backend>>,
+    ) -> anyhow::Result<()> {
+        let failed = self.cluster.dra.apply(resources, built).await;
+        match failed.into_iter().next() {
+            None => Ok(()),
+            Some((name, err)) => Err(err.context(format!("cannot serve {name} as a DRA driver"))),
+        }
+    }
+
+    /// The device-plugin-only build has no DRA: the config check refused `dra:` resources.
+    #[cfg(not(feature = "cluster"))]
+    async fn apply_dra(
+        &mut self,
+        _: &[ResourceConfig],
+        _: &BTreeMap<String, Arc<dyn devplug::Backend>>,
+    ) -> anyhow::Result<()> {
         Ok(())
     }
 
@@ -340,10 +384,14 @@ impl Runner {
             tracing::error!(error = %format!("{err:#}"), "cannot advertise the config's advertise: resources");
             report.failed.push("advertise".to_owned());
         }
+        if let Err(err) = self.apply_dra(&config.resources, &BTreeMap::new()).await {
+            tracing::error!(error = %format!("{err:#}"), "cannot apply the config's dra: resources");
+            report.failed.push("dra".to_owned());
+        }
         let wanted: BTreeMap<String, ResourceConfig> = config
             .resources
             .into_iter()
-            .filter(|r| r.advertise.is_none())
+            .filter(ResourceConfig::serves_device_plugin)
             .map(|r| (r.name.clone(), r))
             .collect();
 

@@ -193,3 +193,79 @@ async fn run_advertises_on_its_node_and_follows_the_config() {
     // Kept at shutdown: a restarting pod must not make capacity flap.
     wait("example.com/dongle", Some("3")).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
+    use k8s_openapi::api::resource::v1::ResourceSlice;
+    use kube::api::ListParams;
+    let Some(server) = ApiServer::shared("run_serves_a_dra_driver_and_removes_its_slices_at_shutdown")
+    else {
+        return;
+    };
+    let client = testenv::client(&server.kubeconfig).await.unwrap();
+    let nodes: Api<Node> = Api::all(client.clone());
+    node(&nodes, "cli-dra").await;
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = dir.path().join("device-plugins");
+    let config = kubelet_sim::SimConfig {
+        watcher_reconcile: Duration::from_millis(50),
+        ..kubelet_sim::SimConfig::default()
+    }
+    .with_watcher_beside(&plugins);
+    let kubelet = Kubelet::start_with(&plugins, config).await.unwrap();
+    let config = dir.path().join("config.yaml");
+    // One resource as DRA only, one as a device plugin.
+    std::fs::write(
+        &config,
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 3 }\n    dra: { driver: npu.cli.example.com }\n  - name: example.com/dp\n    virtual: { count: 2 }\n",
+    )
+    .unwrap();
+    let cdi = dir.path().join("cdi");
+    let devplug = Devplug::run_with(
+        &config,
+        &plugins,
+        &[
+            "--node-name",
+            "cli-dra",
+            "--kubeconfig",
+            server.kubeconfig.to_str().unwrap(),
+            "--cdi-dir",
+            cdi.to_str().unwrap(),
+        ],
+    );
+    let slices: Api<ResourceSlice> = Api::all(client);
+    let params = ListParams::default().fields("spec.nodeName=cli-dra");
+    let mut devices = 0;
+    for _ in 0..200 {
+        let list = slices.list(&params).await.unwrap();
+        devices = list
+            .items
+            .iter()
+            .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+            .sum();
+        if devices == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(devices, 3, "the DRA resource's devices are published");
+    kubelet
+        .wait_for(Duration::from_secs(10), |node| {
+            (!node.dra_driver("npu.cli.example.com").is_empty()
+                && node.capacity("example.com/dp").0 == 2)
+                .then_some(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        kubelet.read(|node| node.capacity("example.com/npu").0),
+        0,
+        "a dra: resource without device_plugin: true is not a device plugin"
+    );
+    let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
+    assert!(status.success(), "{log}");
+    assert!(
+        slices.list(&params).await.unwrap().items.is_empty(),
+        "shutdown removes the slices"
+    );
+}
