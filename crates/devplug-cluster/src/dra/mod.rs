@@ -3,3 +3,4 @@
 //! - [`names`]: device names in a ResourceSlice (DNS labels) from backend ids, a pure function
 //!   so every part agrees.
 pub mod names;
+pub mod slices;
