@@ -10,6 +10,7 @@
 //! - `service.rs`: the `DRAPlugin` gRPC service, v1 and v1beta1, over [`prepare::Preparer`].
 //! - `driver.rs`: all of it for one backend, started and stopped as one ([`DraDriver`]).
 //! - [`kubelet`]: the driver's sockets and its plugin-watcher registration.
+//! - [`slices`]: the node's devices as ResourceSlices, event-driven, removed at shutdown.
 
 pub mod checkpoint;
 pub mod claims;
@@ -18,5 +19,6 @@ pub mod kubelet;
 pub mod names;
 pub mod prepare;
 mod service;
+pub mod slices;
 
 pub use driver::{DraDriver, DraDriverSettings, DraStartError};
