@@ -16,6 +16,14 @@ CHART = Path(__file__).resolve().parent.parent / "deploy" / "helm" / "devplug"
 RELEASES = {
     "defaults": {},
     "node-events": {"nodeEvents": {"enabled": True}},
+    # A dra: resource alone: full /devplug, NODE_NAME, the plugins/ and CDI folders, DRA RBAC.
+    "dra": {
+        "config": {
+            "resources": [
+                {"name": "example.com/npu", "virtual": {"count": 4}, "dra": {"driver": "npu.example.com"}},
+            ]
+        }
+    },
     "all-options": {
         "hostdev": {"enabled": True},
         "nodeEvents": {"enabled": True},
@@ -40,6 +48,7 @@ RELEASES = {
                 {"name": "example.com/a", "virtual": {"count": 2}},
                 {"name": "example.com/b", "virtual": {"count": 3, "numa_nodes": 2}, "registration": "watcher"},
                 {"name": "example.com/dongle", "advertise": {"count": 4}},
+                {"name": "example.com/c", "virtual": {"count": 2}, "dra": {"driver": "c.example.com", "device_plugin": True}},
             ]
         },
     },

@@ -193,19 +193,15 @@ pub const HAS_CLUSTER: bool = cfg!(feature = "cluster");
 /// resource) is added here, and the lean build then refuses it in `check-config`, `run` and
 /// reloads, and the deploy manifests' choice of binary must follow (crates/deploy-check).
 pub fn needs_cluster(config: &Config) -> Option<String> {
-    config
-        .resources
-        .iter()
-        .enumerate()
-        .find_map(|(index, r)| {
-            if r.advertise.is_some() {
-                Some(format!("resources[{index}].advertise"))
-            } else if r.dra.is_some() {
-                Some(format!("resources[{index}].dra"))
-            } else {
-                None
-            }
-        })
+    config.resources.iter().enumerate().find_map(|(index, r)| {
+        if r.advertise.is_some() {
+            Some(format!("resources[{index}].advertise"))
+        } else if r.dra.is_some() {
+            Some(format!("resources[{index}].dra"))
+        } else {
+            None
+        }
+    })
 }
 
 /// What the device-plugin-only build says about `what` (a config field path, a flag or a

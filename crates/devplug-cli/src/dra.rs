@@ -117,7 +117,12 @@ impl DraDrivers {
         };
         let driver = DraDriver::start(settings, backend, client)
             .await
-            .with_context(|| format!("cannot start DRA driver {} for {}", dra.driver, resource.name))?;
+            .with_context(|| {
+                format!(
+                    "cannot start DRA driver {} for {}",
+                    dra.driver, resource.name
+                )
+            })?;
         tracing::info!(resource = %resource.name, driver = %dra.driver, "serving as a DRA driver");
         Ok(driver)
     }

@@ -10,12 +10,12 @@
 
 #[cfg(feature = "cluster")]
 mod capacity;
-#[cfg(feature = "cluster")]
-mod dra;
 mod check_config;
 mod config;
 mod demo;
 mod demo_nvidia;
+#[cfg(feature = "cluster")]
+mod dra;
 mod duration;
 mod endpoints;
 mod http;

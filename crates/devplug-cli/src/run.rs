@@ -244,11 +244,7 @@ impl Runner {
     async fn start(&mut self, config: &Config) -> anyhow::Result<()> {
         self.advertise(advertised(&config.resources)).await?;
         let mut built = BTreeMap::new();
-        for resource in config
-            .resources
-            .iter()
-            .filter(|r| r.serves_device_plugin())
-        {
+        for resource in config.resources.iter().filter(|r| r.serves_device_plugin()) {
             let backend = resource
                 .build()
                 .map_err(|(key, err)| anyhow::anyhow!("{}: {key}.{err}", resource.name))?;

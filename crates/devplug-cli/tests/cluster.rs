@@ -198,7 +198,8 @@ async fn run_advertises_on_its_node_and_follows_the_config() {
 async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
     use k8s_openapi::api::resource::v1::ResourceSlice;
     use kube::api::ListParams;
-    let Some(server) = ApiServer::shared("run_serves_a_dra_driver_and_removes_its_slices_at_shutdown")
+    let Some(server) =
+        ApiServer::shared("run_serves_a_dra_driver_and_removes_its_slices_at_shutdown")
     else {
         return;
     };

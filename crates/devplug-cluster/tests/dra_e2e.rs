@@ -73,7 +73,9 @@ async fn slice_devices(slices: &Api<ResourceSlice>) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
-    let Some(server) = ApiServer::shared("the_scheduler_allocates_and_the_kubelet_prepares_through_devplug") else {
+    let Some(server) =
+        ApiServer::shared("the_scheduler_allocates_and_the_kubelet_prepares_through_devplug")
+    else {
         return;
     };
     server.start_scheduler().unwrap();
@@ -88,7 +90,11 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
     .unwrap();
     nodes.create(&PostParams::default(), &node).await.unwrap();
     nodes
-        .patch(NODE, &PatchParams::default(), &Patch::Merge(json!({ "spec": { "taints": [] } })))
+        .patch(
+            NODE,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "taints": [] } })),
+        )
         .await
         .unwrap();
     nodes
@@ -128,15 +134,22 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
         .await
         .unwrap();
     let mut registered = driver.registered();
-    tokio::time::timeout(Duration::from_secs(10), registered.wait_for(|r| *r == Registered::Yes))
-        .await
-        .expect("the kubelet registered the driver")
-        .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        registered.wait_for(|r| *r == Registered::Yes),
+    )
+    .await
+    .expect("the kubelet registered the driver")
+    .unwrap();
     let slices: Api<ResourceSlice> = Api::all(client.clone());
-    let published = until("4 devices in the slices", Duration::from_secs(20), || async {
-        let names = slice_devices(&slices).await;
-        (names.len() == 4).then_some(names)
-    })
+    let published = until(
+        "4 devices in the slices",
+        Duration::from_secs(20),
+        || async {
+            let names = slice_devices(&slices).await;
+            (names.len() == 4).then_some(names)
+        },
+    )
     .await;
     assert_eq!(published, ["npu-0", "npu-1", "npu-2", "npu-3"]);
 
@@ -215,7 +228,11 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
         .unwrap();
     let mut allocated: Vec<&str> = results.iter().map(|r| r.device.as_str()).collect();
     allocated.sort();
-    assert_eq!(allocated, ["npu-2", "npu-3"], "the CEL selector picked NUMA node 1");
+    assert_eq!(
+        allocated,
+        ["npu-2", "npu-3"],
+        "the CEL selector picked NUMA node 1"
+    );
     assert!(results.iter().all(|r| r.driver == DRIVER && r.pool == NODE));
 
     // The kubelet prepares the pod's claim.
@@ -226,7 +243,10 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
         .dra_prepare(DRIVER, std::slice::from_ref(&sim_claim))
         .await
         .unwrap();
-    eprintln!("NodePrepareResources of the first claim: {:?}", started.elapsed());
+    eprintln!(
+        "NodePrepareResources of the first claim: {:?}",
+        started.elapsed()
+    );
     let prepared = answer[&uid].as_ref().unwrap().clone();
     let mut names: Vec<&str> = prepared.iter().map(|d| d.device_name.as_str()).collect();
     names.sort();
@@ -236,7 +256,10 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
     let spec_path = devplug_cluster::dra::prepare::spec_path(&settings.cdi_dir, DRIVER, &uid);
     let spec: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&spec_path).unwrap()).unwrap();
-    let env = spec["devices"][0]["containerEdits"]["env"][0].as_str().unwrap().to_owned();
+    let env = spec["devices"][0]["containerEdits"]["env"][0]
+        .as_str()
+        .unwrap()
+        .to_owned();
     assert!(
         env == "NPU_VISIBLE_DEVICES=npu-2,npu-3" || env == "NPU_VISIBLE_DEVICES=npu-3,npu-2",
         "{env}"
@@ -248,10 +271,13 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
         .await
         .unwrap();
     let mut registered = driver.registered();
-    tokio::time::timeout(Duration::from_secs(10), registered.wait_for(|r| *r == Registered::Yes))
-        .await
-        .expect("registered again")
-        .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        registered.wait_for(|r| *r == Registered::Yes),
+    )
+    .await
+    .expect("registered again")
+    .unwrap();
     let again = kubelet
         .dra_prepare(DRIVER, std::slice::from_ref(&sim_claim))
         .await
@@ -263,9 +289,11 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
     devices.send_modify(|list| {
         list.set_health("npu-0", Health::unhealthy("test"));
     });
-    until("npu-0 out of the slice", Duration::from_secs(20), || async {
-        (slice_devices(&slices).await == ["npu-1", "npu-2", "npu-3"]).then_some(())
-    })
+    until(
+        "npu-0 out of the slice",
+        Duration::from_secs(20),
+        || async { (slice_devices(&slices).await == ["npu-1", "npu-2", "npu-3"]).then_some(()) },
+    )
     .await;
     devices.send_modify(|list| {
         list.set_health("npu-0", Health::Healthy);

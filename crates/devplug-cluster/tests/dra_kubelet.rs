@@ -133,7 +133,10 @@ async fn the_kubelet_registers_the_driver_and_prepares_claims_across_a_restart()
     .await
     .expect("registered again within 10 s")
     .unwrap();
-    let again = kubelet.dra_prepare(DRIVER, std::slice::from_ref(&claim)).await.unwrap();
+    let again = kubelet
+        .dra_prepare(DRIVER, std::slice::from_ref(&claim))
+        .await
+        .unwrap();
     assert_eq!(again["uid-1"].as_ref().unwrap(), devices);
     let gone = kubelet.dra_unprepare(DRIVER, &[claim]).await.unwrap();
     assert!(gone["uid-1"].is_ok());

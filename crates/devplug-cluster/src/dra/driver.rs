@@ -1,10 +1,10 @@
 //! One backend served as a DRA driver on this node: the ResourceSlices of its devices, its
 //! sockets and plugin-watcher registration, and claim preparation, started and stopped as one.
 
+use super::checkpoint::{CheckpointError, PreparedClaim};
 use super::claims::KubeClaims;
 use super::kubelet::{KubeletDirs, KubeletSide, Registered};
 use super::prepare::{PrepareFiles, Preparer};
-use super::checkpoint::{CheckpointError, PreparedClaim};
 use super::slices::{SliceError, SlicePublisher};
 use devplug::Backend;
 use std::collections::BTreeMap;

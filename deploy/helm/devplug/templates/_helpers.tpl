@@ -85,11 +85,26 @@ and RBAC on its Node); empty otherwise.
 {{- end }}
 
 {{/*
-"true" when the pods talk to the API server (advertise: resources or node events): they then
-get a token and NODE_NAME.
+"true" when the config has a `dra:` resource (served as a DRA driver: ResourceSlices, claims,
+the kubelet's plugins/ folder and /var/run/cdi); empty otherwise.
+*/}}
+{{- define "devplug.dra" -}}
+{{- range .Values.config.resources }}{{ if .dra }}true{{ end }}{{ end }}
+{{- end }}
+
+{{/*
+"true" when the pods talk to the API server (advertise: or dra: resources, node events): they
+then get a token and NODE_NAME.
 */}}
 {{- define "devplug.apiClient" -}}
-{{- if or (include "devplug.advertise" .) .Values.nodeEvents.enabled }}true{{ end }}
+{{- if or (include "devplug.advertise" .) (include "devplug.dra" .) .Values.nodeEvents.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
+The kubelet's plugins folder: DRA drivers serve <plugins>/<driver>/dra.sock there.
+*/}}
+{{- define "devplug.pluginsDir" -}}
+{{- printf "%s/plugins" (trimSuffix "/" .Values.kubeletDir) }}
 {{- end }}
 
 {{/*
