@@ -2,6 +2,10 @@
 //! named by `KUBEBUILDER_ASSETS`, started once per test binary on loopback in a temp folder, and
 //! stopped by PID when the test binary exits (a small reaper process watches it).
 //!
+//! [`ControlPlane`] is the same control plane (plus `kube-scheduler`) owned by a value instead,
+//! for programs such as `devplug demo --dra`: its processes are stopped when it is dropped, and a
+//! reaper stops them too should the program be killed before that.
+//!
 //! Without `KUBEBUILDER_ASSETS` [`ApiServer::shared`] returns `None` after printing a loud
 //! message: tests then say `SKIPPED` and how to get the binaries, never pass silently; with
 //! `DEVPLUG_REQUIRE_API_SERVER` set (CI) a missing `KUBEBUILDER_ASSETS` fails them instead. Get them
@@ -30,8 +34,21 @@ pub struct ApiServer {
     pub ca: PathBuf,
     /// A kubeconfig for the admin.
     pub kubeconfig: PathBuf,
-    /// The temp folder (etcd data, certificates, logs); removed by the reaper.
+    /// The folder of etcd's data, the certificates and the logs: removed by the reaper for
+    /// [`ApiServer::shared`]; the owner's to remove for a [`ControlPlane`].
     pub dir: PathBuf,
+}
+
+/// The binaries a [`ControlPlane`] with a scheduler runs, all from one folder.
+pub const CONTROL_PLANE_BINARIES: [&str; 3] = ["etcd", "kube-apiserver", "kube-scheduler"];
+
+/// The binaries of [`CONTROL_PLANE_BINARIES`] that are not files in `assets`.
+pub fn missing_binaries(assets: &Path) -> Vec<PathBuf> {
+    CONTROL_PLANE_BINARIES
+        .iter()
+        .map(|name| assets.join(name))
+        .filter(|path| !path.is_file())
+        .collect()
 }
 
 static SHARED: OnceLock<Result<ApiServer, String>> = OnceLock::new();
@@ -47,22 +64,8 @@ impl ApiServer {
     /// on stderr) when `KUBEBUILDER_ASSETS` is not set. A start failure panics with the logs'
     /// location: a broken environment must fail tests, not skip them.
     pub fn shared(test: &str) -> Option<&'static ApiServer> {
-        let Some(assets) = std::env::var_os("KUBEBUILDER_ASSETS") else {
-            assert!(
-                std::env::var_os("DEVPLUG_REQUIRE_API_SERVER").is_none(),
-                "{test}: DEVPLUG_REQUIRE_API_SERVER is set but KUBEBUILDER_ASSETS is not"
-            );
-            // Written straight to stderr: the test harness hides eprintln! of passing tests.
-            let _ = writeln!(
-                std::io::stderr(),
-                "\n*** SKIPPED {test}: KUBEBUILDER_ASSETS is not set, so there is no API server to test against.\n\
-                 *** Get kube-apiserver and etcd with `../shared/k8s/setup.sh target/k8s-assets` and\n\
-                 *** `export KUBEBUILDER_ASSETS=$PWD/target/k8s-assets` (this repository's CI does), or with\n\
-                 *** `setup-envtest use 1.36.x -p path` from controller-runtime. This test did NOT run.\n"
-            );
-            return None;
-        };
-        let started = SHARED.get_or_init(|| start(Path::new(&assets)));
+        let assets = assets_or_skip(test)?;
+        let started = SHARED.get_or_init(|| start(&assets));
         match started {
             Ok(server) => Some(server),
             Err(err) => panic!("cannot start the test control plane: {err}"),
@@ -77,24 +80,9 @@ impl ApiServer {
             .get_or_init(|| {
                 let assets = std::env::var_os("KUBEBUILDER_ASSETS")
                     .ok_or_else(|| "KUBEBUILDER_ASSETS is not set".to_owned())?;
-                let binary = Path::new(&assets).join("kube-scheduler");
-                if !binary.is_file() {
-                    return Err(format!(
-                        "{} is missing: the DRA tests need kube-scheduler beside kube-apiserver \
-                         (../shared/k8s/setup.sh puts it there)",
-                        binary.display()
-                    ));
-                }
-                let child = spawn(
-                    &binary,
-                    &[
-                        format!("--kubeconfig={}", self.kubeconfig.display()),
-                        "--leader-elect=false".into(),
-                        "--secure-port=0".into(),
-                    ],
-                    &self.dir.join("kube-scheduler.log"),
-                )?;
-                reap_at_exit(&self.dir, &[child.id()])
+                let child = spawn_scheduler(self, Path::new(&assets))?;
+                // Not waited for: it outlives us on purpose. Drop the handle only.
+                reap_at_exit(Some(&self.dir), &[child.id()]).map(drop)
             })
             .clone()
     }
@@ -105,6 +93,29 @@ impl ApiServer {
         std::fs::write(&path, kubeconfig_text(&self.url, &self.ca, token))?;
         Ok(path)
     }
+}
+
+/// The folder named by `KUBEBUILDER_ASSETS`, for a test that needs the control plane's binaries.
+/// `None` after a loud `SKIPPED` message on stderr when the variable is not set; a panic when it
+/// is not set but `DEVPLUG_REQUIRE_API_SERVER` is (CI), so that a test never passes silently
+/// without running.
+pub fn assets_or_skip(test: &str) -> Option<PathBuf> {
+    if let Some(assets) = std::env::var_os("KUBEBUILDER_ASSETS") {
+        return Some(PathBuf::from(assets));
+    }
+    assert!(
+        std::env::var_os("DEVPLUG_REQUIRE_API_SERVER").is_none(),
+        "{test}: DEVPLUG_REQUIRE_API_SERVER is set but KUBEBUILDER_ASSETS is not"
+    );
+    // Written straight to stderr: the test harness hides eprintln! of passing tests.
+    let _ = writeln!(
+        std::io::stderr(),
+        "\n*** SKIPPED {test}: KUBEBUILDER_ASSETS is not set, so there is no API server to test against.\n\
+         *** Get kube-apiserver and etcd with `../shared/k8s/setup.sh target/k8s-assets` and\n\
+         *** `export KUBEBUILDER_ASSETS=$PWD/target/k8s-assets` (this repository's CI does), or with\n\
+         *** `setup-envtest use 1.36.x -p path` from controller-runtime. This test did NOT run.\n"
+    );
+    None
 }
 
 /// A kube client for the kubeconfig at `path` (no context switching, no env).
@@ -172,7 +183,55 @@ fn spawn(binary: &Path, args: &[String], log: &Path) -> Result<Child, String> {
         .map_err(|e| fail(&format!("cannot run {}", binary.display()), e))
 }
 
+/// Starts `kube-scheduler` from `assets` against `server`, logging beside its other logs.
+fn spawn_scheduler(server: &ApiServer, assets: &Path) -> Result<Child, String> {
+    let binary = assets.join("kube-scheduler");
+    if !binary.is_file() {
+        return Err(format!(
+            "{} is missing: DRA needs kube-scheduler beside kube-apiserver \
+             (../shared/k8s/setup.sh puts it there)",
+            binary.display()
+        ));
+    }
+    spawn(
+        &binary,
+        &[
+            format!("--kubeconfig={}", server.kubeconfig.display()),
+            "--leader-elect=false".into(),
+            "--secure-port=0".into(),
+        ],
+        &server.dir.join("kube-scheduler.log"),
+    )
+}
+
+/// The shared API server of a test binary: a temp folder kept until the reaper removes it.
 fn start(assets: &Path) -> Result<ApiServer, String> {
+    let dir = tempfile::Builder::new()
+        .prefix("devplug-apiserver-")
+        .tempdir()
+        .map_err(|e| fail("temp folder", e))?
+        .keep();
+    let (server, [etcd, apiserver]) = spawn_api_server(assets, &dir)?;
+    // Not waited for: it outlives us on purpose. Drop the handle only.
+    drop(reap_at_exit(Some(&dir), &[etcd.id(), apiserver.id()])?);
+    wait_ready(&server).map_err(|e| with_logs(e, &dir))?;
+    Ok(server)
+}
+
+/// `err` with where the logs are.
+fn with_logs(err: String, dir: &Path) -> String {
+    format!(
+        "{err} (logs: {} and {})",
+        dir.join("kube-apiserver.log").display(),
+        dir.join("etcd.log").display()
+    )
+}
+
+/// Starts etcd and kube-apiserver from `assets` with their files in `dir` (created if missing),
+/// and writes the admin kubeconfig; does not wait for them to be ready. Returns the server and
+/// the two processes (etcd first). Everything that can fail before etcd starts is done first;
+/// a failure after that stops what was started.
+fn spawn_api_server(assets: &Path, dir: &Path) -> Result<(ApiServer, [Child; 2]), String> {
     let apiserver_bin = assets.join("kube-apiserver");
     let etcd_bin = assets.join("etcd");
     for b in [&apiserver_bin, &etcd_bin] {
@@ -183,22 +242,8 @@ fn start(assets: &Path) -> Result<ApiServer, String> {
             ));
         }
     }
-    let dir = tempfile::Builder::new()
-        .prefix("devplug-apiserver-")
-        .tempdir()
-        .map_err(|e| fail("temp folder", e))?
-        .keep();
+    std::fs::create_dir_all(dir).map_err(|e| fail(&format!("folder {}", dir.display()), e))?;
     let (etcd_port, peer_port, api_port) = (free_port()?, free_port()?, free_port()?);
-    let etcd = spawn(
-        &etcd_bin,
-        &[
-            format!("--data-dir={}", dir.join("etcd").display()),
-            format!("--listen-client-urls=http://127.0.0.1:{etcd_port}"),
-            format!("--listen-peer-urls=http://127.0.0.1:{peer_port}"),
-            "--unsafe-no-fsync".into(),
-        ],
-        &dir.join("etcd.log"),
-    )?;
     let key = dir.join("sa.key");
     let public = dir.join("sa.pub");
     let (private_pem, public_pem) = service_account_keys()?;
@@ -211,6 +256,21 @@ fn start(assets: &Path) -> Result<ApiServer, String> {
     )
     .map_err(|e| fail("tokens.csv", e))?;
     let cert_dir = dir.join("certs");
+    let ca = cert_dir.join("apiserver.crt");
+    let url = format!("https://127.0.0.1:{api_port}");
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(&kubeconfig, kubeconfig_text(&url, &ca, ADMIN_TOKEN))
+        .map_err(|e| fail("kubeconfig", e))?;
+    let etcd = spawn(
+        &etcd_bin,
+        &[
+            format!("--data-dir={}", dir.join("etcd").display()),
+            format!("--listen-client-urls=http://127.0.0.1:{etcd_port}"),
+            format!("--listen-peer-urls=http://127.0.0.1:{peer_port}"),
+            "--unsafe-no-fsync".into(),
+        ],
+        &dir.join("etcd.log"),
+    )?;
     let apiserver = spawn(
         &apiserver_bin,
         &[
@@ -230,52 +290,163 @@ fn start(assets: &Path) -> Result<ApiServer, String> {
             "--disable-admission-plugins=ServiceAccount".into(),
         ],
         &dir.join("kube-apiserver.log"),
-    )?;
-    reap_at_exit(&dir, &[etcd.id(), apiserver.id()])?;
-    let ca = cert_dir.join("apiserver.crt");
-    let url = format!("https://127.0.0.1:{api_port}");
-    let kubeconfig = dir.join("kubeconfig");
-    std::fs::write(&kubeconfig, kubeconfig_text(&url, &ca, ADMIN_TOKEN))
-        .map_err(|e| fail("kubeconfig", e))?;
+    );
+    let apiserver = match apiserver {
+        Ok(child) => child,
+        Err(err) => {
+            stop_all(&mut [etcd]);
+            return Err(err);
+        }
+    };
     let server = ApiServer {
         url,
         ca,
         kubeconfig,
-        dir: dir.clone(),
+        dir: dir.to_owned(),
     };
-    wait_ready(&server).map_err(|e| {
-        format!(
-            "{e} (logs: {} and {})",
-            dir.join("kube-apiserver.log").display(),
-            dir.join("etcd.log").display()
-        )
-    })?;
-    Ok(server)
+    Ok((server, [etcd, apiserver]))
 }
 
-/// A process that waits for this test binary to exit, then stops etcd and the API server by PID
-/// (TERM, then KILL after 5 s) and removes the temp folder.
-fn reap_at_exit(dir: &Path, pids: &[u32]) -> Result<(), String> {
+/// A process that waits for this process to exit, then stops `pids` (TERM, then KILL after 5 s)
+/// and removes `dir` if given. Returns its handle: dropping it leaves it running; killing it
+/// (as [`ControlPlane`] does once it has stopped the processes itself) calls it off.
+fn reap_at_exit(dir: Option<&Path>, pids: &[u32]) -> Result<Child, String> {
     let me = std::process::id();
     let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
     let pids = pids.join(" ");
+    let remove = dir
+        .map(|d| format!("; rm -rf '{}'", d.display()))
+        .unwrap_or_default();
     let script = format!(
         "while kill -0 {me} 2>/dev/null; do sleep 0.5; done; kill {pids} 2>/dev/null; \
          for i in 1 2 3 4 5 6 7 8 9 10; do kill -0 {pids} 2>/dev/null || break; sleep 0.5; done; \
-         kill -9 {pids} 2>/dev/null; rm -rf '{}'",
-        dir.display()
+         kill -9 {pids} 2>/dev/null{remove}"
     );
-    let mut reaper = Command::new("sh")
+    Command::new("sh")
         .arg("-c")
         .arg(script)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(|e| fail("reaper", e))?;
-    // Not waited for: it outlives us on purpose. Drop the handle only.
-    let _ = reaper.stdin.take();
-    Ok(())
+        .map_err(|e| fail("reaper", e))
+}
+
+/// How long [`stop_all`] lets the processes end on SIGTERM before it kills them.
+const STOP_GRACE: Duration = Duration::from_secs(3);
+
+/// Stops `children`: SIGTERM to all, then SIGKILL to those still running after [`STOP_GRACE`];
+/// each one is waited for (no zombie, no PID left to be reused under our feet).
+fn stop_all(children: &mut [Child]) {
+    for child in children.iter_mut() {
+        if matches!(child.try_wait(), Ok(None)) {
+            // std sends only SIGKILL; `kill` sends SIGTERM, as the reaper does.
+            let _ = Command::new("kill")
+                .arg(child.id().to_string())
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+    let deadline = Instant::now() + STOP_GRACE;
+    for child in children.iter_mut() {
+        while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if matches!(child.try_wait(), Ok(None)) {
+            let _ = child.kill();
+        }
+        let _ = child.wait();
+    }
+}
+
+/// etcd, kube-apiserver and, once asked, kube-scheduler, owned by this value: started in a
+/// folder the caller gives (and removes), stopped when the value is dropped, scheduler and API
+/// server first, then etcd. A reaper process stops them too if this process dies without
+/// dropping it (SIGKILL, abort). For programs, e.g. `devplug demo --dra`; tests share one
+/// [`ApiServer::shared`] per test binary instead.
+#[derive(Debug)]
+pub struct ControlPlane {
+    server: ApiServer,
+    assets: PathBuf,
+    /// Stopped in this order: the scheduler (when started), the API server, etcd.
+    processes: Vec<Child>,
+    reaper: Option<Child>,
+}
+
+impl ControlPlane {
+    /// Starts etcd and kube-apiserver from `assets` with their files in `dir`, and waits until
+    /// the API server's `/readyz` is `ok` (60 s at most). Dropping the future while it waits
+    /// stops the processes.
+    pub async fn start(assets: &Path, dir: &Path) -> Result<ControlPlane, String> {
+        let (server, [etcd, apiserver]) = spawn_api_server(assets, dir)?;
+        let mut plane = ControlPlane {
+            server,
+            assets: assets.to_owned(),
+            processes: vec![apiserver, etcd],
+            reaper: None,
+        };
+        plane.rearm_reaper()?;
+        wait_ready_async(&plane.server.kubeconfig, &plane.server.ca)
+            .await
+            .map_err(|e| with_logs(e, dir))?;
+        Ok(plane)
+    }
+
+    /// The API server.
+    pub fn server(&self) -> &ApiServer {
+        &self.server
+    }
+
+    /// Starts kube-scheduler from the same folder against this API server (it allocates
+    /// ResourceClaims and binds pods). Its log is `kube-scheduler.log` in the folder.
+    pub fn start_scheduler(&mut self) -> Result<(), String> {
+        let child = spawn_scheduler(&self.server, &self.assets)?;
+        self.processes.insert(0, child);
+        self.rearm_reaper()
+    }
+
+    /// Replaces the reaper by one that knows every process now running.
+    fn rearm_reaper(&mut self) -> Result<(), String> {
+        self.disarm_reaper();
+        let pids: Vec<u32> = self.processes.iter().map(Child::id).collect();
+        self.reaper = Some(reap_at_exit(None, &pids)?);
+        Ok(())
+    }
+
+    fn disarm_reaper(&mut self) {
+        if let Some(mut reaper) = self.reaper.take() {
+            let _ = reaper.kill();
+            let _ = reaper.wait();
+        }
+    }
+
+    /// Stops every process now (what dropping does); returns how long that took.
+    pub fn stop(mut self) -> Duration {
+        let started = Instant::now();
+        self.stop_processes();
+        started.elapsed()
+    }
+
+    fn stop_processes(&mut self) {
+        // The reaper first: once we have waited for a process its PID may be reused.
+        self.disarm_reaper();
+        // The API server and the scheduler together, then etcd (an API server without its etcd
+        // takes long to give up).
+        let etcd = self.processes.pop();
+        stop_all(&mut self.processes);
+        self.processes.clear();
+        if let Some(etcd) = etcd {
+            stop_all(&mut [etcd]);
+        }
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.stop_processes();
+    }
 }
 
 /// Polls `/readyz` with the admin kubeconfig until it answers `ok` (60 s at most), on a thread of
@@ -288,32 +459,36 @@ fn wait_ready(server: &ApiServer) -> Result<(), String> {
             .enable_all()
             .build()
             .map_err(|e| fail("runtime", e))?;
-        runtime.block_on(async {
-            let deadline = Instant::now() + Duration::from_secs(60);
-            let mut last = String::from("no answer");
-            while Instant::now() < deadline {
-                if ca.exists() {
-                    match client(&kubeconfig).await {
-                        Ok(c) => {
-                            let request = http::Request::get("/readyz")
-                                .body(Vec::new())
-                                .map_err(|e| fail("request", e))?;
-                            match c.request_text(request).await {
-                                Ok(text) if text.trim() == "ok" => return Ok(()),
-                                Ok(text) => last = text,
-                                Err(err) => last = err.to_string(),
-                            }
-                        }
-                        Err(err) => last = err,
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(format!("the API server was not ready in 60 s: {last}"))
-        })
+        runtime.block_on(wait_ready_async(&kubeconfig, &ca))
     });
     let _ = std::io::stderr().flush();
     waited
         .join()
         .map_err(|_| "the readiness thread panicked".to_owned())?
+}
+
+/// Polls `/readyz` with `kubeconfig` until it answers `ok` (60 s at most); `ca` is the serving
+/// certificate the API server writes once it runs.
+async fn wait_ready_async(kubeconfig: &Path, ca: &Path) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = String::from("no answer");
+    while Instant::now() < deadline {
+        if ca.exists() {
+            match client(kubeconfig).await {
+                Ok(c) => {
+                    let request = http::Request::get("/readyz")
+                        .body(Vec::new())
+                        .map_err(|e| fail("request", e))?;
+                    match c.request_text(request).await {
+                        Ok(text) if text.trim() == "ok" => return Ok(()),
+                        Ok(text) => last = text,
+                        Err(err) => last = err.to_string(),
+                    }
+                }
+                Err(err) => last = err,
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(format!("the API server was not ready in 60 s: {last}"))
 }
