@@ -179,15 +179,18 @@ async fn walk(dir: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn step(n: u32, text: &str) {
+/// Prints a numbered step: `[n] text`.
+pub(crate) fn step(n: u32, text: &str) {
     line(&format!("[{n}] {text}"));
 }
 
-fn detail(text: &str) {
+/// Prints a detail of the current step, indented under it.
+pub(crate) fn detail(text: &str) {
     line(&format!("    {text}"));
 }
 
-fn ms(d: Duration) -> String {
+/// A duration in milliseconds with one decimal: `12.3 ms`.
+pub(crate) fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }
 

@@ -1,18 +1,21 @@
 //! The `devplug` command: `run` serves device plugins from a config file; `demo` shows the whole
-//! lifecycle on the embedded kubelet simulator, with no cluster and no root; `inspect` looks at
+//! lifecycle on the embedded kubelet simulator, with no cluster and no root (`demo --dra`: the DRA
+//! path with a real API server and scheduler); `inspect` looks at
 //! any device plugin socket as the kubelet would; `check-config` validates a config file;
 //! `completions` and `man` print shell completions and the man page.
 //! `capacity` sets, removes and lists extended resources on a Node through the API server.
 //!
 //! Built without the `cluster` feature (no Kubernetes API client), the binary is `devplug-lite`:
-//! the same commands but `capacity`, and `run`/`check-config` refuse a config or flag that needs
-//! the API server, naming it ([`config::needs_cluster`]).
+//! the same commands but `capacity` and `demo --dra`, and `run`/`check-config` refuse a config or
+//! flag that needs the API server, naming it ([`config::needs_cluster`]).
 
 #[cfg(feature = "cluster")]
 mod capacity;
 mod check_config;
 mod config;
 mod demo;
+#[cfg(feature = "cluster")]
+mod demo_dra;
 mod demo_nvidia;
 #[cfg(feature = "cluster")]
 mod dra;
@@ -66,7 +69,8 @@ enum Command {
     /// Serve every resource in a config file to the kubelet until SIGTERM.
     Run(run::RunArgs),
     /// Show a virtual plugin's whole life on a simulated kubelet (no cluster, no root);
-    /// `demo nvidia`: the nvidia backend on a fake DGX-1 through the real NVML loading path.
+    /// `demo nvidia`: the nvidia backend on a fake DGX-1 through the real NVML loading path;
+    /// `demo --dra`: the DRA driver with a real API server and scheduler (KUBEBUILDER_ASSETS).
     Demo(DemoArgs),
     /// Look at device plugin sockets as the kubelet would: options, devices, health changes,
     /// allocations. Works with any vendor's plugin.
@@ -110,6 +114,18 @@ fn man() -> anyhow::Result<()> {
     output::print(&String::from_utf8_lossy(&page))
 }
 
+/// `devplug demo --dra`, or in devplug-lite the refusal.
+#[cfg(feature = "cluster")]
+fn demo_dra(runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
+    runtime.block_on(demo_dra::demo())
+}
+
+/// `devplug demo --dra`, or in devplug-lite the refusal.
+#[cfg(not(feature = "cluster"))]
+fn demo_dra(_: &tokio::runtime::Runtime) -> anyhow::Result<()> {
+    Err(anyhow::anyhow!(config::not_in_this_build("demo --dra")))
+}
+
 /// Which demo.
 #[derive(Debug, clap::Args)]
 struct DemoArgs {
@@ -119,6 +135,11 @@ struct DemoArgs {
     /// The fake NVML library for `nvidia` (default: libfake_nvml.so next to this binary).
     #[arg(long)]
     library: Option<std::path::PathBuf>,
+    /// The DRA path instead: etcd, kube-apiserver and kube-scheduler from KUBEBUILDER_ASSETS
+    /// (default: target/k8s-assets), a Node, the simulated kubelet and devplug's DRA driver; a
+    /// ResourceClaim allocated by the scheduler and prepared through the driver. No root.
+    #[arg(long, conflicts_with_all = ["what", "library"], hide = !config::HAS_CLUSTER)]
+    dra: bool,
 }
 
 fn main() -> ExitCode {
@@ -139,8 +160,17 @@ fn main() -> ExitCode {
             runtime.block_on(run::run(args))
         }
         Command::Demo(args) => {
-            logging::init(cli.log_format, "error");
-            if args.what == "nvidia" {
+            // kube-rs logs every 5xx at ERROR, and `demo --dra` polls /readyz (500 until the
+            // API server is ready); its own errors end the demo with a message anyway.
+            let filter = if args.dra {
+                "error,kube_client::client::builder=off"
+            } else {
+                "error"
+            };
+            logging::init(cli.log_format, filter);
+            if args.dra {
+                demo_dra(&runtime)
+            } else if args.what == "nvidia" {
                 runtime.block_on(demo_nvidia::demo(args.library.as_deref()))
             } else {
                 runtime.block_on(demo::demo())

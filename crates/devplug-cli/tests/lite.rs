@@ -150,3 +150,22 @@ fn capacity_is_only_in_the_full_build() {
         assert!(String::from_utf8_lossy(&help.stdout).contains("list"));
     }
 }
+
+#[test]
+fn the_dra_demo_needs_the_full_build() {
+    if !LITE {
+        // The full build runs it: tests/demo_dra.rs.
+        return;
+    }
+    let out = devplug(&["demo", "--dra"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains(
+            "demo --dra: needs the Kubernetes API client, and this is devplug-lite, the \
+             device-plugin-only build"
+        ),
+        "{err}"
+    );
+    assert!(err.contains(FIX), "{err}");
+}

@@ -14,6 +14,10 @@ mod model;
 mod render;
 mod watch;
 
+/// The table layout of `inspect`'s output, for other commands' tables.
+#[cfg(feature = "cluster")]
+pub use render::table;
+
 use anyhow::Context;
 use client::Plugin;
 use model::{AllocationView, Counts, EditsView, PreferenceView, Summary};

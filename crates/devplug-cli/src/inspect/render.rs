@@ -54,7 +54,7 @@ pub fn counts(c: &Counts) -> String {
 }
 
 /// Rows as columns padded to the widest cell; the last column is not padded.
-fn table(rows: &[Vec<String>]) -> String {
+pub fn table(rows: &[Vec<String>]) -> String {
     let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> = (0..columns)
         .map(|i| {
