@@ -428,15 +428,19 @@ const FULL: &str = "/devplug";
 /// The image's device-plugin-only build: no Kubernetes API client.
 const LITE: &str = "/devplug-lite";
 
+/// The resource keys that need the Kubernetes API client. Keep in step with devplug's
+/// `config::needs_cluster` (crates/devplug-cli/src/config.rs), which devplug-lite uses to refuse
+/// such a config.
+const CLUSTER_KEYS: [&str; 2] = ["advertise", "dra"];
+
 /// What in devplug's config (the ConfigMap's `config.yaml`) or the container's arguments needs the
-/// Kubernetes API client, if anything: `advertise:` resources or `--node-events`. Keep in step
-/// with devplug's `config::needs_cluster` (crates/devplug-cli/src/config.rs), which devplug-lite
-/// uses to refuse such a config.
+/// Kubernetes API client, if anything: a resource with one of [`CLUSTER_KEYS`] (`advertise:`,
+/// `dra:`), or `--node-events`.
 fn needs_cluster(config: &Value, args: &[String]) -> Option<String> {
     let resources = config["resources"].as_array().into_iter().flatten();
     for (i, resource) in resources.enumerate() {
-        if resource.get("advertise").is_some() {
-            return Some(format!("resources[{i}].advertise"));
+        if let Some(key) = CLUSTER_KEYS.iter().find(|k| resource.get(**k).is_some()) {
+            return Some(format!("resources[{i}].{key}"));
         }
     }
     args.iter().find(|a| a.as_str() == "--node-events").cloned()
@@ -710,6 +714,19 @@ fn the_wrong_binary_for_the_config_is_caught() {
         problems
             .iter()
             .any(|p| p.contains("resources[1].advertise needs the API client")),
+        "{problems:?}"
+    );
+    let mut dra = objects();
+    set(&mut dra, &|_, c| {
+        let data = c.data.as_mut().unwrap();
+        let text = data.get_mut("config.yaml").unwrap();
+        text.push_str("  - name: example.com/gpu\n    dra: { driver: gpu.example.com }\n");
+    });
+    let problems = references(&dra);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("resources[1].dra needs the API client")),
         "{problems:?}"
     );
     let mut events = objects();

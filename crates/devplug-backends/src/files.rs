@@ -6,11 +6,14 @@
 //! read once it is complete). Allocation sets an env var to the ids and can mount each file into
 //! the container. A missing folder is created or waited for, as configured.
 //!
+//! Each device carries its file name as the DRA attribute `file`.
+//!
 //! Hidden files (starting with `.`) are not devices, nor are names the kubelet would refuse as
 //! device ids ([`devplug::check_id`]: over 63 bytes, or with `,`, spaces or control
 //! characters); those are logged with the reason, since one bad id would make the kubelet drop
 //! the whole list.
 
+use crate::dra_attributes::Attributes;
 use crate::inotify_batch::{Batches, OwnedEvent};
 use crate::settings::{check_env_name, SettingsError};
 use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList, Health, Mount};
@@ -320,7 +323,10 @@ fn read_device(dir: &Path, name: &str) -> Option<Device> {
     if !meta.is_file() {
         return None;
     }
-    Some(Device::new(name).with_health(read_health(&path)))
+    let mut device = Device::new(name).with_health(read_health(&path));
+    // For DRA selectors: a file name that is not a DNS label gets a hashed slice name.
+    device.attributes = Attributes::default().string("file", name).build();
+    Some(device)
 }
 
 /// The health a file declares on its first line.

@@ -13,7 +13,8 @@
 //! - [`nvidia`] (`nvidia:`): NVIDIA GPUs through NVML (loaded at run time), with time-slicing
 //!   replicas, NVLink-aware exact preferred allocation, CDI specs and health that recovers.
 //!
-//! Shared pieces: [`placement`] (exact preferred allocation over a pair-weight matrix),
+//! Shared pieces: [`dra_attributes`] (what each backend's devices say about themselves for
+//! DRA selectors), [`placement`] (exact preferred allocation over a pair-weight matrix),
 //! [`cdi`] (CDI spec files, written atomically), `sysfs` (PCI and DRM reading), `sysfs_watch`
 //! (discover, follow with inotify, keep vanished GPUs Unhealthy), and [`fake_sysfs`] (fake
 //! sysfs and /dev trees for tests and benchmarks).
@@ -23,6 +24,7 @@
 
 pub mod amdgpu;
 pub mod cdi;
+pub mod dra_attributes;
 pub mod fake_sysfs;
 pub mod files;
 pub mod hostdev;

@@ -11,6 +11,7 @@
 
 use crate::cdi::{CdiWriter, Spec};
 use crate::inotify_batch::Batches;
+use devplug::attributes::DeviceAttributes;
 use devplug::{Device, DeviceList, Health};
 use inotify::{WatchDescriptor, WatchMask};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -35,6 +36,8 @@ pub(crate) struct Entry {
     pub(crate) numa: Option<i64>,
     /// Why it cannot be used now (then it is Unhealthy).
     pub(crate) problem: Option<String>,
+    /// DRA attributes ([`crate::dra_attributes`]).
+    pub(crate) attributes: Option<Box<DeviceAttributes>>,
 }
 
 /// The result of one scan.
@@ -91,9 +94,11 @@ impl Memory {
                     Some(p) => Health::unhealthy(p.clone()),
                     None => Health::Healthy,
                 };
-                Device::new(e.id.clone())
+                let mut device = Device::new(e.id.clone())
                     .with_health(health)
-                    .with_numa_nodes(e.numa)
+                    .with_numa_nodes(e.numa);
+                device.attributes.clone_from(&e.attributes);
+                device
             })
             .collect();
         self.seen.retain(|id, (physical, _)| {
@@ -285,6 +290,7 @@ mod tests {
             physical: physical.into(),
             numa: Some(0),
             problem: None,
+            attributes: None,
         }
     }
 

@@ -121,6 +121,35 @@ async fn mi300x_partitions_numa_preferred_allocation_and_cdi() {
     host.shutdown().await;
 }
 
+/// DRA attributes: a partition carries its GPU's PCI identity and partition mode.
+#[tokio::test]
+async fn dra_attributes_of_gpus_and_partitions() {
+    use support::{dra, map};
+    let tmp = tempfile::tempdir_in(scratch_dir()).unwrap();
+    let tree = FakeSysfs::new(tmp.path()).unwrap();
+    let node = AmdNode::mi300x();
+    node.create(&tree).unwrap();
+    node.load_driver(&tree).unwrap();
+    let backend = AmdgpuBackend::start(&settings(&tree)).unwrap();
+    let list = backend.devices().borrow().clone();
+    let gpu = map(&[
+        ("deviceID", "74a1"),
+        ("partition", "cpx_nps4"),
+        ("resource.kubernetes.io/pciBusID", "0000:0c:00.0"),
+        ("resource.kubernetes.io/pcieRoot", "pci0000:00"),
+    ]);
+    assert_eq!(dra(&list, "0000:0c:00.0"), gpu);
+    assert_eq!(
+        dra(&list, "amdgpu_xcp_7"),
+        gpu,
+        "partitions of the first GPU"
+    );
+    assert_eq!(
+        dra(&list, "amdgpu_xcp_8")["resource.kubernetes.io/pciBusID"],
+        "0000:1c:00.0"
+    );
+}
+
 #[tokio::test]
 async fn driver_loading_after_start_is_picked_up_and_vanishing_nodes_turn_unhealthy() {
     let tmp = tempfile::tempdir_in(scratch_dir()).unwrap();

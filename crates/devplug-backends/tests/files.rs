@@ -152,3 +152,22 @@ async fn a_missing_folder_is_waited_for_and_followed_when_it_comes_and_goes() {
     devices(&kubelet, &[("cola-2", true)]).await;
     host.shutdown().await;
 }
+
+/// Each device carries its file name as the DRA attribute `file` (a name that is not a DNS
+/// label gets a hashed ResourceSlice name, so selectors need it).
+#[tokio::test]
+async fn the_file_name_is_a_dra_attribute() {
+    use devplug::attributes::AttributeValue;
+    use devplug::Backend;
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("Cola_1"), "").unwrap();
+    let backend = FilesBackend::start(&FilesSettings::new(tmp.path())).unwrap();
+    let list = backend.devices().borrow().clone();
+    let attrs = list.get("Cola_1").unwrap().dra_attributes();
+    attrs.check().unwrap();
+    assert_eq!(
+        attrs.attributes["file"],
+        AttributeValue::String("Cola_1".into())
+    );
+    assert_eq!(attrs.attributes.len(), 1);
+}

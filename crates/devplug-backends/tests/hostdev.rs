@@ -235,6 +235,63 @@ async fn usb_serial_adapters_a_pci_gpu_and_fuse_from_a_fake_tree() {
     host.shutdown().await;
 }
 
+/// The DRA attributes come from what discovery read (node paths, USB and PCI ids, the PCI
+/// address and its root complex); the device plugin side is unchanged (above).
+#[tokio::test]
+async fn dra_attributes_from_what_discovery_found() {
+    use support::{dra, map};
+    let fake = FakeHost::new();
+    let serial = GroupSettings {
+        usb: vec![UsbMatch {
+            vendor: "0403".into(),
+            product: Some("6001".into()),
+        }],
+        ..Default::default()
+    };
+    let gpu = GroupSettings {
+        pci: vec![PciMatch {
+            vendor: Some("10de".into()),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let fuse = HostdevSettings {
+        count: 2,
+        ..fake.settings(vec![paths(&["/dev/fuse"])])
+    };
+    let list = |settings: &HostdevSettings| {
+        HostdevBackend::start(settings)
+            .unwrap()
+            .devices()
+            .borrow()
+            .clone()
+    };
+    let serial = list(&fake.settings(vec![serial]));
+    assert_eq!(
+        dra(&serial, "usb-1-2"),
+        map(&[
+            ("path", "/dev/bus/usb/001/003"),
+            ("productID", "6001"),
+            ("vendorID", "0403"),
+        ])
+    );
+    let gpu = list(&fake.settings(vec![gpu]));
+    assert_eq!(
+        dra(&gpu, "pci-0000:3b:00.0"),
+        map(&[
+            ("deviceID", "2230"),
+            ("path", "/dev/dri/card0"),
+            ("resource.kubernetes.io/pciBusID", "0000:3b:00.0"),
+            ("resource.kubernetes.io/pcieRoot", "pci0000:3a"),
+            ("vendorID", "10de"),
+        ])
+    );
+    let fuse = list(&fuse);
+    for id in ["fuse-0", "fuse-1"] {
+        assert_eq!(dra(&fuse, id), map(&[("path", "/dev/fuse")]));
+    }
+}
+
 #[tokio::test]
 async fn hotplug_of_globbed_and_exact_nodes() {
     let fake = FakeHost::new();

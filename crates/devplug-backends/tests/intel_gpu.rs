@@ -208,6 +208,44 @@ async fn sriov_pf_with_vfs_is_skipped_and_vfs_are_devices() {
     host.shutdown().await;
 }
 
+/// DRA attributes: PCI identity, card, whether it is a VF; shares carry their GPU's.
+#[tokio::test]
+async fn dra_attributes_of_gpus_vfs_and_shares() {
+    use support::{dra, map};
+    let tmp = tempfile::tempdir_in(scratch_dir()).unwrap();
+    let tree = FakeSysfs::new(tmp.path()).unwrap();
+    for gpu in intel_pair() {
+        gpu.create(&tree, true).unwrap();
+    }
+    let mut vf = IntelGpu::new("0000:4d:00.1", "i915", 1, 2);
+    vf.physfn = Some("0000:4d:00.0".into());
+    vf.create(&tree, false).unwrap();
+    let i915 = IntelGpuBackend::start(&settings(&tree, IntelDriver::I915)).unwrap();
+    let list = i915.devices().borrow().clone();
+    assert_eq!(
+        dra(&list, "card0"),
+        map(&[
+            ("card", "card0"),
+            ("deviceID", "56c0"),
+            ("resource.kubernetes.io/pciBusID", "0000:00:02.0"),
+            ("resource.kubernetes.io/pcieRoot", "pci0000:00"),
+            ("sriovVF", "false"),
+        ])
+    );
+    assert_eq!(dra(&list, "card2")["sriovVF"], "true");
+    let xe = IntelGpuBackend::start(&IntelGpuSettings {
+        count: 2,
+        ..settings(&tree, IntelDriver::Xe)
+    })
+    .unwrap();
+    let list = xe.devices().borrow().clone();
+    assert_eq!(dra(&list, "card1-0"), dra(&list, "card1-1"));
+    assert_eq!(
+        dra(&list, "card1-1")["resource.kubernetes.io/pciBusID"],
+        "0000:03:00.0"
+    );
+}
+
 #[tokio::test]
 async fn gpus_appear_vanish_and_recover_without_polling() {
     let tmp = tempfile::tempdir_in(scratch_dir()).unwrap();

@@ -263,6 +263,22 @@ async fn dgx1_discovery_allocate_cdi_and_a_fully_nvlinked_quad() {
         }
     }
     assert!(picked == BTreeSet::from([0, 1, 2, 3]) || picked == BTreeSet::from([4, 5, 6, 7]));
+    // DRA attributes and memory capacity, from what NVML and sysfs told discovery.
+    let list = backends[0].devices().borrow().clone();
+    let bus_id = sysfs_bus_id(&node.topology.gpus[3].bus_id);
+    assert_eq!(
+        support::dra(&list, &node.uuid(3)),
+        support::map(&[
+            ("capacity memory", &(16160u64 << 20).to_string()),
+            ("index", "3"),
+            ("minor", "3"),
+            ("productName", "Tesla V100-SXM2-16GB"),
+            ("resource.kubernetes.io/pciBusID", &bus_id),
+            ("resource.kubernetes.io/pcieRoot", "pci0000:00"),
+            ("type", "gpu"),
+            ("uuid", &node.uuid(3)),
+        ])
+    );
     // The env var, CDI names, device nodes.
     let env = first.env("NVIDIA_VISIBLE_DEVICES").unwrap();
     assert_eq!(env.split(',').count(), 4);
@@ -755,6 +771,20 @@ async fn mig_mixed_serves_one_resource_per_profile_with_caps_nodes_env_and_cdi()
         BTreeSet::from([node.uuid(2)])
     );
     assert!(backends.iter().all(|b| b.not_ready().is_none()));
+    // DRA attributes of a MIG device: its own UUID, profile and memory, its parent's identity.
+    let list = backends[1].devices().borrow().clone();
+    let attrs = support::dra(&list, &g1[0]);
+    assert_eq!(attrs["type"], "mig");
+    assert_eq!(attrs["uuid"], g1[0]);
+    assert_eq!(attrs["parentUUID"], node.uuid(1));
+    assert_eq!(attrs["profile"], "3g.20gb");
+    assert_eq!(attrs["productName"], "NVIDIA A100-SXM4-40GB");
+    assert_eq!(attrs["index"], "1");
+    assert_eq!(attrs["capacity memory"], (19968u64 << 20).to_string());
+    assert_eq!(
+        attrs["resource.kubernetes.io/pciBusID"],
+        sysfs_bus_id(&node.topology.gpus[1].bus_id)
+    );
     // NUMA from the parent GPU.
     kubelet.read(|n| {
         let devices = n.resource("nvidia.com/mig-3g.20gb").unwrap().devices();

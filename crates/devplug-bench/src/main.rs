@@ -2,10 +2,12 @@
 //! `docs/benchmarks.md`. Run with `cargo build --release -p devplug-cli && cargo run --release -p devplug-bench`;
 //! `devplug-bench gpus` runs only the AMD/Intel GPU backend figures (no `devplug` binary needed),
 //! `devplug-bench nvidia` only the NVIDIA backend's, `devplug-bench routes` only kubelet
-//! restart → streaming by registration route and the PodResources call cost.
+//! restart → streaming by registration route and the PodResources call cost, `devplug-bench dra`
+//! the DRA figures (slice publish latency, NodePrepareResources; needs `KUBEBUILDER_ASSETS`).
 //! Figures depend on the machine; this is not a test and asserts nothing.
 
 mod backends;
+mod dra;
 mod gpus;
 mod measure;
 mod nvidia;
@@ -43,6 +45,9 @@ async fn main() -> anyhow::Result<()> {
         nvidia::process_rss().await?;
         print_machine(cpu_before);
         return Ok(());
+    }
+    if std::env::args().nth(1).as_deref() == Some("dra") {
+        return dra::figures(200, 200).await;
     }
     if std::env::args().nth(1).as_deref() == Some("routes") {
         routes::restart_by_route(200).await?;

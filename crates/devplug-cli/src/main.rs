@@ -5,23 +5,29 @@
 //! `completions` and `man` print shell completions and the man page.
 //! `capacity` sets, removes and lists extended resources on a Node through the API server.
 //!
-//! Built without the `cluster` feature (no Kubernetes API client), the binary is `devplug-lite`:
-//! the same commands but `capacity` and `demo --dra`, and `run`/`check-config` refuse a config or
-//! flag that needs the API server, naming it ([`config::needs_cluster`]).
+//! Two cargo features, both on by default: `cluster` (the Kubernetes API client: `capacity`,
+//! `advertise:` resources, `run --node-events`) and `tools` (`demo` with the kubelet simulator,
+//! `inspect`, `completions`, `man`). Built with neither (`--no-default-features`), the binary is
+//! `devplug-lite`, the node agent the DaemonSets run: `run` and `check-config` only, and they
+//! refuse a config or flag that needs the API server, naming it ([`config::needs_cluster`]).
+//! `demo --dra` needs both features.
 
 #[cfg(feature = "cluster")]
 mod capacity;
 mod check_config;
 mod config;
+#[cfg(feature = "tools")]
 mod demo;
-#[cfg(feature = "cluster")]
+#[cfg(all(feature = "cluster", feature = "tools"))]
 mod demo_dra;
+#[cfg(feature = "tools")]
 mod demo_nvidia;
 #[cfg(feature = "cluster")]
 mod dra;
 mod duration;
 mod endpoints;
 mod http;
+#[cfg(feature = "tools")]
 mod inspect;
 mod listen_addr;
 mod logging;
@@ -29,7 +35,9 @@ mod output;
 mod reload;
 mod run;
 
-use clap::{CommandFactory, Parser, Subcommand};
+#[cfg(feature = "tools")]
+use clap::CommandFactory;
+use clap::{Parser, Subcommand};
 use logging::LogFormat;
 use std::process::ExitCode;
 
@@ -64,6 +72,9 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once at start and consumed at once: boxing `run`'s arguments would buy nothing. (Only the
+// lean build, whose other variants are small, trips this lint.)
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve every resource in a config file to the kubelet until SIGTERM.
@@ -71,9 +82,11 @@ enum Command {
     /// Show a virtual plugin's whole life on a simulated kubelet (no cluster, no root);
     /// `demo nvidia`: the nvidia backend on a fake DGX-1 through the real NVML loading path;
     /// `demo --dra`: the DRA driver with a real API server and scheduler (KUBEBUILDER_ASSETS).
+    #[cfg(feature = "tools")]
     Demo(DemoArgs),
     /// Look at device plugin sockets as the kubelet would: options, devices, health changes,
     /// allocations. Works with any vendor's plugin.
+    #[cfg(feature = "tools")]
     Inspect(inspect::InspectArgs),
     /// Check a config file as `run` would load it, then exit: 0 if valid, 1 with the error.
     CheckConfig(check_config::CheckConfigArgs),
@@ -81,26 +94,40 @@ enum Command {
     /// clean uninstall of a device plugin's leftover capacity 0), list.
     #[cfg(feature = "cluster")]
     Capacity(capacity::CapacityArgs),
-    /// Not in this build: says to run the full `devplug` instead.
-    #[cfg(not(feature = "cluster"))]
-    #[command(hide = true, disable_help_flag = true)]
-    Capacity {
-        /// Whatever was given; ignored.
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
     /// Print a shell completion script, e.g. `devplug completions bash >
     /// /etc/bash_completion.d/devplug`.
+    #[cfg(feature = "tools")]
     Completions {
         /// The shell.
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
     /// Print the man page (roff), e.g. `devplug man > devplug.1; man ./devplug.1`.
+    #[cfg(feature = "tools")]
     Man,
+    /// A command this build leaves out (or a typo): see [`left_out`].
+    #[cfg(not(all(feature = "cluster", feature = "tools")))]
+    #[command(external_subcommand)]
+    LeftOut(Vec<String>),
+}
+
+/// The error for a command that this build leaves out, naming the build that has it; any other
+/// word is an unknown command.
+#[cfg(not(all(feature = "cluster", feature = "tools")))]
+fn left_out(args: &[String]) -> anyhow::Error {
+    let name = args.first().map_or("", String::as_str);
+    match name {
+        "capacity" => anyhow::anyhow!(config::not_in_this_build("capacity")),
+        "demo" | "inspect" | "completions" | "man" => anyhow::anyhow!(
+            "{name}: not in {NAME}, the device-plugin-only build; run the full `devplug` binary \
+             instead (in the image: /devplug), or build with `--features tools`"
+        ),
+        _ => anyhow::anyhow!("unknown command {name:?}; `{NAME} --help` lists the commands"),
+    }
 }
 
 /// Prints the completion script for `shell`.
+#[cfg(feature = "tools")]
 fn completions(shell: clap_complete::Shell) -> anyhow::Result<()> {
     let mut script = Vec::new();
     clap_complete::generate(shell, &mut Cli::command(), NAME, &mut script);
@@ -108,25 +135,27 @@ fn completions(shell: clap_complete::Shell) -> anyhow::Result<()> {
 }
 
 /// Prints the man page of `devplug` and its subcommands, one roff document.
+#[cfg(feature = "tools")]
 fn man() -> anyhow::Result<()> {
     let mut page = Vec::new();
     clap_mangen::Man::new(Cli::command()).render(&mut page)?;
     output::print(&String::from_utf8_lossy(&page))
 }
 
-/// `devplug demo --dra`, or in devplug-lite the refusal.
-#[cfg(feature = "cluster")]
+/// `devplug demo --dra`, or in a build without the API client the refusal.
+#[cfg(all(feature = "cluster", feature = "tools"))]
 fn demo_dra(runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
     runtime.block_on(demo_dra::demo())
 }
 
-/// `devplug demo --dra`, or in devplug-lite the refusal.
-#[cfg(not(feature = "cluster"))]
+/// `devplug demo --dra`, or in a build without the API client the refusal.
+#[cfg(all(not(feature = "cluster"), feature = "tools"))]
 fn demo_dra(_: &tokio::runtime::Runtime) -> anyhow::Result<()> {
     Err(anyhow::anyhow!(config::not_in_this_build("demo --dra")))
 }
 
 /// Which demo.
+#[cfg(feature = "tools")]
 #[derive(Debug, clap::Args)]
 struct DemoArgs {
     /// `npu` (default): a virtual NPU plugin; `nvidia`: NVIDIA GPUs on the fake NVML.
@@ -159,6 +188,7 @@ fn main() -> ExitCode {
             logging::init(cli.log_format, "info");
             runtime.block_on(run::run(args))
         }
+        #[cfg(feature = "tools")]
         Command::Demo(args) => {
             // kube-rs logs every 5xx at ERROR, and `demo --dra` polls /readyz (500 until the
             // API server is ready); its own errors end the demo with a message anyway.
@@ -176,6 +206,7 @@ fn main() -> ExitCode {
                 runtime.block_on(demo::demo())
             }
         }
+        #[cfg(feature = "tools")]
         Command::Inspect(args) => {
             logging::init(cli.log_format, "warn");
             runtime.block_on(inspect::inspect(args))
@@ -185,14 +216,16 @@ fn main() -> ExitCode {
             logging::init(cli.log_format, "warn");
             runtime.block_on(capacity::capacity(args))
         }
-        #[cfg(not(feature = "cluster"))]
-        Command::Capacity { .. } => Err(anyhow::anyhow!(config::not_in_this_build("capacity"))),
         Command::CheckConfig(args) => {
             logging::init(cli.log_format, "warn");
             check_config::check_config(&args)
         }
+        #[cfg(feature = "tools")]
         Command::Completions { shell } => completions(shell),
+        #[cfg(feature = "tools")]
         Command::Man => man(),
+        #[cfg(not(all(feature = "cluster", feature = "tools")))]
+        Command::LeftOut(args) => Err(left_out(&args)),
     };
     match result {
         // Output that could not all be written is not a success (`devplug demo | head`).

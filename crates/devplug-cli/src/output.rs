@@ -34,6 +34,7 @@ pub fn print(text: &str) -> anyhow::Result<()> {
 
 /// Prints one line for progress output that has no way to stop early: after the reader went
 /// away the line is dropped, and [`stdout_closed`] tells the caller at the end.
+#[cfg(feature = "tools")]
 pub fn line(text: &str) {
     let _ = print(&format!("{text}\n"));
 }

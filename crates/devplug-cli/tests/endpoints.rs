@@ -80,6 +80,13 @@ async fn readiness_follows_registration_and_metrics_move() {
 
     let kubelet = Kubelet::start(&plugins).await.unwrap();
     until(port, "/readyz", 200).await;
+    // Ready means devplug sent its list; the kubelet takes it in on its own time.
+    kubelet
+        .wait_for(Duration::from_secs(10), |node| {
+            (node.capacity(RESOURCE).1 >= 2).then_some(())
+        })
+        .await
+        .unwrap();
     kubelet.allocate("pod", "main", RESOURCE, 2).await.unwrap();
     let text = until(port, "/metrics", 200).await;
     let r = format!("{{resource=\"{RESOURCE}\"}}");

@@ -1,5 +1,6 @@
-//! The two builds of the binary: the full `devplug` (cargo feature `cluster`, the default) and
-//! `devplug-lite` (`--no-default-features`: no Kubernetes API client). Each test checks what the
+//! The two builds of the binary: the full `devplug` (cargo features `cluster` and `tools`, the
+//! default) and `devplug-lite` (`--no-default-features`: no Kubernetes API client, no demo,
+//! inspect, completions or man page). Each test checks what the
 //! build under test must do, so both `cargo test -p devplug-cli` and
 //! `cargo test -p devplug-cli --no-default-features --test lite` (in .ci/run) mean something:
 //! the lean build refuses every setting that needs the API server, naming it and the fix, and
@@ -152,20 +153,25 @@ fn capacity_is_only_in_the_full_build() {
 }
 
 #[test]
-fn the_dra_demo_needs_the_full_build() {
-    if !LITE {
-        // The full build runs it: tests/demo_dra.rs.
-        return;
+fn the_tools_are_only_in_the_full_build() {
+    let without_tools = cfg!(not(feature = "tools"));
+    for command in ["demo", "inspect", "completions", "man"] {
+        if without_tools {
+            let out = devplug(&[command]);
+            assert!(!out.status.success());
+            let err = stderr(&out);
+            assert!(
+                err.contains(&format!("{command}: not in "))
+                    && err.contains("(in the image: /devplug)"),
+                "{err}"
+            );
+        }
     }
-    let out = devplug(&["demo", "--dra"]);
-    assert_eq!(out.status.code(), Some(1));
-    let err = stderr(&out);
-    assert!(
-        err.contains(
-            "demo --dra: needs the Kubernetes API client, and this is devplug-lite, the \
-             device-plugin-only build"
-        ),
-        "{err}"
-    );
-    assert!(err.contains(FIX), "{err}");
+    if without_tools {
+        let err = stderr(&devplug(&["nosuch"]));
+        assert!(err.contains("unknown command \"nosuch\""), "{err}");
+    } else {
+        let out = devplug(&["completions", "bash"]);
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
 }

@@ -6,6 +6,8 @@
 //! restarting keeps the prepared claim; deleting the pod unprepares; a device turning unhealthy
 //! leaves the slice. Skips loudly without `KUBEBUILDER_ASSETS`.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
 use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, DeviceList, Health};
 use devplug_cluster::dra::kubelet::{KubeletDirs, Registered};
 use devplug_cluster::dra::{DraDriver, DraDriverSettings};

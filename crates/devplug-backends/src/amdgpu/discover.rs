@@ -6,9 +6,11 @@
 
 use super::settings::AmdgpuSettings;
 use crate::cdi::Spec;
+use crate::dra_attributes::Attributes;
 use crate::placement::PairMatrix;
 use crate::sysfs::{drm_nodes, node_edits, pci_devices, read_trimmed, DrmNodes};
 use crate::sysfs_watch::{Entry, Scan};
+use devplug::attributes::DeviceAttributes;
 use devplug::ContainerEdits;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -164,6 +166,8 @@ struct Found {
     device: AmdDevice,
     numa: Option<i64>,
     kind: Option<String>,
+    /// DRA attributes: its GPU's (a partition lives on it).
+    attributes: Option<Box<DeviceAttributes>>,
     drm: DrmNodes,
     kfd_node: Option<u32>,
 }
@@ -194,7 +198,8 @@ pub(crate) fn scan(settings: &AmdgpuSettings, cache: &mut KfdCache) -> Scan<AmdS
     let kfd = &cache.kfd;
     let mut absent = BTreeMap::new();
     let mut found: Vec<Found> = Vec::new();
-    let mut gpus: HashMap<String, (Option<i64>, Option<String>)> = HashMap::new();
+    type GpuFacts = (Option<i64>, Option<String>, Option<Box<DeviceAttributes>>);
+    let mut gpus: HashMap<String, GpuFacts> = HashMap::new();
     for pci in pci_devices(sys) {
         // Display controllers (0x03) and processing accelerators (0x12, as some Instinct
         // parts report); being bound to amdgpu is what makes one a device.
@@ -218,7 +223,15 @@ pub(crate) fn scan(settings: &AmdgpuSettings, cache: &mut KfdCache) -> Scan<AmdS
             (Some(c), Some(m)) if !c.is_empty() && !m.is_empty() => Some(format!("{c}_{m}")),
             _ => None,
         };
-        gpus.insert(pci.address.clone(), (pci.numa, kind.clone()));
+        let attributes = Attributes::default()
+            .hex_id("deviceID", pci.device)
+            .string_opt("partition", kind.as_deref())
+            .pci(&pci.address, Some(&pci.path))
+            .build();
+        gpus.insert(
+            pci.address.clone(),
+            (pci.numa, kind.clone(), attributes.clone()),
+        );
         let kfd_node = pci
             .drm
             .render_minor()
@@ -232,6 +245,7 @@ pub(crate) fn scan(settings: &AmdgpuSettings, cache: &mut KfdCache) -> Scan<AmdS
             },
             numa: pci.numa,
             kind,
+            attributes,
             drm: pci.drm,
             kfd_node,
         });
@@ -252,7 +266,7 @@ pub(crate) fn scan(settings: &AmdgpuSettings, cache: &mut KfdCache) -> Scan<AmdS
         let Some(node) = drm.render_minor().and_then(|r| kfd.by_render.get(&r)) else {
             continue; // a spare slot: KFD does not list it
         };
-        let Some((numa, kind)) = gpus.get(&node.gpu) else {
+        let Some((numa, kind, attributes)) = gpus.get(&node.gpu) else {
             continue; // its GPU is not (yet) bound to amdgpu
         };
         found.push(Found {
@@ -263,6 +277,7 @@ pub(crate) fn scan(settings: &AmdgpuSettings, cache: &mut KfdCache) -> Scan<AmdS
             },
             numa: *numa,
             kind: kind.clone(),
+            attributes: attributes.clone(),
             drm,
             kfd_node: Some(node.id),
         });
@@ -285,6 +300,7 @@ pub(crate) fn scan(settings: &AmdgpuSettings, cache: &mut KfdCache) -> Scan<AmdS
             physical: f.device.physical.clone(),
             numa: f.numa,
             problem: problem(dev, kfd_present, f),
+            attributes: f.attributes.clone(),
         })
         .collect();
     let matrix = PairMatrix::from_fn(found.iter().map(|f| f.numa).collect(), |a, b| {

@@ -3,7 +3,9 @@
 //! them), their VFIO group node and their NUMA node. Reads only files; needs no root.
 
 use super::settings::{normalize_hex, GroupSettings, HostdevSettings, PciMatch, UsbMatch};
-use crate::sysfs::{self, read_trimmed};
+use crate::dra_attributes::Attributes;
+use crate::sysfs::{self, parse_hex, read_trimmed};
+use devplug::attributes::DeviceAttributes;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -20,6 +22,8 @@ pub(crate) struct Physical {
     pub(crate) numa: Option<i64>,
     /// Why it cannot be used right now (it is then reported unhealthy).
     pub(crate) problem: Option<String>,
+    /// DRA attributes ([`crate::dra_attributes`]).
+    pub(crate) attributes: Option<Box<DeviceAttributes>>,
 }
 
 /// Everything found in one scan, and the folders whose changes could change it.
@@ -126,30 +130,38 @@ fn by_paths(
         let problem = (!missing.is_empty()).then(|| missing_reason(&missing));
         let mut nodes = matched;
         nodes.extend(missing);
+        let attributes = path_attributes(&nodes).build();
         found.devices.push(Physical {
             id,
             group: index,
             nodes,
             numa: None,
             problem,
+            attributes,
         });
         return;
     }
     for rel in matched {
+        let id = node_id(group, &rel);
+        let nodes = vec![rel];
         found.devices.push(Physical {
-            id: node_id(group, &rel),
+            id,
             group: index,
-            nodes: vec![rel],
+            attributes: path_attributes(&nodes).build(),
+            nodes,
             numa: None,
             problem: None,
         });
     }
     for rel in missing {
         let problem = Some(missing_reason(std::slice::from_ref(&rel)));
+        let id = node_id(group, &rel);
+        let nodes = vec![rel];
         found.devices.push(Physical {
-            id: node_id(group, &rel),
+            id,
             group: index,
-            nodes: vec![rel],
+            attributes: path_attributes(&nodes).build(),
+            nodes,
             numa: None,
             problem,
         });
@@ -193,7 +205,18 @@ fn by_usb(
                     .is_none_or(|p| normalize_hex(p) == product)
         });
         if wanted {
-            push_sysfs_device(settings, index, group, format!("usb-{name}"), &path, found);
+            let ids = Attributes::default()
+                .string("vendorID", &vendor)
+                .string("productID", &product);
+            push_sysfs_device(
+                settings,
+                index,
+                group,
+                format!("usb-{name}"),
+                &path,
+                ids,
+                found,
+            );
         }
     }
 }
@@ -221,12 +244,18 @@ fn by_pci(
             eq(&m.vendor, &vendor) && eq(&m.device, &device) && class_ok
         });
         if wanted {
+            let id = |v: &Option<String>| v.as_deref().and_then(parse_hex);
+            let ids = Attributes::default()
+                .hex_id("vendorID", id(&vendor))
+                .hex_id("deviceID", id(&device))
+                .pci(&address, Some(&path));
             push_sysfs_device(
                 settings,
                 index,
                 group,
                 format!("pci-{address}"),
                 &path,
+                ids,
                 found,
             );
         }
@@ -239,6 +268,7 @@ fn push_sysfs_device(
     group: &GroupSettings,
     base: String,
     path: &Path,
+    ids: Attributes,
     found: &mut Discovery,
 ) {
     let mut nodes = BTreeSet::new();
@@ -264,13 +294,27 @@ fn push_sysfs_device(
         None => base,
     };
     let numa = sysfs::numa_node(&settings.sys_root, path);
+    let attributes = path_attributes_to(ids, &nodes).build();
     found.devices.push(Physical {
         id,
         group: index,
         nodes,
         numa,
         problem,
+        attributes,
     });
+}
+
+/// `path`: the first device node as a container sees it (`/dev/ttyUSB0`).
+fn path_attributes(nodes: &[PathBuf]) -> Attributes {
+    path_attributes_to(Attributes::default(), nodes)
+}
+
+fn path_attributes_to(attributes: Attributes, nodes: &[PathBuf]) -> Attributes {
+    let first = nodes
+        .first()
+        .map(|n| Path::new("/dev").join(n).display().to_string());
+    attributes.string_opt("path", first.as_deref())
 }
 
 /// Collects `DEVNAME=` of every `uevent` below `dir`, not following symlinks (sysfs is full of

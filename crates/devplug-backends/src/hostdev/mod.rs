@@ -113,9 +113,10 @@ impl Inventory {
                 } else {
                     format!("{}-{k}", physical.id)
                 };
-                let device = Device::new(id.clone())
+                let mut device = Device::new(id.clone())
                     .with_health(health.clone())
                     .with_numa_nodes(physical.numa);
+                device.attributes.clone_from(&physical.attributes);
                 devices.push(device);
                 shares.insert(
                     id,

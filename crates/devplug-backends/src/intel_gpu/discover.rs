@@ -5,9 +5,11 @@
 
 use super::settings::IntelGpuSettings;
 use crate::cdi::Spec;
+use crate::dra_attributes::Attributes;
 use crate::hostdev::prefer::ShareInfo;
 use crate::sysfs::{node_edits, pci_device};
 use crate::sysfs_watch::{Entry, Scan};
+use devplug::attributes::DeviceAttributes;
 use devplug::{ContainerEdits, Mount};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -74,7 +76,13 @@ pub(crate) fn scan(settings: &IntelGpuSettings) -> Scan<IntelState> {
 
     let mut gpus = Vec::new();
     let mut present = BTreeSet::new();
-    let mut found: Vec<(IntelGpu, Option<i64>, Option<String>)> = Vec::new();
+    type Facts = (
+        IntelGpu,
+        Option<i64>,
+        Option<String>,
+        Option<Box<DeviceAttributes>>,
+    );
+    let mut found: Vec<Facts> = Vec::new();
     for (_, card, device) in cards {
         let Some(address) = device.file_name().and_then(|n| n.to_str()) else {
             continue;
@@ -114,6 +122,12 @@ pub(crate) fn scan(settings: &IntelGpuSettings) -> Scan<IntelState> {
             }
         }
         let problem = (!problems.is_empty()).then(|| problems.join(", "));
+        let attributes = Attributes::default()
+            .hex_id("deviceID", pci.device)
+            .string("card", &card)
+            .bool("sriovVF", pci.physfn.is_some())
+            .pci(address, Some(&device))
+            .build();
         found.push((
             IntelGpu {
                 card,
@@ -122,12 +136,13 @@ pub(crate) fn scan(settings: &IntelGpuSettings) -> Scan<IntelState> {
             },
             pci.numa,
             problem,
+            attributes,
         ));
     }
 
     let mut entries = Vec::new();
     let mut shares = HashMap::new();
-    for (index, (gpu, numa, problem)) in found.iter().enumerate() {
+    for (index, (gpu, numa, problem, attributes)) in found.iter().enumerate() {
         for k in 0..settings.count {
             let id = if settings.count == 1 {
                 gpu.card.clone()
@@ -146,6 +161,7 @@ pub(crate) fn scan(settings: &IntelGpuSettings) -> Scan<IntelState> {
                 physical: gpu.card.clone(),
                 numa: *numa,
                 problem: problem.clone(),
+                attributes: attributes.clone(),
             });
         }
         gpus.push(gpu.clone());

@@ -7,8 +7,10 @@
 use super::lib::{GpuInfo, MigInfo, Snapshot};
 use super::settings::{MigStrategy, NvidiaSettings};
 use crate::cdi::Spec;
+use crate::dra_attributes::Attributes;
 use crate::placement::PairMatrix;
 use crate::sysfs::{dev_node, numa_node};
+use devplug::attributes::DeviceAttributes;
 use devplug::ContainerEdits;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -43,6 +45,8 @@ pub struct ServedGpu {
     pub numa: Option<i64>,
     /// Its device ids: the UUID, or `<uuid>::<n>` for each replica.
     pub ids: Vec<String>,
+    /// Its DRA attributes and capacity (every replica has the same).
+    pub attributes: Option<Box<DeviceAttributes>>,
 }
 
 impl ServedGpu {
@@ -164,6 +168,33 @@ fn units(settings: &NvidiaSettings, snapshot: &Snapshot) -> Result<Vec<Unit>, St
     }
 }
 
+/// The DRA attributes of a GPU or a MIG device of it ([`crate::dra_attributes`]), named as
+/// NVIDIA's DRA driver names them; `sysfs` is the GPU's canonical sysfs folder.
+fn dra_attributes(
+    gpu: &GpuInfo,
+    mig: Option<&MigInfo>,
+    sysfs: &Path,
+) -> Option<Box<DeviceAttributes>> {
+    let common = Attributes::default()
+        .string("productName", &gpu.name)
+        .int("index", i64::from(gpu.index))
+        .int("minor", i64::from(gpu.minor))
+        .pci(&gpu.bus_id, Some(sysfs));
+    match mig {
+        None => common
+            .string("type", "gpu")
+            .string("uuid", &gpu.uuid)
+            .capacity("memory", gpu.memory_bytes),
+        Some(mig) => common
+            .string("type", "mig")
+            .string("uuid", &mig.uuid)
+            .string("parentUUID", &gpu.uuid)
+            .string("profile", &mig.profile)
+            .capacity("memory", mig.memory_bytes),
+    }
+    .build()
+}
+
 /// One resource's view of the node.
 #[derive(Debug, Clone)]
 pub struct View {
@@ -275,6 +306,7 @@ impl View {
             let device = settings.sys_root.join("bus/pci/devices").join(&info.bus_id);
             let device = std::fs::canonicalize(&device).unwrap_or(device);
             let numa = numa_node(&settings.sys_root, &device);
+            let attributes = dra_attributes(&info, unit.mig.as_ref(), &device);
             let n = replicas_for(settings, &info);
             shared |= n > 1;
             let ids: Vec<String> = if n == 1 {
@@ -292,6 +324,7 @@ impl View {
                 caps,
                 numa,
                 ids,
+                attributes,
             });
         }
         let numa: Vec<Option<i64>> = gpus.iter().map(|g| g.numa).collect();

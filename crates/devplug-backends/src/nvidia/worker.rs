@@ -57,11 +57,11 @@ impl Shared {
         for gpu in &view.gpus {
             let h = health(&gpu.info.uuid);
             for id in &gpu.ids {
-                devices.push(
-                    Device::new(id.clone())
-                        .with_health(h.clone())
-                        .with_numa_nodes(gpu.numa),
-                );
+                let mut device = Device::new(id.clone())
+                    .with_health(h.clone())
+                    .with_numa_nodes(gpu.numa);
+                device.attributes.clone_from(&gpu.attributes);
+                devices.push(device);
             }
         }
         let list = DeviceList::new(devices);

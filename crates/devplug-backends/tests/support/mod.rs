@@ -69,3 +69,40 @@ pub async fn counts(kubelet: &Kubelet, resource: &str, total: usize, healthy: us
         panic!("{resource}: wanted ({total}, {healthy}), the kubelet has {now:?}: {devices:?}");
     }
 }
+
+/// A device's DRA attributes and capacities as text (`"index" → "3"`, capacities as
+/// `"capacity memory" → "85899345920"`), after checking them against the API server's rules.
+pub fn dra(list: &devplug::DeviceList, id: &str) -> std::collections::BTreeMap<String, String> {
+    use devplug::attributes::AttributeValue;
+    let device = list
+        .get(id)
+        .unwrap_or_else(|| panic!("no device {id} in {list:?}"));
+    let attrs = device.dra_attributes();
+    if let Err(err) = attrs.check() {
+        panic!("{id}: {err}");
+    }
+    let mut out: std::collections::BTreeMap<String, String> = attrs
+        .attributes
+        .iter()
+        .map(|(k, v)| {
+            let text = match v {
+                AttributeValue::Int(i) => i.to_string(),
+                AttributeValue::Bool(b) => b.to_string(),
+                AttributeValue::String(s) | AttributeValue::Version(s) => s.clone(),
+            };
+            (k.clone(), text)
+        })
+        .collect();
+    for (k, v) in &attrs.capacity {
+        out.insert(format!("capacity {k}"), v.to_string());
+    }
+    out
+}
+
+/// `pairs` as the map [`dra`] returns.
+pub fn map(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}

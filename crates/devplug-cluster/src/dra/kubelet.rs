@@ -38,15 +38,17 @@ pub struct KubeletDirs {
 }
 
 impl KubeletDirs {
-    /// The folders beside a device-plugins folder: `../plugins_registry` and `../plugins`.
+    /// The folders beside a device-plugins folder: `../plugins_registry` and `../plugins` (the
+    /// same root as the device plugin host's watcher route).
     pub fn beside(device_plugins: &Path) -> KubeletDirs {
-        let root = device_plugins
+        let watcher = devplug::WatcherDirs::beside(device_plugins);
+        let plugins = watcher
+            .sockets
             .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_else(|| PathBuf::from("/"));
+            .map_or_else(|| watcher.sockets.clone(), Path::to_path_buf);
         KubeletDirs {
-            registry: root.join("plugins_registry"),
-            plugins: root.join("plugins"),
+            registry: watcher.registry,
+            plugins,
         }
     }
 

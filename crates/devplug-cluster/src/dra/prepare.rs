@@ -10,7 +10,8 @@
 //! atomically with one CDI device per request (`<driver>/claim=<claim uid>-<request>`), then
 //! the claim in the checkpoint, then the answer. The first device of each request carries that
 //! request's CDI id: the kubelet gives a container the CDI ids of the devices of the requests it
-//! uses, so each request's edits reach it exactly once.
+//! uses, so each request's edits reach it exactly once. A container using two requests of one
+//! claim gets both requests' edits; an environment variable both set ends with the later one.
 //!
 //! Repeats are answered from the checkpoint; unpreparing a claim we do not know is a success.
 //! Calls are serialized per driver (the checkpoint is one file).

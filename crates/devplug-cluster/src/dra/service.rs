@@ -7,6 +7,20 @@ use super::claims::ClaimRef;
 use super::prepare::Preparer;
 use std::sync::Arc;
 
+/// The claims of a request (either package's `Claim`) as [`ClaimRef`]s.
+macro_rules! claim_refs {
+    ($claims:expr) => {
+        $claims
+            .into_iter()
+            .map(|c| ClaimRef {
+                namespace: c.namespace,
+                name: c.name,
+                uid: c.uid,
+            })
+            .collect::<Vec<ClaimRef>>()
+    };
+}
+
 macro_rules! dra_service {
     ($name:ident, $pkg:ident, $device:path) => {
         /// `DRAPlugin` of package
@@ -33,16 +47,7 @@ macro_rules! dra_service {
                 tonic::Status,
             > {
                 use devplug_proto::$pkg as pb;
-                let claims: Vec<ClaimRef> = request
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(|c| ClaimRef {
-                        namespace: c.namespace,
-                        name: c.name,
-                        uid: c.uid,
-                    })
-                    .collect();
+                let claims = claim_refs!(request.into_inner().claims);
                 let results = self.0.prepare(&claims).await;
                 let claims = results
                     .into_iter()
@@ -73,16 +78,7 @@ macro_rules! dra_service {
                 tonic::Status,
             > {
                 use devplug_proto::$pkg as pb;
-                let claims: Vec<ClaimRef> = request
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(|c| ClaimRef {
-                        namespace: c.namespace,
-                        name: c.name,
-                        uid: c.uid,
-                    })
-                    .collect();
+                let claims = claim_refs!(request.into_inner().claims);
                 let claims = self
                     .0
                     .unprepare(&claims)
