@@ -434,114 +434,74 @@ impl Registration for RegistrationService {
     }
 }
 
-/// `DRAPlugin` v1.
-struct V1(Arc<Inner>);
+/// One `DRAPlugin` server per package, from one template so the two cannot drift apart.
+macro_rules! fake_dra_service {
+    ($name:ident, $pkg:ident, $service:expr, $from:path, $to:path) => {
+        #[doc = concat!("`DRAPlugin` of package `", stringify!($pkg), "`.")]
+        struct $name(Arc<Inner>);
 
-#[tonic::async_trait]
-impl dra_v1::dra_plugin_server::DraPlugin for V1 {
-    async fn node_prepare_resources(
-        &self,
-        request: Request<dra_v1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<dra_v1::NodePrepareResourcesResponse>, Status> {
-        self.0.maybe_hang().await?;
-        let claims = request.into_inner().claims;
-        let answer = self.0.prepare(
-            DraService::V1,
-            claims.into_iter().map(DraClaim::from_v1).collect(),
-        );
-        let claims = answer
-            .into_iter()
-            .map(|(uid, result)| {
-                let r = match result {
-                    Ok(devices) => dra_v1::NodePrepareResourceResponse {
-                        devices: devices.iter().map(DraDevice::to_v1).collect(),
-                        error: String::new(),
-                    },
-                    Err(error) => dra_v1::NodePrepareResourceResponse {
-                        devices: Vec::new(),
-                        error,
-                    },
-                };
-                (uid, r)
-            })
-            .collect();
-        Ok(Response::new(dra_v1::NodePrepareResourcesResponse {
-            claims,
-        }))
-    }
+        #[tonic::async_trait]
+        impl $pkg::dra_plugin_server::DraPlugin for $name {
+            async fn node_prepare_resources(
+                &self,
+                request: Request<$pkg::NodePrepareResourcesRequest>,
+            ) -> Result<Response<$pkg::NodePrepareResourcesResponse>, Status> {
+                self.0.maybe_hang().await?;
+                let claims = request.into_inner().claims;
+                let answer = self
+                    .0
+                    .prepare($service, claims.into_iter().map($from).collect());
+                let claims = answer
+                    .into_iter()
+                    .map(|(uid, result)| {
+                        let r = match result {
+                            Ok(devices) => $pkg::NodePrepareResourceResponse {
+                                devices: devices.iter().map($to).collect(),
+                                error: String::new(),
+                            },
+                            Err(error) => $pkg::NodePrepareResourceResponse {
+                                devices: Vec::new(),
+                                error,
+                            },
+                        };
+                        (uid, r)
+                    })
+                    .collect();
+                Ok(Response::new($pkg::NodePrepareResourcesResponse { claims }))
+            }
 
-    async fn node_unprepare_resources(
-        &self,
-        request: Request<dra_v1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<dra_v1::NodeUnprepareResourcesResponse>, Status> {
-        self.0.maybe_hang().await?;
-        let claims = request.into_inner().claims;
-        let answer = self.0.unprepare(
-            DraService::V1,
-            claims.into_iter().map(DraClaim::from_v1).collect(),
-        );
-        let claims = answer
-            .into_iter()
-            .map(|(uid, error)| (uid, dra_v1::NodeUnprepareResourceResponse { error }))
-            .collect();
-        Ok(Response::new(dra_v1::NodeUnprepareResourcesResponse {
-            claims,
-        }))
-    }
+            async fn node_unprepare_resources(
+                &self,
+                request: Request<$pkg::NodeUnprepareResourcesRequest>,
+            ) -> Result<Response<$pkg::NodeUnprepareResourcesResponse>, Status> {
+                self.0.maybe_hang().await?;
+                let claims = request.into_inner().claims;
+                let answer = self
+                    .0
+                    .unprepare($service, claims.into_iter().map($from).collect());
+                let claims = answer
+                    .into_iter()
+                    .map(|(uid, error)| (uid, $pkg::NodeUnprepareResourceResponse { error }))
+                    .collect();
+                Ok(Response::new($pkg::NodeUnprepareResourcesResponse {
+                    claims,
+                }))
+            }
+        }
+    };
 }
 
-/// `DRAPlugin` v1beta1.
-struct V1beta1(Arc<Inner>);
-
-#[tonic::async_trait]
-impl dra_v1beta1::dra_plugin_server::DraPlugin for V1beta1 {
-    async fn node_prepare_resources(
-        &self,
-        request: Request<dra_v1beta1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<dra_v1beta1::NodePrepareResourcesResponse>, Status> {
-        self.0.maybe_hang().await?;
-        let claims = request.into_inner().claims;
-        let answer = self.0.prepare(
-            DraService::V1beta1,
-            claims.into_iter().map(DraClaim::from_v1beta1).collect(),
-        );
-        let claims = answer
-            .into_iter()
-            .map(|(uid, result)| {
-                let r = match result {
-                    Ok(devices) => dra_v1beta1::NodePrepareResourceResponse {
-                        devices: devices.iter().map(DraDevice::to_v1beta1).collect(),
-                        error: String::new(),
-                    },
-                    Err(error) => dra_v1beta1::NodePrepareResourceResponse {
-                        devices: Vec::new(),
-                        error,
-                    },
-                };
-                (uid, r)
-            })
-            .collect();
-        Ok(Response::new(dra_v1beta1::NodePrepareResourcesResponse {
-            claims,
-        }))
-    }
-
-    async fn node_unprepare_resources(
-        &self,
-        request: Request<dra_v1beta1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<dra_v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        self.0.maybe_hang().await?;
-        let claims = request.into_inner().claims;
-        let answer = self.0.unprepare(
-            DraService::V1beta1,
-            claims.into_iter().map(DraClaim::from_v1beta1).collect(),
-        );
-        let claims = answer
-            .into_iter()
-            .map(|(uid, error)| (uid, dra_v1beta1::NodeUnprepareResourceResponse { error }))
-            .collect();
-        Ok(Response::new(dra_v1beta1::NodeUnprepareResourcesResponse {
-            claims,
-        }))
-    }
-}
+fake_dra_service!(
+    V1,
+    dra_v1,
+    DraService::V1,
+    DraClaim::from_v1,
+    DraDevice::to_v1
+);
+fake_dra_service!(
+    V1beta1,
+    dra_v1beta1,
+    DraService::V1beta1,
+    DraClaim::from_v1beta1,
+    DraDevice::to_v1beta1
+);
