@@ -5,7 +5,8 @@
 //!   (published on a watch channel for backends that want it).
 //! - `GetAllocatableResources` is the watchdog: when, on [`STRIKES`] polls in a row, the kubelet
 //!   can allocate fewer of our devices than the healthy ones we stream to it while we believe we
-//!   are registered, the kubelet lost our endpoint (the name-keyed disconnect of §3, a stream it
+//!   are registered (with no registration and no change of our list in between), the kubelet
+//!   lost our endpoint (the name-keyed disconnect of §3, a stream it
 //!   dropped without telling us): the resource registers again, and the metric counts it.
 
 use super::Running;
@@ -40,7 +41,7 @@ pub(crate) async fn run(
     stop: CancellationToken,
 ) {
     let mut client: Option<PodResourcesClient> = None;
-    let mut strikes: BTreeMap<String, u32> = BTreeMap::new();
+    let mut strikes: BTreeMap<String, Strikes> = BTreeMap::new();
     let mut last_error: Option<String> = None;
     loop {
         let round = async {
@@ -106,7 +107,7 @@ pub(crate) async fn run(
 fn check(
     resources: &Mutex<BTreeMap<String, Running>>,
     allocatable: &BTreeMap<String, usize>,
-    strikes: &mut BTreeMap<String, u32>,
+    strikes: &mut BTreeMap<String, Strikes>,
 ) {
     let resources = resources.lock().unwrap_or_else(|e| e.into_inner());
     strikes.retain(|name, _| resources.contains_key(name));
@@ -115,17 +116,79 @@ fn check(
         let healthy = running.shared.devices.borrow().healthy_count();
         let kubelet = allocatable.get(name).copied().unwrap_or(0);
         let short = status.registered && status.streams > 0 && kubelet < healthy;
-        let count = strikes.entry(name.clone()).or_default();
-        if !short {
-            *count = 0;
-            continue;
-        }
-        *count += 1;
-        if *count >= STRIKES {
-            *count = 0;
+        let record = strikes.entry(name.clone()).or_default();
+        if record.after_poll(short, status.registrations, healthy) {
             tracing::warn!(resource = %name, kubelet_allocatable = kubelet, healthy, "the kubelet lost our endpoint; registering again");
             running.status.counters.watchdog_reregistered();
             running.status.request_relink();
         }
+    }
+}
+
+/// One resource's run of polls that found the kubelet short of our healthy devices.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Strikes {
+    /// Short polls in a row.
+    count: u32,
+    /// Our registrations and healthy devices at the last short poll: a run only goes on while
+    /// both stay the same. A new registration (the kubelet restarted, or we registered again)
+    /// or a changed list starts a new run, because the kubelet may not have caught up yet: two
+    /// such races on consecutive polls are not a lost endpoint.
+    registrations: u64,
+    healthy: usize,
+}
+
+impl Strikes {
+    /// The record after one more poll; `true` when the resource must register again.
+    fn after_poll(&mut self, short: bool, registrations: u64, healthy: usize) -> bool {
+        if !short {
+            *self = Strikes::default();
+            return false;
+        }
+        let same_run =
+            self.count > 0 && self.registrations == registrations && self.healthy == healthy;
+        self.count = if same_run {
+            self.count.saturating_add(1)
+        } else {
+            1
+        };
+        self.registrations = registrations;
+        self.healthy = healthy;
+        if self.count >= STRIKES {
+            *self = Strikes::default();
+            return true;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shortfall_on_consecutive_polls_of_one_registration_and_list_fires_once() {
+        let mut s = Strikes::default();
+        assert!(!s.after_poll(true, 1, 4));
+        assert!(s.after_poll(true, 1, 4));
+        // The record starts over after firing.
+        assert!(!s.after_poll(true, 1, 4));
+        // A poll that is not short ends the run.
+        assert!(!s.after_poll(false, 1, 4));
+        assert!(!s.after_poll(true, 1, 4));
+    }
+
+    #[test]
+    fn a_new_registration_or_a_changed_list_between_polls_starts_a_new_run() {
+        // Short while a new device was on its way to the kubelet, then short again right
+        // after a kubelet restart and our registration with it: two races, not a lost endpoint.
+        let mut s = Strikes::default();
+        assert!(!s.after_poll(true, 1, 4));
+        assert!(!s.after_poll(true, 2, 4));
+        assert!(s.after_poll(true, 2, 4));
+        let mut s = Strikes::default();
+        assert!(!s.after_poll(true, 1, 3));
+        assert!(!s.after_poll(true, 1, 4));
+        assert!(s.after_poll(true, 1, 4));
     }
 }
