@@ -7,7 +7,7 @@
 
 use super::status::ResourceStatus;
 use crate::device::{DeviceList, Health};
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use tokio::sync::{broadcast, watch};
 use tokio_util::sync::CancellationToken;
@@ -56,36 +56,40 @@ pub(crate) fn spawn(
     stop: CancellationToken,
 ) {
     tokio::spawn(async move {
-        let mut health: BTreeMap<String, Health> = BTreeMap::new();
+        // Only the ids that are unhealthy now: a node's devices are nearly all healthy, and a
+        // map of every id cost about 100 bytes a device (300 KiB with 3 × 1,000 devices).
+        let mut unhealthy: BTreeSet<String> = BTreeSet::new();
         let mut registered = false;
         let mut ever_registered = false;
-        let mut first = true;
         loop {
-            // Devices: compare each id's health with the last list.
+            // Devices: compare each id's health with the last list. A device that is new or was
+            // healthy and is unhealthy now is reported; one that was unhealthy and is healthy
+            // now has recovered (a new healthy device is no news).
             let list = devices.borrow_and_update().clone();
-            let mut now = BTreeMap::new();
+            let mut now = BTreeSet::new();
             for d in list.devices() {
-                let before = health.get(&d.id);
-                match (&d.health, before) {
-                    (Health::Unhealthy { reason }, None | Some(Health::Healthy)) => {
-                        let _ = tx.send(HostEvent::DeviceUnhealthy {
-                            resource: resource.to_string(),
-                            device: d.id.clone(),
-                            reason: reason.clone(),
-                        });
+                let was_unhealthy = unhealthy.contains(&d.id);
+                match &d.health {
+                    Health::Unhealthy { reason } => {
+                        if !was_unhealthy {
+                            let _ = tx.send(HostEvent::DeviceUnhealthy {
+                                resource: resource.to_string(),
+                                device: d.id.clone(),
+                                reason: reason.clone(),
+                            });
+                        }
+                        now.insert(d.id.clone());
                     }
-                    (Health::Healthy, Some(Health::Unhealthy { .. })) if !first => {
+                    Health::Healthy if was_unhealthy => {
                         let _ = tx.send(HostEvent::DeviceRecovered {
                             resource: resource.to_string(),
                             device: d.id.clone(),
                         });
                     }
-                    _ => {}
+                    Health::Healthy => {}
                 }
-                now.insert(d.id.clone(), d.health.clone());
             }
-            health = now;
-            first = false;
+            unhealthy = now;
             // Registration.
             let s = status.borrow_and_update().clone();
             if s.registered != registered {
@@ -110,4 +114,75 @@ pub(crate) fn spawn(
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+    use std::time::Duration;
+
+    fn list(devices: &[(&str, bool)]) -> DeviceList {
+        DeviceList::new(devices.iter().map(|(id, healthy)| {
+            let device = Device::new(*id);
+            if *healthy {
+                device
+            } else {
+                device.with_health(Health::unhealthy("broken"))
+            }
+        }))
+    }
+
+    async fn next(rx: &mut broadcast::Receiver<HostEvent>) -> Option<HostEvent> {
+        tokio::time::timeout(Duration::from_millis(200), rx.recv())
+            .await
+            .ok()
+            .and_then(Result::ok)
+    }
+
+    fn unhealthy(device: &str) -> HostEvent {
+        HostEvent::DeviceUnhealthy {
+            resource: "r".into(),
+            device: device.into(),
+            reason: "broken".into(),
+        }
+    }
+
+    fn recovered(device: &str) -> HostEvent {
+        HostEvent::DeviceRecovered {
+            resource: "r".into(),
+            device: device.into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn health_changes_become_events_once_each() {
+        let (devices, devices_rx) = watch::channel(list(&[("a", true), ("b", false)]));
+        let (_status, status_rx) = watch::channel(ResourceStatus::default());
+        let (tx, mut rx) = broadcast::channel(16);
+        let stop = CancellationToken::new();
+        spawn("r".into(), devices_rx, status_rx, tx, stop.clone());
+        // A device unhealthy from the start is news; healthy ones are not.
+        assert_eq!(next(&mut rx).await, Some(unhealthy("b")));
+        // Still unhealthy, a new healthy device: nothing.
+        devices.send_replace(list(&[("a", true), ("b", false), ("c", true)]));
+        assert_eq!(next(&mut rx).await, None);
+        // b recovers, a breaks.
+        devices.send_replace(list(&[("a", false), ("b", true), ("c", true)]));
+        let mut got = vec![next(&mut rx).await, next(&mut rx).await];
+        got.sort_by_key(|e| format!("{e:?}"));
+        assert_eq!(got, [Some(recovered("b")), Some(unhealthy("a"))]);
+        // a vanishes while unhealthy and comes back unhealthy: news again; c vanishes: nothing.
+        devices.send_replace(list(&[("b", true)]));
+        assert_eq!(next(&mut rx).await, None);
+        devices.send_replace(list(&[("a", false), ("b", true)]));
+        assert_eq!(next(&mut rx).await, Some(unhealthy("a")));
+        // A device that comes back healthy after vanishing unhealthy did not "recover".
+        devices.send_replace(list(&[("b", true)]));
+        // (Let the task see that list: a watch channel keeps only the latest.)
+        assert_eq!(next(&mut rx).await, None);
+        devices.send_replace(list(&[("a", true), ("b", true)]));
+        assert_eq!(next(&mut rx).await, None);
+        stop.cancel();
+    }
 }
