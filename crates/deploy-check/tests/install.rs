@@ -202,46 +202,51 @@ fn both_image_builds_make_the_same_image_from_the_same_command() {
     // The default entrypoint is the full build; the manifests name the one they run.
     assert!(prebuilt.contains(&"ENTRYPOINT [\"/devplug\"]".to_owned()));
 
-    // The binaries: the same cargo commands, in the same order (each build replaces
-    // target/…/devplug), for the same target; the lean one without the `cluster` feature.
-    let cargo_lines = |text: &str, prefix: &str| -> Vec<String> {
+    // The binaries: both builds run the same script (deploy/build-static) into the folder the
+    // final stage copies from, for the same target.
+    let script = read(".ci/build-image");
+    let runs = |text: &str| -> Vec<String> {
         text.lines()
-            .filter_map(|l| l.trim().strip_prefix(prefix))
-            .map(|c| c.trim_end_matches('\\').trim_end().to_owned())
+            .filter_map(|l| {
+                let l = l.trim().trim_start_matches("&& ");
+                l.contains("deploy/build-static ").then(|| l.to_owned())
+            })
+            .filter(|l| !l.starts_with('#') && !l.starts_with("echo"))
             .collect()
     };
-    let from_docker = cargo_lines(&dockerfile, "&& cargo build ");
-    let script = read(".ci/build-image");
-    assert_eq!(from_docker.len(), 2, "{from_docker:?}");
-    assert!(from_docker[0].ends_with("-p devplug-cli --no-default-features"));
-    assert!(from_docker[1].ends_with("-p devplug-cli"));
-    assert_eq!(cargo_lines(&script, "cargo build "), from_docker);
-    // Each build is copied out as the binary it is, before the next replaces it.
-    for (text, into) in [(&dockerfile, "/out/"), (&script, "\"$context/")] {
-        let order: Vec<&str> = text
-            .lines()
-            .filter_map(|l| {
-                let l = l.trim();
-                if l.contains("cargo build ") {
-                    Some(if l.contains("--no-default-features") {
-                        "build lite"
-                    } else {
-                        "build full"
-                    })
-                } else if l.contains("install ") && l.contains(&format!("{into}devplug-lite")) {
-                    Some("copy lite")
-                } else if l.contains("install ") && l.contains(&format!("{into}devplug")) {
-                    Some("copy full")
-                } else {
-                    None
-                }
-            })
-            .collect();
-        assert_eq!(
-            order,
-            ["build lite", "copy lite", "build full", "copy full"]
-        );
-    }
+    assert_eq!(
+        runs(&dockerfile),
+        ["TARGET=\"${TARGET}\" deploy/build-static /out"]
+    );
+    assert_eq!(
+        runs(&script),
+        ["TARGET=\"${TARGET}\" deploy/build-static \"$context\""]
+    );
+    // The script: the lean build (no default features), then the full one, each into its name.
+    let build_static = read("deploy/build-static");
+    let builds: Vec<&str> = build_static
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("build devplug"))
+        .collect();
+    assert_eq!(
+        builds,
+        ["build devplug-lite --no-default-features", "build devplug"]
+    );
+    // Each link order build ends in its own file, stripped; the plain fallback too.
+    assert!(build_static.contains("strip -o \"$out/$name\" \"$built\""));
+    assert!(build_static.contains("install -m 0755 \"$built\" \"$out/$name\""));
+    // Only the final crate is built again with the link order: `cargo rustc` with the same
+    // package, binary and features as the first link.
+    let rustc: Vec<&str> = build_static
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("cargo rustc "))
+        .collect();
+    assert_eq!(rustc.len(), 2, "{rustc:?}");
+    assert_eq!(rustc[0], rustc[1]);
+    assert!(rustc[0]
+        .contains("--release --locked --target \"${TARGET}\" -p devplug-cli --bin devplug \"$@\""));
     // And the image check runs both.
     assert!(script.contains("for binary in devplug devplug-lite; do"));
     let target = |text: &str| {
@@ -255,6 +260,10 @@ fn both_image_builds_make_the_same_image_from_the_same_command() {
     };
     assert_eq!(target(&dockerfile), target(&script));
     assert!(target(&script).is_some());
+    assert_eq!(
+        target(&build_static),
+        target(&script).map(|t| format!("${{TARGET:-{t}}}"))
+    );
     // And CI runs the script.
     assert!(read(".ci/run")
         .lines()
