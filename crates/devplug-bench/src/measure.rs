@@ -165,6 +165,21 @@ fn keep_smaps(pid: u32, what: &str) {
 }
 
 /// Starts `devplug run` quietly with `config` against the kubelet folder `plugins`.
+/// With `DEVPLUG_BENCH_DROP_CACHES=1` (needs root), empties the page cache, so the next start
+/// reads the binary from disk as a node does from its image layer. A binary just written (by
+/// the linker, `strip` or `cp`) sits in the page cache in whatever folios the writes made, and
+/// the kernel maps a cached folio's pages together: the same binary then measured 3.4–4.4 MiB
+/// peak (docs/benchmarks.md, "Link order").
+fn drop_page_cache() {
+    if std::env::var("DEVPLUG_BENCH_DROP_CACHES").as_deref() != Ok("1") {
+        return;
+    }
+    let synced = Command::new("sync").status().is_ok_and(|s| s.success());
+    if !synced || std::fs::write("/proc/sys/vm/drop_caches", "3").is_err() {
+        eprintln!("DEVPLUG_BENCH_DROP_CACHES=1: could not drop the page cache (root needed)");
+    }
+}
+
 pub(crate) fn spawn_run(
     bin: &std::path::Path,
     config: &std::path::Path,
@@ -195,6 +210,7 @@ pub async fn small_process_memory() -> anyhow::Result<(u64, u64, u64)> {
         &config,
         "resources:\n  - name: bench.example/small\n    virtual: { count: 64 }\n",
     )?;
+    drop_page_cache();
     let child = spawn_run(&bin, &config, &plugins)?;
     kubelet
         .wait_for(Duration::from_secs(10), |n| {
@@ -235,6 +251,7 @@ pub async fn process_figures() -> anyhow::Result<()> {
     // last one stays up for the memory and idle figures.
     let mut starts = Vec::with_capacity(START_SAMPLES);
     let mut child = None;
+    drop_page_cache();
     for round in 0..START_SAMPLES {
         let started = Instant::now();
         let spawned = spawn_run(&bin, &config, &plugins)?;
