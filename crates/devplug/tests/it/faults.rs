@@ -124,32 +124,44 @@ async fn a_folder_replaced_by_a_file_fails_health_until_it_is_a_folder_again() {
     host.shutdown().await;
 }
 
-/// The kubelet binds kubelet.sock before it listens (the simulator's 1 ms gap), so the first
-/// dial after a restart is refused. The retry must come within milliseconds, not after 100 ms.
+/// The kubelet binds kubelet.sock before it listens, so the first dial after a restart is
+/// refused. The retry must come within milliseconds, not after 100 ms. The simulator's gap is
+/// 20 ms here (1 ms by default) so that a loaded machine still dials inside it.
 #[tokio::test]
 async fn restarts_register_again_despite_the_bind_listen_gap() {
-    let (dir, mut kubelet) = kubelet(GRACE).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = SimConfig {
+        grace: GRACE,
+        listen_delay: Duration::from_millis(20),
+        ..SimConfig::default()
+    };
+    let mut kubelet = Kubelet::start_with(dir.path(), config).await.unwrap();
     let host = Host::new(dir.path()).unwrap();
     host.add(RESOURCE, TestBackend::new(2)).unwrap();
     registrations(&host, RESOURCE, 1).await;
-    let mut slowest = Duration::ZERO;
+    let refusals = || host.metrics()[0].1.registration_failures;
+    let mut took = Vec::new();
+    let mut refused_rounds = 0;
     for round in 2..=6 {
+        let before = refusals();
         let started = Instant::now();
         kubelet.restart().await.unwrap();
         registrations(&host, RESOURCE, round).await;
-        slowest = slowest.max(started.elapsed());
+        took.push(started.elapsed());
+        if refusals() > before {
+            refused_rounds += 1;
+        }
     }
-    let failures = host.metrics()[0].1.registration_failures;
     assert!(
-        failures > 0,
-        "the simulator's bind→listen gap should refuse some first dials"
+        refused_rounds >= 3,
+        "the simulator's bind→listen gap should refuse most first dials: {refused_rounds} of 5 rounds"
     );
-    // Generous for a loaded CI machine; the old 100 ms first retry always exceeded it once
-    // a dial was refused, which the failure count above shows happened.
-    assert!(
-        slowest < Duration::from_millis(90),
-        "slowest restart took {slowest:?}"
-    );
+    // The median, so that one round stalled by a loaded CI machine does not fail the test: the
+    // old 100 ms first retry put every refused round above the line, and the count above
+    // shows that most rounds were refused. A retry from 1 ms, doubling, lands at 20-35 ms.
+    took.sort();
+    let median = took[took.len() / 2];
+    assert!(median < Duration::from_millis(90), "restarts took {took:?}");
     host.shutdown().await;
 }
 
