@@ -164,7 +164,6 @@ fn keep_smaps(pid: u32, what: &str) {
     }
 }
 
-/// Starts `devplug run` quietly with `config` against the kubelet folder `plugins`.
 /// With `DEVPLUG_BENCH_DROP_CACHES=1` (needs root), empties the page cache, so the next start
 /// reads the binary from disk as a node does from its image layer. A binary just written (by
 /// the linker, `strip` or `cp`) sits in the page cache in whatever folios the writes made, and
@@ -180,6 +179,7 @@ fn drop_page_cache() {
     }
 }
 
+/// Starts `devplug run` quietly with `config` against the kubelet folder `plugins`.
 pub(crate) fn spawn_run(
     bin: &std::path::Path,
     config: &std::path::Path,
