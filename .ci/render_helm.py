@@ -71,8 +71,14 @@ def main() -> int:
         print("helm lint failed", file=sys.stderr)
         return 1
 
+    # The chart's ci/ values files (chart-testing's convention), each a release named after the
+    # file: the whole-node tests install these.
+    releases = dict(RELEASES)
+    for path in sorted((CHART / "ci").glob("*-values.yaml")):
+        releases[path.name.removesuffix("-values.yaml")] = helm.values_from_yaml(path.read_text())
+
     with helm.Chart.load(str(CHART)) as chart:
-        for name, values in RELEASES.items():
+        for name, values in releases.items():
             manifests = chart.render(values, name="devplug", namespace="kube-system")
             docs = [
                 f"# Source: {path}\n{text.strip()}\n"

@@ -159,7 +159,7 @@ fn pem(label: &str, der: &[u8]) -> String {
 }
 
 /// An ECDSA P-256 key pair for service account tokens: (private PKCS#8 PEM, public SPKI PEM).
-fn service_account_keys() -> Result<(String, String), String> {
+pub fn service_account_keys() -> Result<(String, String), String> {
     use ring::signature::{EcdsaKeyPair, KeyPair, ECDSA_P256_SHA256_ASN1_SIGNING};
     let rng = ring::rand::SystemRandom::new();
     let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, &rng)

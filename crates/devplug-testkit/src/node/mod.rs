@@ -1,0 +1,711 @@
+//! A whole single-node Kubernetes cluster on this machine, for tests of what a pod really gets.
+//!
+//! [`Node::start`] runs etcd, kube-apiserver (Node and RBAC authorization, the default admission
+//! chain), kube-controller-manager, kube-scheduler, containerd (runc, CNI bridge, CDI on) and a
+//! kubelet that registers its Node through the API server, imports devplug's image and a small
+//! busybox image into containerd (no registry is reachable), and waits until the Node is Ready.
+//! [`Node::stop`] undoes all of it; so does a reaper process if the test binary dies first, and
+//! the next start if even that was killed (see [`cleanup`]).
+//!
+//! What it took to run a node on one machine without a network:
+//! - Only loopback addresses and the network namespaces containerd makes. The kubelet refuses a
+//!   loopback node IP, so the Node has no address: `kubectl logs`/`exec` cannot reach it, and
+//!   tests read containers' output from the kubelet's pod log folder ([`Node::container_log`]).
+//! - No kube-proxy: a pod reaches the API server only on the host network, with
+//!   `KUBERNETES_SERVICE_HOST=127.0.0.1` and `KUBERNETES_SERVICE_PORT=6443` in its env. The API
+//!   server listens on the fixed port [`API_PORT`] for that reason.
+//! - cgroup v1 needs a cgroup root of our own ([`CGROUP_ROOT`]); runc cannot lower
+//!   `oom_score_adj` in a VM without CAP_SYS_RESOURCE (`restrict_oom_score_adj`).
+//! - The kubelet's root is `/var/lib/kubelet`, as on a real node and as devplug's manifests
+//!   expect; a marker file there says it is ours. The tests refuse to run where that folder
+//!   exists without the marker: that machine is a real node.
+//!
+//! Requirements and where to get them: [`requirements::find`].
+
+pub mod cleanup;
+pub mod config;
+pub mod image;
+pub mod requirements;
+
+pub use requirements::Requirements;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// The kubelet's root folder (its device-plugins/ folder is fixed below it).
+pub const KUBELET_ROOT: &str = "/var/lib/kubelet";
+/// The file in [`KUBELET_ROOT`] that says the tests made it.
+pub const MARKER: &str = ".devplug-test-node";
+/// The Node's name.
+pub const NODE_NAME: &str = "devplug-node";
+/// kube-apiserver's port on 127.0.0.1 (fixed: host-network pods are told it in their env).
+pub const API_PORT: u16 = 6443;
+/// etcd's client port on 127.0.0.1.
+pub const ETCD_PORT: u16 = 2379;
+/// etcd's peer port on 127.0.0.1.
+pub const ETCD_PEER_PORT: u16 = 2380;
+/// The CNI bridge's name.
+pub const BRIDGE: &str = "devplugtest0";
+/// The pods' addresses, on [`BRIDGE`] only.
+pub const POD_SUBNET: &str = "10.244.77.0/24";
+/// The kubelet's cgroup root, made in every hierarchy.
+pub const CGROUP_ROOT: &str = "devplug-test";
+/// The node's folder: configs, certificates, etcd's data, containerd's root and state, logs.
+pub const NODE_DIR: &str = "/var/tmp/devplug-test-node";
+
+/// Where the node keeps its files.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    /// The node's folder.
+    pub dir: PathBuf,
+}
+
+impl Layout {
+    /// The admin kubeconfig.
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.dir.join("kubeconfig")
+    }
+    /// The API server's serving certificate (self-signed, its own CA).
+    pub fn ca(&self) -> PathBuf {
+        self.dir.join("certs/apiserver.crt")
+    }
+    /// containerd's socket.
+    pub fn containerd_socket(&self) -> PathBuf {
+        self.dir.join("containerd.sock")
+    }
+    /// containerd's persistent root.
+    pub fn containerd_root(&self) -> PathBuf {
+        self.dir.join("containerd/root")
+    }
+    /// containerd's state (tmpfs on a real node: a reboot empties it).
+    pub fn containerd_state(&self) -> PathBuf {
+        self.dir.join("containerd/state")
+    }
+    /// The CNI configuration folder.
+    pub fn cni_conf_dir(&self) -> PathBuf {
+        self.dir.join("cni")
+    }
+    /// The kubelet's pod log folder: `<namespace>_<pod>_<uid>/<container>/<restart>.log`.
+    pub fn pod_logs(&self) -> PathBuf {
+        self.dir.join("pod-logs")
+    }
+    /// The processes' own logs.
+    pub fn logs(&self) -> PathBuf {
+        self.dir.join("logs")
+    }
+    fn pid_file(&self, name: &str) -> PathBuf {
+        self.dir.join("pids").join(name)
+    }
+    fn cleanup_script(&self) -> PathBuf {
+        self.dir.join("cleanup.sh")
+    }
+    /// A list of files the tests made outside the node's folder, removed by the cleanup.
+    pub fn made_files(&self) -> PathBuf {
+        self.dir.join("cdi-specs-made")
+    }
+}
+
+/// How long the node took to come up, for the benchmarks page.
+#[derive(Debug, Clone, Copy)]
+pub struct StartTimes {
+    /// etcd and the API server started → `/readyz` ok.
+    pub api_server: Duration,
+    /// The kubelet started → Node Ready (not-ready taint gone).
+    pub kubelet_to_ready: Duration,
+    /// The whole start, images included.
+    pub total: Duration,
+}
+
+/// A running node. Stop it with [`Node::stop`].
+#[derive(Debug)]
+pub struct Node {
+    /// What the node was made from.
+    pub requirements: Requirements,
+    /// Its files.
+    pub layout: Layout,
+    /// How long the start took.
+    pub start_times: StartTimes,
+    processes: Mutex<BTreeMap<&'static str, Child>>,
+    reaper: Mutex<Option<Child>>,
+}
+
+fn fail(what: &str, err: impl std::fmt::Display) -> String {
+    format!("{what}: {err}")
+}
+
+fn write(path: &Path, text: impl AsRef<[u8]>) -> Result<(), String> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| fail(&parent.display().to_string(), e))?;
+    }
+    std::fs::write(path, text).map_err(|e| fail(&path.display().to_string(), e))
+}
+
+/// Makes [`CGROUP_ROOT`] in every mounted hierarchy (v1 controllers, named ones, and v2).
+fn make_cgroup_roots() -> Result<(), String> {
+    let mut roots = vec![PathBuf::from("/sys/fs/cgroup")];
+    if let Ok(entries) = std::fs::read_dir("/sys/fs/cgroup") {
+        roots.extend(entries.flatten().map(|e| e.path()));
+    }
+    for root in roots {
+        if root.join("cgroup.procs").is_file() {
+            let ours = root.join(CGROUP_ROOT);
+            std::fs::create_dir_all(&ours).map_err(|e| fail(&ours.display().to_string(), e))?;
+        }
+    }
+    Ok(())
+}
+
+impl Node {
+    /// Starts the node (cleaning up first what a killed run left behind) and waits until its
+    /// Node is Ready.
+    pub async fn start(requirements: Requirements) -> Result<Node, String> {
+        let started = Instant::now();
+        let layout = Layout {
+            dir: PathBuf::from(NODE_DIR),
+        };
+        // A run killed with its reaper leaves its script behind: run it, then ours.
+        if layout.cleanup_script().is_file() {
+            cleanup::run(&layout.cleanup_script())?;
+        }
+        write(&layout.cleanup_script(), cleanup::script(&layout))?;
+        cleanup::run(&layout.cleanup_script())?;
+        write(&layout.cleanup_script(), cleanup::script(&layout))?;
+        let reaper = cleanup::reaper(&layout.cleanup_script())?;
+        let node = Node {
+            requirements,
+            layout,
+            start_times: StartTimes {
+                api_server: Duration::ZERO,
+                kubelet_to_ready: Duration::ZERO,
+                total: Duration::ZERO,
+            },
+            processes: Mutex::new(BTreeMap::new()),
+            reaper: Mutex::new(Some(reaper)),
+        };
+        match node.bring_up(started).await {
+            Ok(times) => Ok(Node {
+                start_times: times,
+                ..node
+            }),
+            Err(err) => {
+                let logs = node.keep_logs();
+                node.stop();
+                Err(format!("{err} (logs kept in {})", logs.display()))
+            }
+        }
+    }
+
+    async fn bring_up(&self, started: Instant) -> Result<StartTimes, String> {
+        let layout = &self.layout;
+        let assets = self.requirements.assets.clone();
+        for sub in ["pids", "logs", "certs", "etcd", "kubelet-certs"] {
+            let d = layout.dir.join(sub);
+            std::fs::create_dir_all(&d).map_err(|e| fail(&d.display().to_string(), e))?;
+        }
+        write(
+            &Path::new(KUBELET_ROOT).join(MARKER),
+            "made by devplug's whole-node tests\n",
+        )?;
+        write(&layout.made_files(), "")?;
+        make_cgroup_roots()?;
+        let (private_key, public_key) = devplug_cluster::testenv::service_account_keys()?;
+        write(&layout.dir.join("sa.key"), private_key)?;
+        write(&layout.dir.join("sa.pub"), public_key)?;
+        write(
+            &layout.dir.join("tokens.csv"),
+            format!("{},admin,admin,system:masters\n", config::ADMIN_TOKEN),
+        )?;
+        write(
+            &layout.kubeconfig(),
+            config::kubeconfig(&layout.ca(), config::ADMIN_TOKEN),
+        )?;
+
+        let api_started = Instant::now();
+        self.spawn("etcd", &assets.join("etcd"), &config::etcd_args(layout))?;
+        self.spawn(
+            "kube-apiserver",
+            &assets.join("kube-apiserver"),
+            &config::apiserver_args(layout),
+        )?;
+        self.wait_api_ready().await?;
+        let api_server = api_started.elapsed();
+        self.spawn(
+            "kube-controller-manager",
+            &assets.join("kube-controller-manager"),
+            &config::controller_manager_args(layout),
+        )?;
+        self.spawn(
+            "kube-scheduler",
+            &assets.join("kube-scheduler"),
+            &config::scheduler_args(layout),
+        )?;
+
+        write(
+            &layout.cni_conf_dir().join("10-devplug-test.conflist"),
+            config::cni_conflist(),
+        )?;
+        write(
+            &layout.dir.join("containerd.toml"),
+            config::containerd_toml(layout, image::BUSYBOX_IMAGE, requirements::CNI_BIN_DIR),
+        )?;
+        self.start_containerd().await?;
+        let busybox = layout.dir.join("busybox.oci.tar");
+        write(
+            &busybox,
+            image::busybox_archive(&self.requirements.busybox)?,
+        )?;
+        self.import_image(&busybox, &[])?;
+        let archive = self.requirements.image_archive.clone();
+        let version = env!("CARGO_PKG_VERSION");
+        // The chart's and the kustomize base's name (docker.io/library/ once normalized), and
+        // the registry overlay's.
+        self.import_image(
+            &archive,
+            &[
+                format!("docker.io/library/devplug:{version}"),
+                format!("registry.example.com/devplug:{version}"),
+            ],
+        )?;
+
+        write(
+            &layout.dir.join("kubelet.yaml"),
+            config::kubelet_yaml(layout),
+        )?;
+        let kubelet_started = Instant::now();
+        self.start_kubelet()?;
+        self.wait_node_ready(Duration::from_secs(90)).await?;
+        Ok(StartTimes {
+            api_server,
+            kubelet_to_ready: kubelet_started.elapsed(),
+            total: started.elapsed(),
+        })
+    }
+
+    fn spawn(&self, name: &'static str, binary: &Path, args: &[String]) -> Result<(), String> {
+        let log_path = self.layout.logs().join(format!("{name}.log"));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| fail(&log_path.display().to_string(), e))?;
+        let err = log.try_clone().map_err(|e| fail("log", e))?;
+        // The node's own binaries first: containerd finds its shim in PATH.
+        let path = std::env::var("PATH").unwrap_or_default();
+        let child = Command::new(binary)
+            .args(args)
+            .env(
+                "PATH",
+                format!("{}:{path}", self.requirements.assets.display()),
+            )
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| fail(&format!("cannot run {}", binary.display()), e))?;
+        write(&self.layout.pid_file(name), child.id().to_string())?;
+        let old = self
+            .processes
+            .lock()
+            .map_err(|_| "the process table's lock is poisoned".to_owned())?
+            .insert(name, child);
+        if let Some(mut old) = old {
+            let _ = old.kill();
+            let _ = old.wait();
+        }
+        Ok(())
+    }
+
+    /// Stops the process `name` (SIGTERM, SIGKILL after `grace`, or SIGKILL at once when `grace`
+    /// is zero) and waits for it.
+    fn stop_process(&self, name: &str, grace: Duration) -> Result<(), String> {
+        let child = self
+            .processes
+            .lock()
+            .map_err(|_| "the process table's lock is poisoned".to_owned())?
+            .remove(name);
+        let Some(mut child) = child else {
+            return Ok(());
+        };
+        if !grace.is_zero() {
+            let _ = Command::new("kill")
+                .arg(child.id().to_string())
+                .stdin(Stdio::null())
+                .status();
+            let deadline = Instant::now() + grace;
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = std::fs::remove_file(self.layout.pid_file(name));
+        Ok(())
+    }
+
+    async fn start_containerd(&self) -> Result<(), String> {
+        let socket = self.layout.containerd_socket();
+        let _ = std::fs::remove_file(&socket);
+        self.spawn(
+            "containerd",
+            &self.requirements.assets.join("containerd"),
+            &[format!(
+                "--config={}",
+                self.layout.dir.join("containerd.toml").display()
+            )],
+        )?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if socket.exists() && self.ctr(&["version"]).is_ok() {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err(format!(
+            "containerd did not answer on {} in 30 s",
+            socket.display()
+        ))
+    }
+
+    /// Starts the kubelet (after [`Node::stop_kubelet`]).
+    pub fn start_kubelet(&self) -> Result<(), String> {
+        self.spawn(
+            "kubelet",
+            &self.requirements.assets.join("kubelet"),
+            &config::kubelet_args(&self.layout),
+        )
+    }
+
+    /// Stops the kubelet as its service manager would (SIGTERM, then SIGKILL after 10 s).
+    pub fn stop_kubelet(&self) -> Result<(), String> {
+        self.stop_process("kubelet", Duration::from_secs(10))
+    }
+
+    /// A node reboot, as far as one machine can have one: the kubelet and containerd die with
+    /// every container, and what lives on tmpfs on a real node is gone (containerd's state, the
+    /// pods' network namespaces and the bridge); the kubelet's root, containerd's root, etcd
+    /// and the API server stay. Then containerd and the kubelet start again, in that order, as
+    /// their service units do. `between` runs while the node is down (e.g. to start a host
+    /// service before the kubelet).
+    pub async fn reboot(&self, between: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+        self.stop_process("kubelet", Duration::ZERO)?;
+        self.stop_process("containerd", Duration::ZERO)?;
+        // Every container and shim of this node, then what they had mounted.
+        let script = format!(
+            "for round in 1 2 3; do \
+               for procs in $(find /sys/fs/cgroup -path '*/{CGROUP_ROOT}/*' -name cgroup.procs); do \
+                 for pid in $(cat \"$procs\"); do kill -9 \"$pid\" 2>/dev/null; done; done; \
+               pkill -9 -f 'containerd-shim-runc-v2 .*{socket}'; sleep 0.2; done; \
+             awk '{{print $5}}' /proc/self/mountinfo | grep -E '^({state}|{KUBELET_ROOT}/pods)/' \
+               | sort -r | while read -r m; do umount \"$m\" 2>/dev/null || umount -l \"$m\"; done; \
+             rm -rf '{state}'; ip link delete {BRIDGE} 2>/dev/null; true",
+            socket = self.layout.containerd_socket().display(),
+            state = self.layout.containerd_state().display(),
+        );
+        let status = Command::new("sh")
+            .arg("-c")
+            .arg(&script)
+            .stdin(Stdio::null())
+            .status()
+            .map_err(|e| fail("reboot", e))?;
+        if !status.success() {
+            return Err(format!(
+                "reboot: tearing down the containers failed: {status}"
+            ));
+        }
+        between()?;
+        self.start_containerd().await?;
+        self.start_kubelet()
+    }
+
+    /// Runs `ctr` against this node's containerd in the `k8s.io` namespace.
+    pub fn ctr(&self, args: &[&str]) -> Result<String, String> {
+        let output = Command::new(self.requirements.assets.join("ctr"))
+            .arg("--address")
+            .arg(self.layout.containerd_socket())
+            .args(["--namespace", "k8s.io"])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| fail("ctr", e))?;
+        if output.status.success() {
+            Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        } else {
+            Err(format!(
+                "ctr {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&output.stderr).trim()
+            ))
+        }
+    }
+
+    /// Imports the OCI archive at `archive` and tags what it held with each of `names`.
+    pub fn import_image(&self, archive: &Path, names: &[String]) -> Result<(), String> {
+        let before = self.ctr(&["images", "ls", "-q"])?;
+        let path = archive.display().to_string();
+        self.ctr(&["images", "import", "--all-platforms", &path])?;
+        let after = self.ctr(&["images", "ls", "-q"])?;
+        let new: Vec<&str> = after
+            .lines()
+            .filter(|name| !name.starts_with("sha256:") && !before.lines().any(|b| b == *name))
+            .collect();
+        if names.is_empty() {
+            return Ok(());
+        }
+        let Some(source) = new.first() else {
+            // Imported before under the same name: tag that one.
+            return Err(format!("{path}: importing it added no image name"));
+        };
+        for name in names {
+            self.ctr(&["images", "tag", "--force", source, name])?;
+        }
+        Ok(())
+    }
+
+    /// Runs kubectl with the admin kubeconfig, `stdin` as its input; its stdout, or an error
+    /// with its stderr.
+    pub fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Result<String, String> {
+        use std::io::Write;
+        let mut child = Command::new(&self.requirements.kubectl)
+            .arg("--kubeconfig")
+            .arg(self.layout.kubeconfig())
+            .args(args)
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| fail("kubectl", e))?;
+        if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+            pipe.write_all(text.as_bytes())
+                .map_err(|e| fail("kubectl stdin", e))?;
+        }
+        let output = child.wait_with_output().map_err(|e| fail("kubectl", e))?;
+        if output.status.success() {
+            Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        } else {
+            Err(format!(
+                "kubectl {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&output.stderr).trim()
+            ))
+        }
+    }
+
+    /// An admin client of the node's API server (for the calling runtime).
+    pub async fn client(&self) -> Result<kube::Client, String> {
+        devplug_cluster::from_kubeconfig(&self.layout.kubeconfig()).await
+    }
+
+    async fn wait_api_ready(&self) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut last = String::from("no answer");
+        while Instant::now() < deadline {
+            if self.layout.ca().exists() {
+                match self.client().await {
+                    Ok(client) => {
+                        let request = http_get("/readyz")?;
+                        match client.request_text(request).await {
+                            Ok(text) if text.trim() == "ok" => return Ok(()),
+                            Ok(text) => last = text,
+                            Err(err) => last = err.to_string(),
+                        }
+                    }
+                    Err(err) => last = err,
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(format!("the API server was not ready in 60 s: {last}"))
+    }
+
+    /// Waits until the Node is Ready and carries no not-ready taint.
+    pub async fn wait_node_ready(&self, timeout: Duration) -> Result<(), String> {
+        use k8s_openapi::api::core::v1::Node as KubeNode;
+        let client = self.client().await?;
+        let nodes: kube::Api<KubeNode> = kube::Api::all(client);
+        let ready = |node: Option<&KubeNode>| {
+            let Some(node) = node else { return false };
+            let ready = node
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+            let tainted = node
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .is_some_and(|t| t.iter().any(|t| t.key.starts_with("node.kubernetes.io/")));
+            ready && !tainted
+        };
+        let waited = tokio::time::timeout(
+            timeout,
+            kube::runtime::wait::await_condition(nodes, NODE_NAME, ready),
+        )
+        .await;
+        match waited {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(err)) => Err(format!("waiting for the Node: {err}")),
+            Err(_) => Err(format!(
+                "the Node was not Ready in {timeout:?} (kubelet log: {})",
+                self.layout.logs().join("kubelet.log").display()
+            )),
+        }
+    }
+
+    /// What container `container` of pod `namespace/pod` printed (its latest run), from the
+    /// kubelet's pod log folder: the text of each CRI log line, joined by newlines.
+    pub fn container_log(
+        &self,
+        namespace: &str,
+        pod: &str,
+        container: &str,
+    ) -> Result<String, String> {
+        let prefix = format!("{namespace}_{pod}_");
+        let logs = self.layout.pod_logs();
+        let entries = std::fs::read_dir(&logs).map_err(|e| fail(&logs.display().to_string(), e))?;
+        let mut newest: Option<(std::time::SystemTime, PathBuf)> = None;
+        for entry in entries.flatten() {
+            if !entry.file_name().to_string_lossy().starts_with(&prefix) {
+                continue;
+            }
+            let dir = entry.path().join(container);
+            for file in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                let modified = file.metadata().and_then(|m| m.modified()).ok();
+                if let Some(modified) = modified {
+                    if newest.as_ref().is_none_or(|(t, _)| modified > *t) {
+                        newest = Some((modified, file.path()));
+                    }
+                }
+            }
+        }
+        let Some((_, file)) = newest else {
+            return Err(format!(
+                "no log of {namespace}/{pod}/{container} in {}",
+                logs.display()
+            ));
+        };
+        let text =
+            std::fs::read_to_string(&file).map_err(|e| fail(&file.display().to_string(), e))?;
+        Ok(cri_log_text(&text))
+    }
+
+    /// Makes a character device node `/dev/devplug-test-<n>` (the numbers of /dev/null), for
+    /// the host device backend; the cleanup removes it.
+    pub fn make_test_device(&self, n: u32) -> Result<PathBuf, String> {
+        let path = PathBuf::from(format!("{}{n}", cleanup::TEST_DEVICE_PREFIX));
+        if !path.exists() {
+            let status = Command::new("mknod")
+                .arg(&path)
+                .args(["c", "1", "3"])
+                .status()
+                .map_err(|e| fail("mknod", e))?;
+            if !status.success() {
+                return Err(format!("mknod {}: {status}", path.display()));
+            }
+        }
+        Ok(path)
+    }
+
+    /// Records a file made outside the node's folder (a CDI spec, a host folder) for the
+    /// cleanup to remove.
+    pub fn remember_made_file(&self, path: &Path) -> Result<(), String> {
+        use std::io::Write;
+        let mut list = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.layout.made_files())
+            .map_err(|e| fail("made files", e))?;
+        writeln!(list, "{}", path.display()).map_err(|e| fail("made files", e))
+    }
+
+    /// Copies the processes' logs to `target/whole-node-logs` (kept after the node is gone).
+    pub fn keep_logs(&self) -> PathBuf {
+        let kept = self.requirements.repo.join("target/whole-node-logs");
+        let _ = std::fs::remove_dir_all(&kept);
+        let _ = std::fs::create_dir_all(&kept);
+        for dir in [self.layout.logs(), self.layout.pod_logs()] {
+            let _ = Command::new("cp")
+                .arg("-r")
+                .arg(&dir)
+                .arg(&kept)
+                .stdin(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        kept
+    }
+
+    /// Stops everything and removes every file, mount, cgroup and link the node made.
+    pub fn stop(&self) {
+        let names: Vec<&'static str> = cleanup::STOP_ORDER.to_vec();
+        for name in names {
+            let _ = self.stop_process(name, Duration::from_secs(5));
+        }
+        let _ = cleanup::run(&self.layout.cleanup_script());
+        if let Ok(mut reaper) = self.reaper.lock() {
+            if let Some(mut reaper) = reaper.take() {
+                let _ = reaper.kill();
+                let _ = reaper.wait();
+            }
+        }
+    }
+}
+
+fn http_get(path: &str) -> Result<http::Request<Vec<u8>>, String> {
+    http::Request::get(path)
+        .body(Vec::new())
+        .map_err(|e| fail("request", e))
+}
+
+/// The text of CRI log lines (`<time> <stream> <P|F> <text>`): partial lines (`P`) joined with
+/// what follows them.
+pub fn cri_log_text(log: &str) -> String {
+    let mut out = String::new();
+    for line in log.lines() {
+        let mut parts = line.splitn(4, ' ');
+        let (_, _, tag, text) = (parts.next(), parts.next(), parts.next(), parts.next());
+        out.push_str(text.unwrap_or(""));
+        if tag != Some("P") {
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cri_log_lines_become_the_containers_text() {
+        let log = "2026-11-25T00:21:01.5Z stdout F A=1\n\
+                   2026-11-25T00:21:01.6Z stdout P half \n\
+                   2026-11-25T00:21:01.7Z stdout F and half\n\
+                   2026-11-25T00:21:01.8Z stderr F \n";
+        assert_eq!(cri_log_text(log), "A=1\nhalf and half\n\n");
+    }
+
+    #[test]
+    fn the_cleanup_script_names_only_the_nodes_own_things() {
+        let layout = Layout {
+            dir: PathBuf::from(NODE_DIR),
+        };
+        let script = cleanup::script(&layout);
+        assert!(script.contains(&format!("ip link delete {BRIDGE}")));
+        assert!(script.contains(&format!("'{KUBELET_ROOT}/{MARKER}'")));
+        assert!(script.contains("grep -qF \"$dir\""), "{script}");
+        for line in script.lines().filter(|l| l.contains("rm -rf")) {
+            assert!(
+                line.contains("\"$dir\"")
+                    || line.contains("devplug-test")
+                    || line.contains(KUBELET_ROOT),
+                "removes something not the node's: {line}"
+            );
+        }
+    }
+}
