@@ -51,7 +51,7 @@ for round in 1 2 3; do
   for procs in $(find /sys/fs/cgroup -path '*/{CGROUP_ROOT}/*' -name cgroup.procs 2>/dev/null); do
     for pid in $(cat "$procs" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
   done
-  pkill -9 -f 'containerd-shim-runc-v2 .*{socket}' 2>/dev/null
+  pkill -9 -f '[c]ontainerd-shim-runc-v2 .*{socket}' 2>/dev/null
   sleep 0.2
 done
 # Mounts below the kubelet's root and the node's folder, deepest first.

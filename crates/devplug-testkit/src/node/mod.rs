@@ -191,7 +191,7 @@ impl Node {
                 ..node
             }),
             Err(err) => {
-                let logs = node.keep_logs();
+                let logs = node.keep_logs("start");
                 node.stop();
                 Err(format!("{err} (logs kept in {})", logs.display()))
             }
@@ -397,7 +397,7 @@ impl Node {
             "for round in 1 2 3; do \
                for procs in $(find /sys/fs/cgroup -path '*/{CGROUP_ROOT}/*' -name cgroup.procs); do \
                  for pid in $(cat \"$procs\"); do kill -9 \"$pid\" 2>/dev/null; done; done; \
-               pkill -9 -f 'containerd-shim-runc-v2 .*{socket}'; sleep 0.2; done; \
+               pkill -9 -f '[c]ontainerd-shim-runc-v2 .*{socket}'; sleep 0.2; done; \
              awk '{{print $5}}' /proc/self/mountinfo | grep -E '^({state}|{KUBELET_ROOT}/pods)/' \
                | sort -r | while read -r m; do umount \"$m\" 2>/dev/null || umount -l \"$m\"; done; \
              rm -rf '{state}'; ip link delete {BRIDGE} 2>/dev/null; true",
@@ -623,9 +623,10 @@ impl Node {
         writeln!(list, "{}", path.display()).map_err(|e| fail("made files", e))
     }
 
-    /// Copies the processes' logs to `target/whole-node-logs` (kept after the node is gone).
-    pub fn keep_logs(&self) -> PathBuf {
-        let kept = self.requirements.repo.join("target/whole-node-logs");
+    /// Copies the processes' and the pods' logs to `target/whole-node-logs/<what>` (kept after
+    /// the node is gone).
+    pub fn keep_logs(&self, what: &str) -> PathBuf {
+        let kept = self.requirements.repo.join("target/whole-node-logs").join(what);
         let _ = std::fs::remove_dir_all(&kept);
         let _ = std::fs::create_dir_all(&kept);
         for dir in [self.layout.logs(), self.layout.pod_logs()] {

@@ -39,7 +39,14 @@ pub async fn install(node: &Node, client: &kube::Client) -> Result<(Release, Dur
         .await
         .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
     }
-    Ok((release, started.elapsed()))
+    let took = started.elapsed();
+    // Ready too (its /readyz): a pod that is not yet Ready counts as unavailable, and a rolling
+    // update replaces such a pod without waiting for its successor.
+    node.kubectl(
+        &["-n", "kube-system", "rollout", "status", "daemonset/devplug", "--timeout=120s"],
+        None,
+    )?;
+    Ok((release, took))
 }
 
 pub fn reach_the_container(node: &'static Node) -> Outcome {

@@ -141,11 +141,24 @@ fn main() -> ExitCode {
     let trials = SCENARIOS
         .map(|(name, scenario)| {
             Trial::test(name, move || {
-                let outcome = runtime().and_then(|rt| rt.block_on(scenario(node)));
-                outcome.map_err(|err| {
-                    let logs = node.keep_logs();
+                // A failed assertion panics: catch it, so the logs are kept and the node reset.
+                let outcome = runtime().and_then(|rt| {
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.block_on(scenario(node))))
+                        .unwrap_or_else(|panic| {
+                            Err(panic
+                                .downcast_ref::<String>()
+                                .cloned()
+                                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                                .unwrap_or_else(|| "the scenario panicked".to_owned()))
+                        })
+                });
+                let outcome = outcome.map_err(|err| {
+                    let logs = node.keep_logs(name);
                     Failed::from(format!("{err}\n(the node's logs: {})", logs.display()))
-                })
+                });
+                // What a failed scenario left must not fail the next one.
+                support::reset(node);
+                outcome
             })
         })
         .into_iter()

@@ -570,3 +570,65 @@ pub fn devplug_log(node: &Node) -> String {
     }
     out
 }
+
+/// Removes whatever a scenario may have left installed: devplug's DaemonSets (every install
+/// labels them `app.kubernetes.io/name=devplug`), the scenarios' namespaces, the DRA example.
+pub fn reset(node: &Node) {
+    let _ = node.kubectl(
+        &["delete", "daemonset", "-n", "kube-system", "-l", "app.kubernetes.io/name=devplug", "--wait=true"],
+        None,
+    );
+    let example = node.requirements.repo.join("deploy/examples/dra/basic/manifests.yaml");
+    let _ = node.kubectl(
+        &["delete", "--ignore-not-found", "--wait=true", "--grace-period=0", "--force", "-f", &example.display().to_string()],
+        None,
+    );
+    let namespaces = node
+        .kubectl(&["get", "namespaces", "-o", "jsonpath={.items[*].metadata.name}"], None)
+        .unwrap_or_default();
+    for ns in namespaces.split_whitespace().filter(|n| n.starts_with("dp-")) {
+        let _ = node.kubectl(&["delete", "pods", "--all", "-n", ns, "--grace-period=0", "--force"], None);
+        let _ = node.kubectl(&["delete", "namespace", ns, "--wait=true", "--timeout=60s"], None);
+    }
+}
+
+/// Follows the Node object (a watch) and remembers the least allocatable of `resource` it
+/// published: what the scheduler saw.
+pub struct NodeAllocatableWatch {
+    least: Arc<Mutex<Option<i64>>>,
+    updates: Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl NodeAllocatableWatch {
+    pub fn start(client: &kube::Client, resource: &str) -> NodeAllocatableWatch {
+        use futures_util::StreamExt;
+        let least = Arc::new(Mutex::new(None));
+        let updates = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let nodes: Api<KubeNode> = Api::all(client.clone());
+        let (least2, updates2, resource) = (least.clone(), updates.clone(), resource.to_owned());
+        let task = tokio::spawn(async move {
+            let config = kube::runtime::watcher::Config::default().fields(&format!("metadata.name={NODE_NAME}"));
+            let mut events = kube::runtime::watcher(nodes, config).boxed();
+            while let Some(event) = events.next().await {
+                let node = match event {
+                    Ok(kube::runtime::watcher::Event::Apply(n) | kube::runtime::watcher::Event::InitApply(n)) => n,
+                    _ => continue,
+                };
+                let (allocatable, _) = quantities(&node, &resource);
+                updates2.fetch_add(1, Ordering::Relaxed);
+                if let (Ok(mut least), Some(a)) = (least2.lock(), allocatable) {
+                    *least = Some(least.map_or(a, |l: i64| l.min(a)));
+                }
+            }
+        });
+        NodeAllocatableWatch { least, updates, task }
+    }
+
+    /// (least allocatable seen, Node updates seen).
+    pub fn finish(self) -> (Option<i64>, usize) {
+        self.task.abort();
+        let least = self.least.lock().map(|l| *l).unwrap_or(None);
+        (least, self.updates.load(Ordering::Relaxed))
+    }
+}
