@@ -33,6 +33,10 @@ RELEASES = {
         "podAnnotations": {"example.com/scrape": "true"},
         "podLabels": {"example.com/team": "devices"},
         "extraEnv": [{"name": "EXTRA", "value": "1"}],
+        "hostNetwork": True,
+        "extraVolumes": [{"name": "colas", "hostPath": {"path": "/etc/colas", "type": "DirectoryOrCreate"}}],
+        "extraVolumeMounts": [{"name": "colas", "mountPath": "/etc/colas", "readOnly": True}],
+        "uninstall": {"hostNetwork": True, "extraEnv": [{"name": "EXTRA", "value": "1"}]},
         "affinity": {
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {

@@ -10,7 +10,8 @@ use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 
 /// The processes in the order they are stopped (PID files `pids/<name>` in the node's folder).
-pub const STOP_ORDER: [&str; 6] = [
+pub const STOP_ORDER: [&str; 7] = [
+    "devplug-host",
     "kubelet",
     "kube-scheduler",
     "kube-controller-manager",

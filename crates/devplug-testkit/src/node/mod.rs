@@ -369,6 +369,23 @@ impl Node {
         ))
     }
 
+    /// Starts a host process the node's cleanup stops (e.g. devplug run as a host service),
+    /// logging to `logs/<name>.log`. Its command line must name the node's folder (a config
+    /// file there will do): the cleanup signals only such processes.
+    pub fn start_host_process(
+        &self,
+        name: &'static str,
+        binary: &Path,
+        args: &[String],
+    ) -> Result<(), String> {
+        self.spawn(name, binary, args)
+    }
+
+    /// Stops a process started by [`Node::start_host_process`] (SIGTERM, SIGKILL after 5 s).
+    pub fn stop_host_process(&self, name: &str) -> Result<(), String> {
+        self.stop_process(name, Duration::from_secs(5))
+    }
+
     /// Starts the kubelet (after [`Node::stop_kubelet`]).
     pub fn start_kubelet(&self) -> Result<(), String> {
         self.spawn(
@@ -626,7 +643,11 @@ impl Node {
     /// Copies the processes' and the pods' logs to `target/whole-node-logs/<what>` (kept after
     /// the node is gone).
     pub fn keep_logs(&self, what: &str) -> PathBuf {
-        let kept = self.requirements.repo.join("target/whole-node-logs").join(what);
+        let kept = self
+            .requirements
+            .repo
+            .join("target/whole-node-logs")
+            .join(what);
         let _ = std::fs::remove_dir_all(&kept);
         let _ = std::fs::create_dir_all(&kept);
         for dir in [self.layout.logs(), self.layout.pod_logs()] {

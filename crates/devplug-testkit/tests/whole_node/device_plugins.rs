@@ -43,7 +43,14 @@ pub async fn install(node: &Node, client: &kube::Client) -> Result<(Release, Dur
     // Ready too (its /readyz): a pod that is not yet Ready counts as unavailable, and a rolling
     // update replaces such a pod without waiting for its successor.
     node.kubectl(
-        &["-n", "kube-system", "rollout", "status", "daemonset/devplug", "--timeout=120s"],
+        &[
+            "-n",
+            "kube-system",
+            "rollout",
+            "status",
+            "daemonset/devplug",
+            "--timeout=120s",
+        ],
         None,
     )?;
     Ok((release, took))

@@ -30,6 +30,18 @@ pub fn base_and_overlay(node: &'static Node) -> Outcome {
         let overlay = repo.join("deploy/overlays/registry").display().to_string();
         let started = Instant::now();
         node.kubectl(&["apply", "-k", &base], None)?;
+        // Ready means registered and streaming (its /readyz); then the Node says so too.
+        node.kubectl(
+            &[
+                "-n",
+                "kube-system",
+                "rollout",
+                "status",
+                "daemonset/devplug",
+                "--timeout=120s",
+            ],
+            None,
+        )?;
         support::wait_node_resource(&client, NPU, Duration::from_secs(90), |a, _| a == Some(8))
             .await
             .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
@@ -65,7 +77,7 @@ pub fn base_and_overlay(node: &'static Node) -> Outcome {
             ["registry.example.com/devplug:0.1.0"],
             "the overlay's image runs"
         );
-        support::wait_node_resource(&client, NPU, Duration::from_secs(60), |a, _| a == Some(6))
+        support::wait_node_resource(&client, NPU, Duration::from_secs(60), |a, _| a == Some(8))
             .await?;
         gets_two_ids(node, &client, &ns.name, "overlay").await?;
         ns.delete(node)?;

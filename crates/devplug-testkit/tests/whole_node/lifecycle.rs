@@ -135,7 +135,16 @@ async fn rollout_under_load(
     client: &kube::Client,
     ns: &str,
     round: u32,
-) -> Result<(Duration, usize, Vec<String>, support::Sampled, (Option<i64>, usize)), String> {
+) -> Result<
+    (
+        Duration,
+        usize,
+        Vec<String>,
+        support::Sampled,
+        (Option<i64>, usize),
+    ),
+    String,
+> {
     let sampler = AllocatableSampler::start(NPU);
     let published = support::NodeAllocatableWatch::start(client, NPU);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -295,74 +304,140 @@ pub fn rolling_update(node: &'static Node) -> Outcome {
     })
 }
 
+/// After a reboot, waits until the kubelet has dealt with each pod: refused (Failed), or
+/// running a container started after the reboot. Returns the refused pods with the reason.
+async fn after_reboot(
+    node: &Node,
+    client: &kube::Client,
+    ns: &str,
+    names: &[&str],
+) -> Result<Vec<String>, String> {
+    for name in names {
+        support::wait_pod(client, ns, name, Duration::from_secs(90), |p| {
+            p.status
+                .as_ref()
+                .and_then(|s| s.container_statuses.as_ref())
+                .is_some_and(|c| c.iter().all(|c| c.restart_count >= 1 && c.ready))
+        })
+        .await
+        .or_else(|e| {
+            if e.contains("ended") {
+                Ok(Default::default())
+            } else {
+                Err(e)
+            }
+        })?;
+    }
+    let refused = support::refused_pods(client, ns).await?;
+    // Those that run have their devices again.
+    for name in names {
+        if refused.iter().any(|r| r.starts_with(&format!("{name}:"))) {
+            continue;
+        }
+        let out = support::container_output(node, ns, name, Duration::from_secs(30)).await?;
+        let ids = support::env_value(&out, "DUMMY_VISIBLE_DEVICES").unwrap_or_default();
+        assert_eq!(
+            ids.split(',').count(),
+            2,
+            "{name} has its two devices again: {out}"
+        );
+    }
+    Ok(refused)
+}
+
+/// Three device pods (restartPolicy Always) running in `ns`.
+async fn device_pods(
+    node: &Node,
+    client: &kube::Client,
+    ns: &str,
+    names: &[&str],
+) -> Result<(), String> {
+    for name in names {
+        let mut pod = support::pod(ns, name, &[(NPU, 2)], "env | grep DUMMY");
+        pod["spec"]["restartPolicy"] = "Always".into();
+        support::apply(node, &[pod])?;
+    }
+    for name in names {
+        support::wait_pod(client, ns, name, Duration::from_secs(60), support::running).await?;
+    }
+    Ok(())
+}
+
 pub fn node_reboot(node: &'static Node) -> Outcome {
     Box::pin(async move {
         let client = node.client().await?;
+        let names = ["a", "b", "c"];
+
+        // 1. devplug as the chart installs it: a DaemonSet pod, started by the kubelet after
+        //    the reboot like every other pod.
         let (release, _) = device_plugins::install(node, &client).await?;
         let ns = Namespace::create(node, "dp-reboot")?;
-        let names = ["a", "b", "c"];
-        for name in names {
-            support::apply(
-                node,
-                &[support::pod(
-                    &ns.name,
-                    name,
-                    &[(NPU, 2)],
-                    "env | grep DUMMY",
-                )],
-            )?;
-        }
-        for name in names {
-            support::wait_pod(
-                &client,
-                &ns.name,
-                name,
-                Duration::from_secs(60),
-                support::running,
-            )
-            .await?;
-        }
+        device_pods(node, &client, &ns.name, &names).await?;
         let rebooted = Instant::now();
         node.reboot(|| Ok(())).await?;
         node.wait_node_ready(Duration::from_secs(120)).await?;
-        let back = wait_kubelet_allocatable(NPU, 8, Duration::from_secs(120)).await;
-        // Each pod: running again with its devices, or refused at admission.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut states = Vec::new();
-        loop {
-            states.clear();
-            for name in names {
-                let pod =
-                    support::wait_pod(&client, &ns.name, name, Duration::from_secs(5), |_| true)
-                        .await;
-                states.push(match pod {
-                    Ok(p) => p.status.and_then(|s| s.phase).unwrap_or_default(),
-                    Err(e) => e,
-                });
-            }
-            if states
-                .iter()
-                .all(|s| s == "Running" || s.contains("Failed"))
-                || Instant::now() > deadline
-            {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-        let refused = support::refused_pods(&client, &ns.name).await?;
+        let back = wait_kubelet_allocatable(NPU, 8, Duration::from_secs(120)).await?;
+        let refused = after_reboot(node, &client, &ns.name, &names).await?;
         figure(&format!(
-            "node reboot (DaemonSet): kubelet and containerd up → {NPU} allocatable again {}; device pods refused at admission: {} of {} ({refused:?}); whole reboot {:.1} s",
-            match &back { Ok(d) => format!("in {:.1} s", d.as_secs_f64()), Err(e) => e.clone() },
+            "node reboot, devplug as a DaemonSet: {NPU} allocatable again {:.1} s after the kubelet started; \
+             device pods refused at admission: {} of {} ({refused:?}); whole reboot {:.1} s",
+            back.as_secs_f64(),
             refused.len(),
             names.len(),
             rebooted.elapsed().as_secs_f64()
         ));
-        back?;
         ns.delete(node)?;
         release.delete_objects(node)?;
+
+        // 2. devplug as a host service started before the kubelet (deploy/systemd): the same
+        //    image's devplug-lite, the same config.
+        let image = format!("docker.io/library/devplug:{}", env!("CARGO_PKG_VERSION"));
+        let root = node.layout.dir.join("devplug-image");
+        std::fs::create_dir_all(&root).map_err(|e| e.to_string())?;
+        node.ctr(&["images", "mount", &image, &root.display().to_string()])?;
+        let config = node.layout.dir.join("devplug-host.yaml");
+        let text = release
+            .objects
+            .iter()
+            .find(|o| o["kind"] == "ConfigMap")
+            .and_then(|c| c["data"]["config.yaml"].as_str())
+            .ok_or("the release has no config")?
+            .to_owned();
+        std::fs::write(&config, text).map_err(|e| e.to_string())?;
+        let binary = root.join("devplug-lite");
+        let args = vec![
+            "run".to_owned(),
+            "--config".to_owned(),
+            config.display().to_string(),
+            "--kubelet-dir".to_owned(),
+            format!("{KUBELET_ROOT}/device-plugins"),
+        ];
+        device_plugins::make_host_devices(node)?;
+        node.start_host_process("devplug-host", &binary, &args)?;
+        wait_kubelet_allocatable(NPU, 8, Duration::from_secs(60)).await?;
+        let ns = Namespace::create(node, "dp-reboot")?;
+        device_pods(node, &client, &ns.name, &names).await?;
+        let rebooted = Instant::now();
+        node.reboot(|| {
+            // It died with the node; its unit starts it again, before the kubelet's.
+            let _ = node.stop_host_process("devplug-host");
+            node.start_host_process("devplug-host", &binary, &args)
+        })
+        .await?;
+        node.wait_node_ready(Duration::from_secs(120)).await?;
+        let refused_host = after_reboot(node, &client, &ns.name, &names).await?;
+        figure(&format!(
+            "node reboot, devplug as a host service started before the kubelet: device pods refused at admission: {} of {} ({refused_host:?}); whole reboot {:.1} s",
+            refused_host.len(),
+            names.len(),
+            rebooted.elapsed().as_secs_f64()
+        ));
+        ns.delete(node)?;
+        node.stop_host_process("devplug-host")?;
+        let _ = node.ctr(&["images", "unmount", &root.display().to_string()]);
         assert!(
-            refused.is_empty(),
-            "pods refused after the reboot: {refused:?}"
+            refused_host.is_empty(),
+            "with devplug started before the kubelet, the reboot refused {refused_host:?}"
         );
         Ok(())
     })

@@ -143,14 +143,16 @@ fn main() -> ExitCode {
             Trial::test(name, move || {
                 // A failed assertion panics: catch it, so the logs are kept and the node reset.
                 let outcome = runtime().and_then(|rt| {
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.block_on(scenario(node))))
-                        .unwrap_or_else(|panic| {
-                            Err(panic
-                                .downcast_ref::<String>()
-                                .cloned()
-                                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                                .unwrap_or_else(|| "the scenario panicked".to_owned()))
-                        })
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        rt.block_on(scenario(node))
+                    }))
+                    .unwrap_or_else(|panic| {
+                        Err(panic
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                            .unwrap_or_else(|| "the scenario panicked".to_owned()))
+                    })
                 });
                 let outcome = outcome.map_err(|err| {
                     let logs = node.keep_logs(name);

@@ -118,36 +118,45 @@ impl Release {
             if hook["kind"] == "Job" {
                 let name = hook["metadata"]["name"].as_str().unwrap_or_default();
                 let ns = hook["metadata"]["namespace"].as_str().unwrap_or("default");
-                let out = node.kubectl(
-                    &[
-                        "wait",
-                        "-n",
-                        ns,
-                        "--for=condition=complete",
-                        &format!("--timeout={}s", timeout.as_secs()),
-                        &format!("job/{name}"),
-                    ],
-                    None,
-                );
-                if let Err(err) = out {
-                    let pods = node
-                        .kubectl(
-                            &[
-                                "get",
-                                "pods",
-                                "-n",
-                                ns,
-                                "-l",
-                                &format!("job-name={name}"),
-                                "-o",
-                                "wide",
-                            ],
-                            None,
-                        )
-                        .unwrap_or_default();
-                    return Err(format!(
-                        "the post-delete Job {name} did not complete: {err}\n{pods}"
-                    ));
+                // Complete, or Failed (no waiting out the timeout for a Job that gave up).
+                let deadline = Instant::now() + timeout;
+                loop {
+                    let state = node.kubectl(
+                        &[
+                            "get",
+                            "job",
+                            name,
+                            "-n",
+                            ns,
+                            "-o",
+                            "jsonpath={range .status.conditions[*]}{.type}={.status} {end}",
+                        ],
+                        None,
+                    )?;
+                    if state.contains("Complete=True") {
+                        break;
+                    }
+                    if state.contains("Failed=True") || Instant::now() > deadline {
+                        let logs = node
+                            .kubectl(
+                                &[
+                                    "get",
+                                    "pods",
+                                    "-n",
+                                    ns,
+                                    "-l",
+                                    &format!("job-name={name}"),
+                                    "-o",
+                                    "wide",
+                                ],
+                                None,
+                            )
+                            .unwrap_or_default();
+                        return Err(format!(
+                            "the post-delete Job {name} did not complete ({state}):\n{logs}"
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_secs(1));
                 }
             }
         }
@@ -575,20 +584,64 @@ pub fn devplug_log(node: &Node) -> String {
 /// labels them `app.kubernetes.io/name=devplug`), the scenarios' namespaces, the DRA example.
 pub fn reset(node: &Node) {
     let _ = node.kubectl(
-        &["delete", "daemonset", "-n", "kube-system", "-l", "app.kubernetes.io/name=devplug", "--wait=true"],
+        &[
+            "delete",
+            "daemonset",
+            "-n",
+            "kube-system",
+            "-l",
+            "app.kubernetes.io/name=devplug",
+            "--wait=true",
+        ],
         None,
     );
-    let example = node.requirements.repo.join("deploy/examples/dra/basic/manifests.yaml");
+    let example = node
+        .requirements
+        .repo
+        .join("deploy/examples/dra/basic/manifests.yaml");
     let _ = node.kubectl(
-        &["delete", "--ignore-not-found", "--wait=true", "--grace-period=0", "--force", "-f", &example.display().to_string()],
+        &[
+            "delete",
+            "--ignore-not-found",
+            "--wait=true",
+            "--grace-period=0",
+            "--force",
+            "-f",
+            &example.display().to_string(),
+        ],
         None,
     );
     let namespaces = node
-        .kubectl(&["get", "namespaces", "-o", "jsonpath={.items[*].metadata.name}"], None)
+        .kubectl(
+            &[
+                "get",
+                "namespaces",
+                "-o",
+                "jsonpath={.items[*].metadata.name}",
+            ],
+            None,
+        )
         .unwrap_or_default();
-    for ns in namespaces.split_whitespace().filter(|n| n.starts_with("dp-")) {
-        let _ = node.kubectl(&["delete", "pods", "--all", "-n", ns, "--grace-period=0", "--force"], None);
-        let _ = node.kubectl(&["delete", "namespace", ns, "--wait=true", "--timeout=60s"], None);
+    for ns in namespaces
+        .split_whitespace()
+        .filter(|n| n.starts_with("dp-"))
+    {
+        let _ = node.kubectl(
+            &[
+                "delete",
+                "pods",
+                "--all",
+                "-n",
+                ns,
+                "--grace-period=0",
+                "--force",
+            ],
+            None,
+        );
+        let _ = node.kubectl(
+            &["delete", "namespace", ns, "--wait=true", "--timeout=60s"],
+            None,
+        );
     }
 }
 
@@ -608,11 +661,15 @@ impl NodeAllocatableWatch {
         let nodes: Api<KubeNode> = Api::all(client.clone());
         let (least2, updates2, resource) = (least.clone(), updates.clone(), resource.to_owned());
         let task = tokio::spawn(async move {
-            let config = kube::runtime::watcher::Config::default().fields(&format!("metadata.name={NODE_NAME}"));
+            let config = kube::runtime::watcher::Config::default()
+                .fields(&format!("metadata.name={NODE_NAME}"));
             let mut events = kube::runtime::watcher(nodes, config).boxed();
             while let Some(event) = events.next().await {
                 let node = match event {
-                    Ok(kube::runtime::watcher::Event::Apply(n) | kube::runtime::watcher::Event::InitApply(n)) => n,
+                    Ok(
+                        kube::runtime::watcher::Event::Apply(n)
+                        | kube::runtime::watcher::Event::InitApply(n),
+                    ) => n,
                     _ => continue,
                 };
                 let (allocatable, _) = quantities(&node, &resource);
@@ -622,7 +679,11 @@ impl NodeAllocatableWatch {
                 }
             }
         });
-        NodeAllocatableWatch { least, updates, task }
+        NodeAllocatableWatch {
+            least,
+            updates,
+            task,
+        }
     }
 
     /// (least allocatable seen, Node updates seen).
