@@ -469,7 +469,7 @@ fn wait_ready(server: &ApiServer) -> Result<(), String> {
 
 /// Polls `/readyz` with `kubeconfig` until it answers `ok` (60 s at most); `ca` is the serving
 /// certificate the API server writes once it runs.
-async fn wait_ready_async(kubeconfig: &Path, ca: &Path) -> Result<(), String> {
+pub async fn wait_ready_async(kubeconfig: &Path, ca: &Path) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut last = String::from("no answer");
     while Instant::now() < deadline {

@@ -520,25 +520,8 @@ impl Node {
     }
 
     async fn wait_api_ready(&self) -> Result<(), String> {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut last = String::from("no answer");
-        while Instant::now() < deadline {
-            if self.layout.ca().exists() {
-                match self.client().await {
-                    Ok(client) => {
-                        let request = http_get("/readyz")?;
-                        match client.request_text(request).await {
-                            Ok(text) if text.trim() == "ok" => return Ok(()),
-                            Ok(text) => last = text,
-                            Err(err) => last = err.to_string(),
-                        }
-                    }
-                    Err(err) => last = err,
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        Err(format!("the API server was not ready in 60 s: {last}"))
+        devplug_cluster::testenv::wait_ready_async(&self.layout.kubeconfig(), &self.layout.ca())
+            .await
     }
 
     /// Waits until the Node is Ready and carries no not-ready taint.
@@ -676,12 +659,6 @@ impl Node {
             }
         }
     }
-}
-
-fn http_get(path: &str) -> Result<http::Request<Vec<u8>>, String> {
-    http::Request::get(path)
-        .body(Vec::new())
-        .map_err(|e| fail("request", e))
 }
 
 /// The text of CRI log lines (`<time> <stream> <P|F> <text>`): partial lines (`P`) joined with

@@ -42,17 +42,7 @@ pub async fn install(node: &Node, client: &kube::Client) -> Result<(Release, Dur
     let took = started.elapsed();
     // Ready too (its /readyz): a pod that is not yet Ready counts as unavailable, and a rolling
     // update replaces such a pod without waiting for its successor.
-    node.kubectl(
-        &[
-            "-n",
-            "kube-system",
-            "rollout",
-            "status",
-            "daemonset/devplug",
-            "--timeout=120s",
-        ],
-        None,
-    )?;
+    support::wait_daemonset_ready(node)?;
     Ok((release, took))
 }
 

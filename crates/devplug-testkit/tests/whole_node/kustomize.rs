@@ -31,17 +31,7 @@ pub fn base_and_overlay(node: &'static Node) -> Outcome {
         let started = Instant::now();
         node.kubectl(&["apply", "-k", &base], None)?;
         // Ready means registered and streaming (its /readyz); then the Node says so too.
-        node.kubectl(
-            &[
-                "-n",
-                "kube-system",
-                "rollout",
-                "status",
-                "daemonset/devplug",
-                "--timeout=120s",
-            ],
-            None,
-        )?;
+        support::wait_daemonset_ready(node)?;
         support::wait_node_resource(&client, NPU, Duration::from_secs(90), |a, _| a == Some(8))
             .await
             .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
@@ -54,17 +44,7 @@ pub fn base_and_overlay(node: &'static Node) -> Outcome {
 
         // The overlay renames the image: a rolling update to registry.example.com/devplug.
         node.kubectl(&["apply", "-k", &overlay], None)?;
-        node.kubectl(
-            &[
-                "-n",
-                "kube-system",
-                "rollout",
-                "status",
-                "daemonset/devplug",
-                "--timeout=180s",
-            ],
-            None,
-        )?;
+        support::wait_daemonset_ready(node)?;
         let pods = support::devplug_pods(&client).await?;
         let images: Vec<String> = pods
             .iter()

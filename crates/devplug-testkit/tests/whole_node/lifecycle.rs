@@ -180,17 +180,7 @@ async fn rollout_under_load(
         ],
         None,
     )?;
-    node.kubectl(
-        &[
-            "-n",
-            "kube-system",
-            "rollout",
-            "status",
-            "daemonset/devplug",
-            "--timeout=180s",
-        ],
-        None,
-    )?;
+    support::wait_daemonset_ready(node)?;
     let rollout = started.elapsed();
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);

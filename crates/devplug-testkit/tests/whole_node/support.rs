@@ -20,6 +20,23 @@ pub fn figure(text: &str) {
     crate::say(&format!("figure: {text}"));
 }
 
+/// Waits until devplug's DaemonSet has rolled out and its pods are Ready (registered and
+/// streaming: its `/readyz`).
+pub fn wait_daemonset_ready(node: &Node) -> Result<(), String> {
+    node.kubectl(
+        &[
+            "-n",
+            "kube-system",
+            "rollout",
+            "status",
+            "daemonset/devplug",
+            "--timeout=180s",
+        ],
+        None,
+    )
+    .map(drop)
+}
+
 /// A Helm release rendered offline: its objects, and its hooks apart, as Helm keeps them.
 pub struct Release {
     pub name: String,
