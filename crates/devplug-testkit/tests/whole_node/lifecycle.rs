@@ -167,19 +167,7 @@ async fn rollout_under_load(
         r#"{{"spec":{{"template":{{"metadata":{{"annotations":{{"devplug.test/rollout":"{round}"}}}}}}}}}}"#
     );
     let started = Instant::now();
-    node.kubectl(
-        &[
-            "-n",
-            "kube-system",
-            "patch",
-            "daemonset",
-            "devplug",
-            "--type=merge",
-            "-p",
-            &patch,
-        ],
-        None,
-    )?;
+    support::patch_daemonset(node, &patch)?;
     support::wait_daemonset_ready(node)?;
     let rollout = started.elapsed();
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -244,19 +232,7 @@ pub fn rolling_update(node: &'static Node) -> Outcome {
         let mut results = Vec::new();
         for (round, label) in [(1u32, "as shipped"), (2, "the other strategy")] {
             if round == 2 {
-                node.kubectl(
-                    &[
-                        "-n",
-                        "kube-system",
-                        "patch",
-                        "daemonset",
-                        "devplug",
-                        "--type=merge",
-                        "-p",
-                        other,
-                    ],
-                    None,
-                )?;
+                support::patch_daemonset(node, other)?;
             }
             let (rollout, created, refused, sampled, (least, updates)) =
                 rollout_under_load(node, &client, &ns.name, round).await?;

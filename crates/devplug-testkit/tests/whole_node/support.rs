@@ -37,6 +37,24 @@ pub fn wait_daemonset_ready(node: &Node) -> Result<(), String> {
     .map(drop)
 }
 
+/// A merge patch of devplug's DaemonSet in kube-system.
+pub fn patch_daemonset(node: &Node, patch: &str) -> Result<(), String> {
+    node.kubectl(
+        &[
+            "-n",
+            "kube-system",
+            "patch",
+            "daemonset",
+            "devplug",
+            "--type=merge",
+            "-p",
+            patch,
+        ],
+        None,
+    )
+    .map(drop)
+}
+
 /// A Helm release rendered offline: its objects, and its hooks apart, as Helm keeps them.
 pub struct Release {
     pub name: String,
