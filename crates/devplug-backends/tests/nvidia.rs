@@ -1001,3 +1001,80 @@ async fn a_mig_change_rediscovers_without_touching_the_other_resources_streams()
     counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 6).await;
     counts(&kubelet, "nvidia.com/gpu", 1, 1).await;
 }
+
+/// The driver's files, found by the version NVML reports under the root it was loaded from,
+/// reach the container through `Allocate` and the CDI spec alike, at host paths.
+#[tokio::test]
+async fn the_drivers_files_reach_allocate_and_the_cdi_spec_at_host_paths() {
+    let node = Node::new("pcie-4gpu", true);
+    let version = "570.86.15"; // what the fake NVML reports
+    for name in ["libcuda", "libnvidia-ptxjitcompiler", "libnvidia-nvvm"] {
+        std::fs::write(node.lib_dir.join(format!("{name}.so.{version}")), name).unwrap();
+    }
+    let bin = node._tmp.path().join("driver/usr/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::write(bin.join("nvidia-smi"), "smi").unwrap();
+    let mut settings = node.settings();
+    settings.device_list_strategy = vec![ListStrategy::CdiCri, ListStrategy::DeviceSpecs];
+    settings.host_driver_root = Some(PathBuf::from("/run/nvidia/driver"));
+    let backend = NvidiaBackend::start("nvidia.com/gpu", &settings).unwrap();
+    // The first discovery ends with the GPUs listed: nothing empty for the kubelet to see.
+    tokio::time::timeout(WAIT, backend.discovered())
+        .await
+        .unwrap();
+    assert_eq!(backend.devices().borrow().len(), 4);
+    let served: Vec<(&str, Arc<dyn Backend>)> = vec![("nvidia.com/gpu", Arc::new(backend))];
+    let (kubelet, _host) = support::serve(&node.tree.path("kubelet/device-plugins"), served).await;
+    counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
+    let got = kubelet
+        .allocate("pod-a", "main", "nvidia.com/gpu", 1)
+        .await
+        .unwrap();
+    let host_lib = "/run/nvidia/driver/usr/lib/x86_64-linux-gnu";
+    let mounts: Vec<(String, String, bool)> = got
+        .response
+        .mounts
+        .iter()
+        .map(|m| (m.container_path.clone(), m.host_path.clone(), m.read_only))
+        .collect();
+    assert!(mounts.contains(&(
+        "/usr/local/nvidia/lib64/libcuda.so.1".into(),
+        format!("{host_lib}/libcuda.so.{version}"),
+        true
+    )));
+    assert!(mounts.contains(&(
+        "/usr/local/nvidia/bin/nvidia-smi".into(),
+        "/run/nvidia/driver/usr/bin/nvidia-smi".into(),
+        true
+    )));
+    assert_eq!(mounts.len(), 8, "{mounts:?}");
+    // The CDI spec's common edits carry the same mounts.
+    let spec = std::fs::read_to_string(node.tree.path("cdi/devplug-nvidia.com_gpu.json")).unwrap();
+    let spec: serde_json::Value = serde_json::from_str(&spec).unwrap();
+    let common: Vec<(String, String)> = spec["containerEdits"]["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            assert_eq!(m["options"][0], "ro");
+            (
+                m["containerPath"].as_str().unwrap().to_owned(),
+                m["hostPath"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let from_allocate: Vec<(String, String)> = mounts.into_iter().map(|(c, h, _)| (c, h)).collect();
+    assert_eq!(common, from_allocate);
+
+    // Turned off (NVIDIA's toolkit is the runtime): nothing mounted.
+    let mut off = node.settings();
+    off.device_list_strategy = vec![ListStrategy::DeviceSpecs];
+    off.driver_files = false;
+    off.cdi_dir = node.tree.path("cdi-off");
+    let backend = NvidiaBackend::start("nvidia.com/gpu", &off).unwrap();
+    tokio::time::timeout(WAIT, backend.discovered())
+        .await
+        .unwrap();
+    let first = backend.devices().borrow().devices()[0].id.clone();
+    assert!(backend.allocate(&[first]).unwrap().mounts.is_empty());
+}

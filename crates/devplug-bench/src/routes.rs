@@ -30,6 +30,7 @@ pub(crate) async fn restart_by_route(rounds: usize) -> anyhow::Result<()> {
         let settings = ResourceSettings {
             health_hold_down: Duration::ZERO,
             registration,
+            ..Default::default()
         };
         host.add_with(RESOURCE, backend, settings)?;
         kubelet

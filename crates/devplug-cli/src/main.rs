@@ -218,7 +218,7 @@ fn main() -> ExitCode {
         }
         Command::CheckConfig(args) => {
             logging::init(cli.log_format, "warn");
-            check_config::check_config(&args)
+            check_config::check_config(&args, &runtime)
         }
         #[cfg(feature = "tools")]
         Command::Completions { shell } => completions(shell),

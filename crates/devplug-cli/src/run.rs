@@ -236,6 +236,7 @@ fn settings_of(resource: &ResourceConfig) -> ResourceSettings {
             .registration
             .map(devplug::Registration::from)
             .unwrap_or_default(),
+        ..Default::default()
     }
 }
 

@@ -43,6 +43,15 @@ pub trait Backend: Send + Sync + 'static {
         Options::default()
     }
 
+    /// Resolves when the backend's first discovery has ended: it has found its devices, or
+    /// found that it cannot (a driver that is not there). The host registers the resource only
+    /// after that (or after [`crate::FIRST_DISCOVERY_WAIT`] at most), so the kubelet's first
+    /// device list is the truth, not an empty list that a slow discovery fills a moment later.
+    /// The default resolves at once, for backends whose first list is ready when they are built.
+    fn discovered(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
+
     /// Why the backend cannot serve its devices right now (e.g. a driver that is not loaded
     /// yet), or `None` when it can. The process keeps serving either way; readiness probes
     /// report the reason.

@@ -24,14 +24,14 @@ mod signal;
 
 pub use attributes::{AttributeValue, DeviceAttributes};
 pub use backend::{
-    AllocateError, Backend, BackendWarning, Options, PreStartError, PreferenceRequest,
+    AllocateError, Backend, BackendWarning, BoxFuture, Options, PreStartError, PreferenceRequest,
 };
 pub use device::{check_id, Device, DeviceList, Health, ListTooLarge, MAX_ID_LEN};
 pub use edits::{ContainerEdits, DeviceNode, Mount};
 pub use host::{
     Host, HostError, HostEvent, MetricsSnapshot, RefusedRetry, Registration, ResourceSettings,
     ResourceStatus, ShutdownReport, Updated, WatcherDirs, ALLOCATE_BUCKETS,
-    DEFAULT_HEALTH_HOLD_DOWN, RELINK_WAIT,
+    DEFAULT_HEALTH_HOLD_DOWN, FIRST_DISCOVERY_WAIT, RELINK_WAIT,
 };
 pub use signal::shutdown_signal;
 

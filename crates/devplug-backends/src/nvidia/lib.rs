@@ -206,6 +206,20 @@ pub trait GpuSession {
     ) -> Result<Vec<(String, String)>, String>;
     /// Waits up to `timeout` for one event.
     fn wait(&mut self, timeout: Duration) -> Result<RawEvent, WaitError>;
+    /// The library this session loaded (an absolute path, when it was loaded by one) and the
+    /// driver version it reports, for finding the driver's other files.
+    fn driver(&mut self) -> DriverInfo {
+        DriverInfo::default()
+    }
+}
+
+/// Where the driver is and which version it is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DriverInfo {
+    /// The `libnvidia-ml.so.1` loaded, if loaded by an absolute path.
+    pub library: Option<std::path::PathBuf>,
+    /// The driver version (`550.54.15`).
+    pub version: Option<String>,
 }
 
 /// Opens NVML and runs a session on it. `Err` means the driver is not there or not ready,

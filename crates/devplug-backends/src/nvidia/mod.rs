@@ -17,6 +17,7 @@
 //! `spread`/`pack` over replicas. NVML missing or failing never ends the process: the resource
 //! serves nothing (or Unhealthy devices) and retries.
 
+mod driver_files;
 mod health;
 pub mod lib;
 mod mig_ids;
@@ -25,8 +26,11 @@ pub mod settings;
 mod view;
 mod worker;
 
+pub use driver_files::{DriverFile, DriverFiles, CONTAINER_BIN_DIR, CONTAINER_LIB_DIR};
 pub use health::xid_description;
-pub use lib::{mig_profile, GpuDriver, GpuInfo, GpuSession, MigInfo, PcieLevel, Snapshot};
+pub use lib::{
+    mig_profile, DriverInfo, GpuDriver, GpuInfo, GpuSession, MigInfo, PcieLevel, Snapshot,
+};
 pub use nvml::{sysfs_bus_id, NvmlDriver};
 pub use settings::{ListStrategy, MigStrategy, NvidiaSettings, DEFAULT_IGNORED_XIDS};
 pub use view::{parse_mig_minors, CDI_KIND, MIG_MINORS, NVLINK_SCORE};
@@ -63,6 +67,21 @@ impl NvidiaBackend {
     /// Starts the backend with the real NVML. `resource` names the CDI spec file. Never fails
     /// for a missing driver: it is retried. Must be called inside a tokio runtime.
     pub fn start(resource: &str, settings: &NvidiaSettings) -> Result<Self, SettingsError> {
+        if let Some(why) = static_build() {
+            // Nothing to retry: this binary cannot load any library, now or later.
+            settings.validate()?;
+            tracing::error!(resource, "{why}");
+            let settings = Arc::new(settings.clone());
+            let shared = Self::shared(resource, &settings);
+            shared.set_not_ready(Some(why));
+            shared.set_discovered();
+            return Ok(NvidiaBackend {
+                settings,
+                shared,
+                wake: std::sync::mpsc::channel().0,
+                _watch: CancellationToken::new().drop_guard(),
+            });
+        }
         let for_candidates = settings.clone();
         let driver = NvmlDriver::new(move || for_candidates.library_candidates());
         Self::start_with(resource, settings, Box::new(driver))
@@ -76,18 +95,7 @@ impl NvidiaBackend {
     ) -> Result<Self, SettingsError> {
         settings.validate()?;
         let settings = Arc::new(settings.clone());
-        let cdi = settings
-            .sends(ListStrategy::CdiCri)
-            .then(|| CdiWriter::new(&settings.cdi_dir, &format!("devplug-{resource}")));
-        let empty = View::build(&settings, &Snapshot::default());
-        let shared = Arc::new(Shared {
-            view: RwLock::new(Arc::new(empty)),
-            devices: watch::Sender::new(DeviceList::default()),
-            not_ready: RwLock::new(Some("NVML not loaded yet".into())),
-            cdi_ready: AtomicBool::new(false),
-            stop: AtomicBool::new(false),
-            cdi: Mutex::new(cdi),
-        });
+        let shared = Self::shared(resource, &settings);
         let (wake, wake_rx) = std::sync::mpsc::channel();
         let stop = CancellationToken::new();
         tokio::spawn(watch_driver(
@@ -109,6 +117,23 @@ impl NvidiaBackend {
         })
     }
 
+    /// What the NVML thread and the backend share, before anything is found.
+    fn shared(resource: &str, settings: &NvidiaSettings) -> Arc<Shared> {
+        let cdi = settings
+            .sends(ListStrategy::CdiCri)
+            .then(|| CdiWriter::new(&settings.cdi_dir, &format!("devplug-{resource}")));
+        let empty = View::build(settings, &Snapshot::default());
+        Arc::new(Shared {
+            view: RwLock::new(Arc::new(empty)),
+            devices: watch::Sender::new(DeviceList::default()),
+            not_ready: RwLock::new(Some("NVML not loaded yet".into())),
+            cdi_ready: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            cdi: Mutex::new(cdi),
+            discovered: watch::Sender::new(false),
+        })
+    }
+
     fn view(&self) -> Arc<View> {
         self.shared
             .view
@@ -123,6 +148,18 @@ impl Drop for NvidiaBackend {
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.wake.send(());
     }
+}
+
+/// Why this binary can never load NVML, if so: a static (musl) build has no dynamic loader.
+fn static_build() -> Option<String> {
+    cfg!(all(target_env = "musl", target_feature = "crt-static")).then(|| {
+        format!(
+            "this devplug is a static build and cannot load libnvidia-ml.so.1 (a static \
+             binary has no dynamic loader): run the GPU image, devplug:{}-gpu, whose binaries \
+             are built for glibc (deploy/README.md, \"GPU nodes\")",
+            env!("CARGO_PKG_VERSION")
+        )
+    })
 }
 
 /// Wakes the NVML thread when the driver shows up: `/dev/nvidiactl` made, or the library
@@ -251,6 +288,8 @@ impl Backend for NvidiaBackend {
                     }
                 }
             }
+            // The same driver files as the CDI spec's common edits (one model).
+            edits.mounts = view.driver_mounts();
         }
         if self.settings.sends(ListStrategy::CdiCri)
             && self.shared.cdi_ready.load(Ordering::Acquire)
@@ -287,6 +326,14 @@ impl Backend for NvidiaBackend {
         // The host puts every must-include id first (ones this backend no longer knows too)
         // and trims the answer to the size.
         out
+    }
+
+    fn discovered(&self) -> devplug::BoxFuture<'_, ()> {
+        let mut done = self.shared.discovered.subscribe();
+        Box::pin(async move {
+            // An error means the sender is gone: nothing more will be discovered.
+            let _ = done.wait_for(|d| *d).await;
+        })
     }
 
     fn options(&self) -> Options {

@@ -7,8 +7,8 @@
 //! so a failed registration rebuilds the whole set.
 
 use super::lib::{
-    mig_profile, GpuDriver, GpuInfo, GpuSession, MigInfo, PcieLevel, RawEvent, RecoveryAction,
-    SessionEnd, Snapshot, WaitError,
+    mig_profile, DriverInfo, GpuDriver, GpuInfo, GpuSession, MigInfo, PcieLevel, RawEvent,
+    RecoveryAction, SessionEnd, Snapshot, WaitError,
 };
 use super::mig_ids::instance_ids;
 use nvml_wrapper::bitmasks::event::EventTypes;
@@ -70,6 +70,7 @@ impl GpuDriver for NvmlDriver {
                     let mut session = NvmlSession {
                         nvml: &nvml,
                         set: None,
+                        library: path.is_absolute().then(|| path.clone()),
                     };
                     let end = body(&mut session);
                     drop(session);
@@ -146,6 +147,7 @@ fn describe(err: &NvmlError) -> String {
 struct NvmlSession<'n> {
     nvml: &'n Nvml,
     set: Option<EventSet<'n>>,
+    library: Option<PathBuf>,
 }
 
 fn level(l: TopologyLevel) -> PcieLevel {
@@ -160,6 +162,13 @@ fn level(l: TopologyLevel) -> PcieLevel {
 }
 
 impl GpuSession for NvmlSession<'_> {
+    fn driver(&mut self) -> DriverInfo {
+        DriverInfo {
+            library: self.library.clone(),
+            version: self.nvml.sys_driver_version().ok(),
+        }
+    }
+
     fn snapshot(&mut self) -> Result<Snapshot, String> {
         let nvml = self.nvml;
         let count = nvml

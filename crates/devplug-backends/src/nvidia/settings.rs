@@ -33,6 +33,19 @@ pub struct NvidiaSettings {
     /// `/driver-root`).
     #[serde(default = "default_driver_roots")]
     pub driver_roots: Vec<PathBuf>,
+    /// Where the driver root NVML was found under is on the host, when devplug sees it at
+    /// another path (the chart mounts the host's driver root at `/driver-root` and sets this
+    /// to the host path). Default: the path devplug sees. Mounts handed to the runtime are
+    /// host paths.
+    #[serde(default)]
+    pub host_driver_root: Option<PathBuf>,
+    /// Give every container with a GPU the driver's user-space files of the version NVML
+    /// reports (libraries at `/usr/local/nvidia/lib64`, `nvidia-smi` and the other programs at
+    /// `/usr/local/nvidia/bin`, the firmware folder), read-only, in the CDI spec (`cdi-cri`) and
+    /// in `Allocate` (`device-specs`), so CUDA works without NVIDIA's container toolkit
+    /// (default true; false where the toolkit is the runtime and mounts them itself).
+    #[serde(default = "yes")]
+    pub driver_files: bool,
     /// Serve only GPUs whose product name matches one of these globs (e.g. `"*H100*"`), so
     /// mixed nodes get one resource per model. Default: every GPU.
     #[serde(default)]
@@ -160,6 +173,8 @@ impl Default for NvidiaSettings {
         NvidiaSettings {
             library: None,
             driver_roots: default_driver_roots(),
+            host_driver_root: None,
+            driver_files: true,
             models: Vec::new(),
             exclude_models: Vec::new(),
             mig_strategy: MigStrategy::None,
@@ -261,6 +276,9 @@ impl NvidiaSettings {
         }
         for (i, root) in self.driver_roots.iter().enumerate() {
             check_absolute(&format!("driver_roots[{i}]"), root)?;
+        }
+        if let Some(root) = &self.host_driver_root {
+            check_absolute("host_driver_root", root)?;
         }
         check_globs("models", &self.models)?;
         check_globs("exclude_models", &self.exclude_models)?;

@@ -4,6 +4,7 @@
 //! the CDI spec, and the pair matrix that preferred allocation searches (NVLink count and PCIe
 //! level, scored as go-gpuallocator scores them; MIG devices only have NUMA).
 
+use super::driver_files::DriverFiles;
 use super::lib::{GpuInfo, MigInfo, Snapshot};
 use super::settings::{MigStrategy, NvidiaSettings};
 use crate::cdi::Spec;
@@ -14,6 +15,7 @@ use devplug::attributes::DeviceAttributes;
 use devplug::ContainerEdits;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// The CDI kind of NVIDIA GPUs.
 pub const CDI_KIND: &str = "nvidia.com/gpu";
@@ -209,6 +211,8 @@ pub struct View {
     /// Why this resource serves less than it should (a MIG layout its strategy cannot serve,
     /// `mig-minors` unreadable), if so: the backend reports it as not ready.
     pub problem: Option<String>,
+    /// The driver's user-space files every container with a GPU gets, if given.
+    pub driver: Option<Arc<DriverFiles>>,
 }
 
 fn glob_match(globs: &[String], text: &str) -> bool {
@@ -351,6 +355,7 @@ impl View {
             matrix,
             shared,
             problem,
+            driver: None,
         }
     }
 
@@ -368,6 +373,11 @@ impl View {
             .collect()
     }
 
+    /// The driver's files as mounts (none when not given).
+    pub fn driver_mounts(&self) -> Vec<devplug::Mount> {
+        self.driver.as_ref().map(|d| d.mounts()).unwrap_or_default()
+    }
+
     /// The CDI spec: one device per GPU or MIG device (named by UUID) with its nodes (a MIG
     /// device: its GPU's node and its caps nodes), the control nodes as common edits.
     pub fn spec(&self, dev_root: &Path) -> Spec {
@@ -376,6 +386,7 @@ impl View {
                 .iter()
                 .map(|n| dev_node(dev_root, n))
                 .collect(),
+            mounts: self.driver_mounts(),
             ..Default::default()
         };
         let mut spec = Spec::new(CDI_KIND).common(&common);

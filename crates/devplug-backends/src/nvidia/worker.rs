@@ -6,8 +6,9 @@
 //! (or, once it has served some, keeps them listed as Unhealthy with the reason) and reports
 //! itself not ready.
 
+use super::driver_files::{root_of, DriverFiles};
 use super::health::{Change, HealthBook};
-use super::lib::{GpuDriver, GpuSession, RawEvent, SessionEnd, WaitError};
+use super::lib::{DriverInfo, GpuDriver, GpuSession, RawEvent, SessionEnd, WaitError};
 use super::settings::{MigStrategy, NvidiaSettings};
 use super::view::View;
 use crate::cdi::CdiWriter;
@@ -21,6 +22,12 @@ use tokio::sync::watch;
 
 /// First retry delay after a failure; doubles up to `retry_max_ms`.
 const FIRST_RETRY: Duration = Duration::from_millis(500);
+
+/// The longest event wait while no GPU is waiting for a recovery check. NVML needs no timer
+/// (`nvmlEventSetWait` returns on an event); the wait is bounded only so that a backend dropped
+/// by a config reload releases NVML within this time. Faulted GPUs are checked every
+/// `health.check_interval_ms` instead.
+pub(crate) const IDLE_WAIT: Duration = Duration::from_secs(30);
 
 /// What the thread shares with the backend.
 pub(crate) struct Shared {
@@ -36,6 +43,8 @@ pub(crate) struct Shared {
     pub(crate) stop: AtomicBool,
     /// The CDI writer (None when CDI is off).
     pub(crate) cdi: Mutex<Option<CdiWriter>>,
+    /// Set once the first attempt to load NVML and discover has ended, either way.
+    pub(crate) discovered: watch::Sender<bool>,
 }
 
 impl Shared {
@@ -43,7 +52,13 @@ impl Shared {
         self.stop.load(Ordering::Acquire)
     }
 
-    fn set_not_ready(&self, reason: Option<String>) {
+    /// The first discovery has ended (found GPUs, or found it cannot): registration may go on.
+    pub(crate) fn set_discovered(&self) {
+        self.discovered
+            .send_if_modified(|d| !std::mem::replace(d, true));
+    }
+
+    pub(crate) fn set_not_ready(&self, reason: Option<String>) {
         *self.not_ready.write().unwrap_or_else(|e| e.into_inner()) = reason;
     }
 
@@ -156,6 +171,7 @@ pub(crate) fn run(
         // Devices served before stay listed, Unhealthy with the reason; never served: none.
         let view = shared.view();
         shared.publish(&view, |_| Health::unhealthy(reason.clone()));
+        shared.set_discovered();
         if !pause(&wake, backoff) {
             return;
         }
@@ -191,7 +207,8 @@ fn discover(
     let snapshot = session
         .snapshot()
         .map_err(|e| format!("GPU discovery failed: {e}"))?;
-    let view = View::build(settings, &snapshot);
+    let mut view = View::build(settings, &snapshot);
+    view.driver = driver_files(settings, session.driver());
     if settings.mig_strategy == MigStrategy::None {
         for gpu in view.gpus.iter().filter(|g| g.info.mig_enabled) {
             tracing::warn!(uuid = %gpu.info.uuid, "MIG mode is on; served whole (mig_strategy none)");
@@ -225,6 +242,34 @@ fn discover(
         }
     }
     Ok((view, infos, layout(&snapshot)))
+}
+
+/// The driver's files to give containers, found from where NVML was loaded and the version
+/// it reports; `None` when turned off or when the driver's folder is unknown.
+fn driver_files(settings: &NvidiaSettings, driver: DriverInfo) -> Option<Arc<DriverFiles>> {
+    if !settings.driver_files {
+        return None;
+    }
+    let (Some(library), Some(version)) = (driver.library, driver.version) else {
+        tracing::warn!(
+            "NVML was found by the dynamic loader's search path (or reports no driver version): \
+             its folder is unknown, so containers get no driver files; set `library` or \
+             `driver_roots`"
+        );
+        return None;
+    };
+    let lib_dir = library.parent()?;
+    let root = root_of(&library, &settings.driver_roots);
+    let host_root = settings.host_driver_root.clone().unwrap_or(root.clone());
+    let files = DriverFiles::find(&root, &host_root, lib_dir, &version);
+    if files.has_cuda() {
+        tracing::info!(%version, root = %root.display(), host_root = %host_root.display(),
+            files = files.files.len(), "driver files found; containers get them read-only");
+    } else {
+        tracing::warn!(%version, dir = %lib_dir.display(),
+            "no libcuda.so.{version} beside NVML: containers get no CUDA library");
+    }
+    Some(Arc::new(files))
 }
 
 /// One NVML session: discover, publish, watch health (and MIG changes, discovering again).
@@ -306,10 +351,17 @@ fn monitor(
         if first {
             // The first list goes out once health is watched (or known not to be).
             shared.publish(&view, |u| book.health(u));
+            shared.set_discovered();
             first = false;
         }
         let result = if armed && watching {
-            session.wait(tick)
+            // Only a GPU waiting for its recovery check needs the tick.
+            let longest = if book.pending().is_empty() {
+                IDLE_WAIT
+            } else {
+                tick
+            };
+            session.wait(longest)
         } else {
             let until = if armed {
                 tick
@@ -471,12 +523,18 @@ mod tests {
         ) -> Result<Vec<(String, String)>, String> {
             Ok(Vec::new())
         }
+        /// Returns as soon as an event is queued, as NVML's wait does.
         fn wait(&mut self, timeout: Duration) -> Result<RawEvent, WaitError> {
-            let next = self.0.events.lock().unwrap().pop_front();
-            next.ok_or_else(|| {
-                std::thread::sleep(timeout);
-                WaitError::Timeout
-            })
+            let until = Instant::now() + timeout;
+            loop {
+                if let Some(event) = self.0.events.lock().unwrap().pop_front() {
+                    return Ok(event);
+                }
+                if Instant::now() >= until {
+                    return Err(WaitError::Timeout);
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
         }
     }
 
@@ -518,6 +576,7 @@ mod tests {
             cdi_ready: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             cdi: Mutex::new(None),
+            discovered: watch::Sender::new(false),
         });
         let (wake, wake_rx) = std::sync::mpsc::channel();
         let for_thread = shared.clone();

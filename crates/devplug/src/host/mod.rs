@@ -147,7 +147,18 @@ pub struct ResourceSettings {
     pub health_hold_down: Duration,
     /// How the resource registers with the kubelet.
     pub registration: Registration,
+    /// The longest the host waits for the backend's first discovery
+    /// ([`Backend::discovered`]) before it registers with whatever list there is.
+    pub first_discovery_wait: Duration,
 }
+
+/// The default [`ResourceSettings::first_discovery_wait`]: 20 s. Registering waits for the
+/// backend's first discovery so that the kubelet's first list is the truth; the bound is for a
+/// driver whose initialization hangs (an `nvmlInit` that never returns), which must not keep
+/// the resource away from the kubelet for good. Loading NVML and initializing 8 GPUs without
+/// persistence mode takes seconds, not tens of seconds; a discovery that ends later is still
+/// sent, as a second list.
+pub const FIRST_DISCOVERY_WAIT: Duration = Duration::from_secs(20);
 
 /// The hold-down used by [`Host::add`]: long enough to ride out a flapping device, short enough
 /// that a recovered device is usable soon.
@@ -158,6 +169,7 @@ impl Default for ResourceSettings {
         ResourceSettings {
             health_hold_down: DEFAULT_HEALTH_HOLD_DOWN,
             registration: Registration::Socket,
+            first_discovery_wait: FIRST_DISCOVERY_WAIT,
         }
     }
 }
@@ -191,6 +203,55 @@ impl ResourceShared {
 
     fn set_backend(&self, backend: Arc<dyn Backend>) {
         *self.backend.write().unwrap_or_else(|e| e.into_inner()) = backend;
+    }
+}
+
+/// Waits for `backend`'s first discovery, `wait` at most; says so if it had to stop waiting.
+async fn wait_discovered(resource: &str, backend: &dyn Backend, wait: Duration) {
+    let started = std::time::Instant::now();
+    if tokio::time::timeout(wait, backend.discovered())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            resource,
+            waited = ?wait,
+            "the backend's first discovery has not ended; registering with the devices found so far"
+        );
+    } else if started.elapsed() >= Duration::from_millis(100) {
+        tracing::info!(resource, took = ?started.elapsed(), "first discovery ended");
+    }
+}
+
+/// Holds a resource's registration task back until its backend's first discovery has ended.
+struct FirstDiscovery {
+    shared: Arc<ResourceShared>,
+    wait: Duration,
+    stop: CancellationToken,
+}
+
+fn first_discovery(
+    shared: Arc<ResourceShared>,
+    wait: Duration,
+    stop: CancellationToken,
+) -> FirstDiscovery {
+    FirstDiscovery { shared, wait, stop }
+}
+
+impl FirstDiscovery {
+    /// Runs `task` once the first discovery has ended (or the wait is over); nothing if the
+    /// resource is stopped before.
+    async fn then_run(
+        self,
+        task: impl std::future::Future<Output = Option<String>>,
+    ) -> Option<String> {
+        let backend = self.shared.backend();
+        tokio::select! {
+            _ = self.stop.cancelled() => return None,
+            _ = wait_discovered(&self.shared.resource, backend.as_ref(), self.wait) => {}
+        }
+        drop(backend);
+        task.await
     }
 }
 
@@ -344,18 +405,22 @@ impl Host {
             backend: RwLock::new(backend),
             devices,
         });
+        let discovered =
+            first_discovery(shared.clone(), settings.first_discovery_wait, stop.clone());
         let task = match settings.registration {
             Registration::Socket => tokio::spawn(
-                ResourceTask {
-                    shared: shared.clone(),
-                    dir: self.dir.clone(),
-                    socket_name: socket::instance_name(resource),
-                    events: self.events.subscribe(),
-                    folder: self.folder.clone(),
-                    status: status.clone(),
-                    stop: stop.clone(),
-                }
-                .run(),
+                discovered.then_run(
+                    ResourceTask {
+                        shared: shared.clone(),
+                        dir: self.dir.clone(),
+                        socket_name: socket::instance_name(resource),
+                        events: self.events.subscribe(),
+                        folder: self.folder.clone(),
+                        status: status.clone(),
+                        stop: stop.clone(),
+                    }
+                    .run(),
+                ),
             ),
             Registration::Watcher => {
                 let (events, folder) = match self.registry_watch() {
@@ -366,17 +431,19 @@ impl Host {
                     }
                 };
                 tokio::spawn(
-                    WatcherTask {
-                        shared: shared.clone(),
-                        dirs: self.watcher_dirs.clone(),
-                        socket_name: socket::instance_name(resource),
-                        events,
-                        folder,
-                        status: status.clone(),
-                        stop: stop.clone(),
-                        refused_retry: self.refused_retry,
-                    }
-                    .run(),
+                    discovered.then_run(
+                        WatcherTask {
+                            shared: shared.clone(),
+                            dirs: self.watcher_dirs.clone(),
+                            socket_name: socket::instance_name(resource),
+                            events,
+                            folder,
+                            status: status.clone(),
+                            stop: stop.clone(),
+                            refused_retry: self.refused_retry,
+                        }
+                        .run(),
+                    ),
                 )
             }
         };
@@ -410,6 +477,8 @@ impl Host {
         backend: Arc<dyn Backend>,
         settings: ResourceSettings,
     ) -> Result<Updated, HostError> {
+        // The new backend's first list, not an empty one, replaces the old list.
+        wait_discovered(resource, backend.as_ref(), settings.first_discovery_wait).await;
         let in_place = {
             let mut resources = self.lock();
             let Some(running) = resources.get_mut(resource) else {

@@ -1,9 +1,12 @@
 //! Registration, streaming, kubelet restarts, ordering of start-up, removal and shutdown.
 
 use crate::support::{kubelet, no_hold_down, wait_capacity, TestBackend, WAIT};
-use devplug::{Device, Health, Host, ResourceSettings};
+use devplug::{
+    AllocateError, Backend, ContainerEdits, Device, DeviceList, Health, Host, ResourceSettings,
+};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::watch;
 
 const GRACE: Duration = Duration::from_secs(300);
 
@@ -417,4 +420,88 @@ async fn update_swaps_a_backend_in_place_or_restarts_when_options_change() {
         .await
         .is_err());
     host.shutdown().await;
+}
+
+/// A backend whose first discovery takes a while: its list is empty until `finish` publishes
+/// the devices and ends the discovery.
+#[derive(Clone)]
+struct SlowDiscovery {
+    devices: TestBackend,
+    done: Arc<watch::Sender<bool>>,
+}
+
+impl SlowDiscovery {
+    fn new() -> Self {
+        let devices = TestBackend::new(0);
+        SlowDiscovery {
+            devices,
+            done: Arc::new(watch::Sender::new(false)),
+        }
+    }
+
+    fn finish(&self, count: usize) {
+        self.devices.publish(
+            (0..count)
+                .map(|i| Device::new(format!("gpu-{i}")))
+                .collect(),
+        );
+        self.done.send_replace(true);
+    }
+}
+
+impl Backend for SlowDiscovery {
+    fn devices(&self) -> watch::Receiver<DeviceList> {
+        self.devices.devices()
+    }
+    fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
+        self.devices.allocate(ids)
+    }
+    fn discovered(&self) -> devplug::BoxFuture<'_, ()> {
+        let mut done = self.done.subscribe();
+        Box::pin(async move {
+            let _ = done.wait_for(|d| *d).await;
+        })
+    }
+}
+
+#[tokio::test]
+async fn registration_waits_for_the_first_discovery_so_the_first_list_is_the_truth() {
+    let (dir, kubelet) = kubelet(Duration::from_secs(5)).await;
+    let host = Host::new(dir.path()).unwrap();
+    let backend = SlowDiscovery::new();
+    host.add("example.com/gpu", backend.clone()).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        kubelet.read(|n| n.registrations().is_empty()),
+        "registered before the first discovery ended"
+    );
+    backend.finish(4);
+    wait_capacity(&kubelet, "example.com/gpu", (4, 4)).await;
+    // One list: the kubelet never saw the empty one.
+    let updates = kubelet.read(|n| n.resource("example.com/gpu").map(|r| r.updates()));
+    assert_eq!(updates, Some(1));
+    host.shutdown().await;
+    kubelet.stop().await;
+}
+
+#[tokio::test]
+async fn a_discovery_that_never_ends_delays_registration_by_the_bound_only() {
+    let (dir, kubelet) = kubelet(Duration::from_secs(5)).await;
+    let host = Host::new(dir.path()).unwrap();
+    let backend = SlowDiscovery::new();
+    let settings = ResourceSettings {
+        first_discovery_wait: Duration::from_millis(200),
+        ..Default::default()
+    };
+    host.add_with("example.com/gpu", Arc::new(backend.clone()), settings)
+        .unwrap();
+    kubelet
+        .wait_for(WAIT, |n| (!n.registrations().is_empty()).then_some(()))
+        .await
+        .expect("registered after the bound");
+    // A discovery that ends later is still sent, as the next list.
+    backend.devices.publish(vec![Device::new("late")]);
+    wait_capacity(&kubelet, "example.com/gpu", (1, 1)).await;
+    host.shutdown().await;
+    kubelet.stop().await;
 }

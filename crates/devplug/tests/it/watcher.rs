@@ -19,6 +19,7 @@ fn watcher_settings() -> ResourceSettings {
     ResourceSettings {
         health_hold_down: Duration::ZERO,
         registration: Registration::Watcher,
+        ..Default::default()
     }
 }
 
