@@ -501,6 +501,8 @@ mod tests {
         failures: VecDeque<String>,
         snapshot: Result<Snapshot, String>,
         events: Arc<Mutex<VecDeque<RawEvent>>>,
+        /// The timeout of every wait asked for, in order.
+        waits: Arc<Mutex<Vec<Duration>>>,
     }
 
     struct Session<'a>(&'a mut Scripted);
@@ -525,6 +527,7 @@ mod tests {
         }
         /// Returns as soon as an event is queued, as NVML's wait does.
         fn wait(&mut self, timeout: Duration) -> Result<RawEvent, WaitError> {
+            self.0.waits.lock().unwrap().push(timeout);
             let until = Instant::now() + timeout;
             loop {
                 if let Some(event) = self.0.events.lock().unwrap().pop_front() {
@@ -602,6 +605,7 @@ mod tests {
                 pcie: vec![vec![None; 2]; 2],
             }),
             events: events.clone(),
+            waits: Arc::default(),
         };
         let (shared, wake) = start(driver);
         until("not ready", || {
@@ -633,6 +637,7 @@ mod tests {
             failures: VecDeque::new(),
             snapshot: Err("GPU 3: uuid: Unknown Error".into()),
             events: Arc::default(),
+            waits: Arc::default(),
         };
         let (shared, _wake) = start(driver);
         until("reason", || {
@@ -640,6 +645,41 @@ mod tests {
                 == Some("GPU discovery failed: GPU 3: uuid: Unknown Error")
         });
         assert!(shared.devices.borrow().is_empty());
+        shared.stop.store(true, Ordering::Release);
+    }
+
+    #[test]
+    fn healthy_gpus_need_no_tick_a_faulted_one_does_until_it_recovers() {
+        let events = Arc::new(Mutex::new(VecDeque::new()));
+        let waits: Arc<Mutex<Vec<Duration>>> = Arc::default();
+        let driver = Scripted {
+            failures: VecDeque::new(),
+            snapshot: Ok(Snapshot {
+                gpus: vec![gpu(0)],
+                pcie: vec![vec![None]],
+            }),
+            events: events.clone(),
+            waits: waits.clone(),
+        };
+        let (shared, _wake) = start(driver);
+        until("listed", || shared.devices.borrow().healthy_count() == 1);
+        until("waiting", || !waits.lock().unwrap().is_empty());
+        assert_eq!(waits.lock().unwrap()[0], IDLE_WAIT, "healthy: no tick");
+        events.lock().unwrap().push_back(RawEvent::Xid {
+            uuid: "GPU-0".into(),
+            xid: 48,
+        });
+        until("unhealthy", || shared.devices.borrow().healthy_count() == 0);
+        // Waiting for its recovery check: the tick (10 ms here), as often as it takes.
+        until("ticking", || {
+            waits
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|&&w| w == Duration::from_millis(10))
+                .count()
+                >= 3
+        });
         shared.stop.store(true, Ordering::Release);
     }
 }

@@ -1,0 +1,228 @@
+//! NVIDIA GPUs through the GPU image and the chart's GPU mode, on a node without a GPU: the
+//! fake `libnvidia-ml.so` (crates/fake-nvml, 8 GPUs) in a driver root laid out as NVIDIA's
+//! installer lays one out, device nodes made with mknod. What a pod gets is checked inside it:
+//! its GPUs' UUIDs, their `/dev/nvidia*` nodes and no others, and the driver's files at
+//! `/usr/local/nvidia` (the layout CUDA images search), read-only, from the driver root.
+
+use crate::support::{self, figure, Namespace};
+use crate::Outcome;
+use devplug_testkit::node::Node;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+pub const GPU: &str = "nvidia.com/gpu";
+/// What the fake NVML reports as the driver version.
+const DRIVER_VERSION: &str = "570.86.15";
+/// The host folder the test makes (`ci/whole-node-gpu-values.yaml` names it).
+const GPU_DIR: &str = "/var/lib/devplug-test-gpu";
+/// Marks the fake libcuda's content, so the pod can show which file it got.
+const LIBCUDA_TEXT: &str = "devplug-test libcuda for driver 570.86.15";
+/// The CDI spec the backend writes for this resource.
+const CDI_SPEC: &str = "/var/run/cdi/devplug-nvidia.com_gpu.json";
+
+fn write(path: &Path, text: &[u8]) -> Result<(), String> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The host's side: a driver root with the fake NVML under its versioned name and the
+/// `.so.1` link, a libcuda and an `nvidia-smi`; a /dev with a node per GPU and the control
+/// nodes (all `c 1 3`, /dev/null's numbers: harmless if opened). Returns the GPUs' UUIDs.
+fn make_driver(node: &Node) -> Result<Vec<String>, String> {
+    let root = Path::new(GPU_DIR);
+    node.remember_made_file(root)?;
+    node.remember_made_file(Path::new(CDI_SPEC))?;
+    let repo = &node.requirements.repo;
+    let lib_dir = root.join("driver-root/usr/lib/x86_64-linux-gnu");
+    let fake = repo.join("target/debug/libfake_nvml.so");
+    let library = std::fs::read(&fake).map_err(|e| {
+        format!(
+            "{}: {e} (cargo builds it with this test: crates/fake-nvml is a dev-dependency)",
+            fake.display()
+        )
+    })?;
+    write(
+        &lib_dir.join(format!("libnvidia-ml.so.{DRIVER_VERSION}")),
+        &library,
+    )?;
+    let link = lib_dir.join("libnvidia-ml.so.1");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(format!("libnvidia-ml.so.{DRIVER_VERSION}"), &link)
+        .map_err(|e| format!("{}: {e}", link.display()))?;
+    let topology = std::fs::read_to_string(repo.join("crates/fake-nvml/topologies/dgx1-v100.yaml"))
+        .map_err(|e| format!("the fake NVML's topology: {e}"))?;
+    write(&lib_dir.join("fake-nvml.yaml"), topology.as_bytes())?;
+    write(
+        &lib_dir.join(format!("libcuda.so.{DRIVER_VERSION}")),
+        LIBCUDA_TEXT.as_bytes(),
+    )?;
+    let smi = root.join("driver-root/usr/bin/nvidia-smi");
+    write(
+        &smi,
+        b"#!/bin/sh\necho \"nvidia-smi from the driver root\"\n",
+    )?;
+    set_mode(&smi, 0o755)?;
+    let topology: serde_json::Value =
+        serde_saphyr::from_str(&topology).map_err(|e| format!("the fake NVML's topology: {e}"))?;
+    let uuids: Vec<String> = topology["gpus"]
+        .as_array()
+        .map(|gpus| {
+            gpus.iter()
+                .filter_map(|g| g["uuid"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    let dev = root.join("dev");
+    std::fs::create_dir_all(&dev).map_err(|e| format!("{}: {e}", dev.display()))?;
+    let mut nodes: Vec<String> = (0..uuids.len()).map(|i| format!("nvidia{i}")).collect();
+    nodes.extend(["nvidiactl", "nvidia-uvm"].map(String::from));
+    for name in nodes {
+        let path = dev.join(name);
+        if path.exists() {
+            continue;
+        }
+        let status = std::process::Command::new("mknod")
+            .arg(&path)
+            .args(["c", "1", "3"])
+            .status()
+            .map_err(|e| format!("mknod: {e}"))?;
+        if !status.success() {
+            return Err(format!("mknod {}: {status}", path.display()));
+        }
+    }
+    Ok(uuids)
+}
+
+fn set_mode(path: &Path, mode: u32) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// devplug's GPU image, imported under the name the chart's GPU mode runs.
+fn import_gpu_image(node: &Node) -> Result<(), String> {
+    let name = "docker.io/library/devplug:0.1.0-gpu";
+    if node
+        .ctr(&["images", "ls", "-q"])?
+        .lines()
+        .any(|l| l == name)
+    {
+        return Ok(());
+    }
+    let main = &node.requirements.image_archive;
+    let archive: PathBuf = main.with_file_name(
+        main.file_name()
+            .and_then(|n| n.to_str())
+            .map(|n| n.replace(".oci.tar", "-gpu.oci.tar"))
+            .unwrap_or_default(),
+    );
+    if !archive.is_file() {
+        return Err(format!(
+            "the GPU image at {} is missing: `.ci/build-image` builds it beside the main one",
+            archive.display()
+        ));
+    }
+    node.import_image(&archive, &[name.to_owned()])
+}
+
+pub fn reach_the_container(node: &'static Node) -> Outcome {
+    Box::pin(async move {
+        let client = node.client().await?;
+        let uuids = make_driver(node)?;
+        import_gpu_image(node)?;
+        let release = support::helm_release(node, "whole-node-gpu")?;
+        let started = Instant::now();
+        release.install(node)?;
+        support::wait_node_resource(&client, GPU, Duration::from_secs(90), |a, c| {
+            a == Some(8) && c == Some(8)
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
+        figure(&format!(
+            "GPU image, chart with gpu.vendor=nvidia → 8 GPUs (fake NVML) allocatable on the Node: {:.1} s",
+            started.elapsed().as_secs_f64()
+        ));
+        // The first list was the whole one: the plugin registered after NVML's discovery.
+        let log = support::devplug_log(node);
+        assert!(
+            !log.contains("first discovery has not ended"),
+            "registered before discovery ended:\n{log}"
+        );
+
+        let ns = Namespace::create(node, "dp-gpu")?;
+        let script = "env | sort\n\
+             ls -l /dev/ | grep nvidia\n\
+             echo \"libcuda: $(cat /usr/local/nvidia/lib64/libcuda.so.1)\"\n\
+             ls /usr/local/nvidia/lib64/\n\
+             /usr/local/nvidia/bin/nvidia-smi\n\
+             grep ' /usr/local/nvidia/' /proc/self/mountinfo";
+        let pod = support::pod(&ns.name, "two-gpus", &[(GPU, 2)], script);
+        support::apply(node, &[pod])?;
+        support::wait_pod(
+            &client,
+            &ns.name,
+            "two-gpus",
+            Duration::from_secs(60),
+            support::running,
+        )
+        .await?;
+        let out =
+            support::container_output(node, &ns.name, "two-gpus", Duration::from_secs(30)).await?;
+
+        // Its two GPUs by UUID.
+        let visible = support::env_value(&out, "NVIDIA_VISIBLE_DEVICES")
+            .ok_or_else(|| format!("no NVIDIA_VISIBLE_DEVICES in the container:\n{out}"))?;
+        let given: Vec<&str> = visible.split(',').collect();
+        assert_eq!(given.len(), 2, "two GPUs: {visible}");
+        let index = |uuid: &str| uuids.iter().position(|u| u == uuid);
+        let minors: Vec<usize> = given
+            .iter()
+            .map(|u| index(u).ok_or_else(|| format!("{u} is not a GPU of the node")))
+            .collect::<Result<_, _>>()?;
+        // Their nodes and the control nodes, no other GPU's.
+        let mut nodes: Vec<&str> = out
+            .lines()
+            .filter(|l| l.starts_with('c'))
+            .filter_map(|l| l.split_whitespace().last())
+            .filter(|n| n.starts_with("nvidia"))
+            .collect();
+        nodes.sort_unstable();
+        let mut want: Vec<String> = minors.iter().map(|m| format!("nvidia{m}")).collect();
+        want.extend(["nvidia-uvm".to_owned(), "nvidiactl".to_owned()]);
+        want.sort_unstable();
+        assert_eq!(nodes, want, "the container's /dev:\n{out}");
+        // The driver's files, from the driver root, read-only, where CUDA images look.
+        assert!(
+            out.contains(&format!("libcuda: {LIBCUDA_TEXT}")),
+            "libcuda.so.1 is the driver root's:\n{out}"
+        );
+        for name in [
+            format!("libcuda.so.{DRIVER_VERSION}"),
+            "libcuda.so".to_owned(),
+            "libnvidia-ml.so.1".to_owned(),
+        ] {
+            assert!(
+                out.lines().any(|l| l == name),
+                "{name} in /usr/local/nvidia/lib64:\n{out}"
+            );
+        }
+        assert!(
+            out.contains("nvidia-smi from the driver root"),
+            "nvidia-smi ran from /usr/local/nvidia/bin:\n{out}"
+        );
+        let mounts: Vec<&str> = out
+            .lines()
+            .filter(|l| l.contains(" /usr/local/nvidia/"))
+            .collect();
+        assert!(!mounts.is_empty(), "no driver mounts:\n{out}");
+        for m in &mounts {
+            assert!(m.contains(" ro,") || m.contains(" ro "), "read-only: {m}");
+        }
+
+        ns.delete(node)?;
+        release.delete_objects(node)?;
+        Ok(())
+    })
+}
