@@ -24,6 +24,18 @@ RELEASES = {
             ]
         }
     },
+    # GPU nodes: one value per vendor (the nvidia one also with its settings and a resource
+    # beside the GPUs); the image, mounts, privilege and node selector follow the vendor.
+    "gpu-nvidia": {
+        "gpu": {
+            "vendor": "nvidia",
+            "driverRoot": "/run/nvidia/driver",
+            "settings": {"replicas": 2},
+            "extraResources": [{"name": "example.com/a", "virtual": {"count": 2}}],
+        }
+    },
+    "gpu-amdgpu": {"gpu": {"vendor": "amdgpu"}},
+    "gpu-intel": {"gpu": {"vendor": "intel-gpu", "nodeSelector": {"example.com/gpu": "intel"}}},
     "all-options": {
         "hostdev": {"enabled": True},
         "nodeEvents": {"enabled": True},

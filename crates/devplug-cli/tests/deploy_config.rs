@@ -68,6 +68,14 @@ fn the_kustomize_config_map_holds_a_valid_config() {
 }
 
 #[test]
+fn the_kustomize_overlays_configs_are_valid() {
+    let path = repo().join("deploy/overlays/nvidia/config-patch.yaml");
+    let configs = embedded_configs(&path);
+    assert_eq!(configs.len(), 1);
+    accepted("deploy/overlays/nvidia/config-patch.yaml", &configs[0]);
+}
+
+#[test]
 fn the_helm_default_values_hold_a_valid_config() {
     let values = yaml_documents(&repo().join("deploy/helm/devplug/values.yaml"));
     let config = &values[0]["config"];

@@ -62,7 +62,73 @@ Service account name.
 Container image: repository:tag, the tag defaulting to the chart's appVersion.
 */}}
 {{- define "devplug.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- printf "%s:%s%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) (include "devplug.imageSuffix" .) }}
+{{- end }}
+
+{{/*
+"-gpu" for NVIDIA GPU nodes: the image whose binaries are built for glibc, so that they can load
+the driver's libnvidia-ml.so.1 (the main image's static binaries cannot load any library).
+*/}}
+{{- define "devplug.imageSuffix" -}}
+{{- if eq (toString .Values.gpu.vendor) "nvidia" }}-gpu{{ end }}
+{{- end }}
+
+{{/*
+devplug's config file: .Values.config, except that with gpu.vendor set its resources are the
+vendor's GPU resource and gpu.extraResources. Everything that looks at the resources reads this.
+*/}}
+{{- define "devplug.config" -}}
+{{- $config := deepCopy .Values.config -}}
+{{- $vendor := toString .Values.gpu.vendor -}}
+{{- if $vendor -}}
+{{- $backends := dict "nvidia" "nvidia" "amdgpu" "amdgpu" "intel-gpu" "intel_gpu" -}}
+{{- $names := dict "nvidia" "nvidia.com/gpu" "amdgpu" "amd.com/gpu" "intel-gpu" "gpu.intel.com/i915" -}}
+{{- if not (hasKey $backends $vendor) -}}
+{{- fail (printf "gpu.vendor: %q is not a GPU vendor devplug serves: use nvidia, amdgpu or intel-gpu (or \"\" for none)" $vendor) -}}
+{{- end -}}
+{{- $settings := dict "cdi_dir" .Values.dra.cdiDir -}}
+{{- if eq $vendor "nvidia" -}}
+{{- $_ := set $settings "driver_roots" (list "/driver-root") -}}
+{{- $_ := set $settings "host_driver_root" .Values.gpu.driverRoot -}}
+{{- end -}}
+{{- $settings = mergeOverwrite $settings (deepCopy (default dict .Values.gpu.settings)) -}}
+{{- $resource := dict "name" (default (get $names $vendor) .Values.gpu.resourceName) (get $backends $vendor) $settings -}}
+{{- $_ := set $config "resources" (concat (list $resource) (default list .Values.gpu.extraResources)) -}}
+{{- end -}}
+{{- toYaml $config -}}
+{{- end }}
+
+{{/*
+The pods' node selector: .Values.nodeSelector, and with gpu.vendor set, gpu.nodeSelector or
+else the vendor's PCI label from Node Feature Discovery.
+*/}}
+{{- define "devplug.nodeSelector" -}}
+{{- $selector := deepCopy (default dict .Values.nodeSelector) -}}
+{{- $vendor := toString .Values.gpu.vendor -}}
+{{- if $vendor -}}
+{{- $pci := dict "nvidia" "10de" "amdgpu" "1002" "intel-gpu" "8086" -}}
+{{- $gpu := .Values.gpu.nodeSelector -}}
+{{- if not $gpu -}}
+{{- $gpu = dict (printf "feature.node.kubernetes.io/pci-%s.present" (get $pci $vendor)) "true" -}}
+{{- end -}}
+{{- $selector = mergeOverwrite $selector (deepCopy $gpu) -}}
+{{- end -}}
+{{- with $selector }}{{ toYaml . }}{{ end -}}
+{{- end }}
+
+{{/*
+"true" when the host's /dev and /sys are mounted: hostdev.enabled, or a GPU vendor (device nodes
+and sysfs are how GPUs are found and watched).
+*/}}
+{{- define "devplug.hostDevices" -}}
+{{- if or .Values.hostdev.enabled .Values.gpu.vendor }}true{{ end }}
+{{- end }}
+
+{{/*
+"true" when the pods write CDI specs the container runtime reads: dra: resources, GPU vendors.
+*/}}
+{{- define "devplug.cdi" -}}
+{{- if or (include "devplug.dra" .) .Values.gpu.vendor }}true{{ end }}
 {{- end }}
 
 {{/*
@@ -81,7 +147,7 @@ Host folders under the kubelet's root dir.
 and RBAC on its Node); empty otherwise.
 */}}
 {{- define "devplug.advertise" -}}
-{{- range .Values.config.resources }}{{ if .advertise }}true{{ end }}{{ end }}
+{{- range (include "devplug.config" . | fromYaml).resources }}{{ if .advertise }}true{{ end }}{{ end }}
 {{- end }}
 
 {{/*
@@ -89,7 +155,7 @@ and RBAC on its Node); empty otherwise.
 the kubelet's plugins/ folder and /var/run/cdi); empty otherwise.
 */}}
 {{- define "devplug.dra" -}}
-{{- range .Values.config.resources }}{{ if .dra }}true{{ end }}{{ end }}
+{{- range (include "devplug.config" . | fromYaml).resources }}{{ if .dra }}true{{ end }}{{ end }}
 {{- end }}
 
 {{/*
@@ -122,7 +188,7 @@ helper (and devplug's config::needs_cluster) and this follows.
 */}}
 {{- define "devplug.watcher" -}}
 {{- if eq (toString .Values.config.registration) "watcher" }}true{{ end }}
-{{- range .Values.config.resources }}{{ if eq (toString .registration) "watcher" }}true{{ end }}{{ end }}
+{{- range (include "devplug.config" . | fromYaml).resources }}{{ if eq (toString .registration) "watcher" }}true{{ end }}{{ end }}
 {{- end }}
 
 {{/*
