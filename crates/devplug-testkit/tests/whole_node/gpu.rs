@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 pub const GPU: &str = "nvidia.com/gpu";
 /// What the fake NVML reports as the driver version.
 const DRIVER_VERSION: &str = "570.86.15";
-/// The host folder the test makes (`ci/whole-node-gpu-values.yaml` names it).
-const GPU_DIR: &str = "/var/lib/devplug-test-gpu";
+/// The host folder the test makes (`ci/whole-node-gpu-values.yaml` names it), inside the
+/// node's folder so that the node's cleanup unmounts and removes it.
+const GPU_DIR: &str = "/var/tmp/devplug-test-node/gpu";
 /// Marks the fake libcuda's content, so the pod can show which file it got.
 const LIBCUDA_TEXT: &str = "devplug-test libcuda for driver 570.86.15";
 /// The CDI spec the backend writes for this resource.
@@ -32,8 +33,8 @@ fn write(path: &Path, text: &[u8]) -> Result<(), String> {
 /// nodes (all `c 1 3`, /dev/null's numbers: harmless if opened). Returns the GPUs' UUIDs.
 fn make_driver(node: &Node) -> Result<Vec<String>, String> {
     let root = Path::new(GPU_DIR);
-    node.remember_made_file(root)?;
     node.remember_made_file(Path::new(CDI_SPEC))?;
+    shared_mount(root)?;
     let repo = &node.requirements.repo;
     let lib_dir = root.join("driver-root/usr/lib/x86_64-linux-gnu");
     let fake = repo.join("target/debug/libfake_nvml.so");
@@ -83,16 +84,37 @@ fn make_driver(node: &Node) -> Result<Vec<String>, String> {
         if path.exists() {
             continue;
         }
-        let status = std::process::Command::new("mknod")
-            .arg(&path)
-            .args(["c", "1", "3"])
-            .status()
-            .map_err(|e| format!("mknod: {e}"))?;
-        if !status.success() {
-            return Err(format!("mknod {}: {status}", path.display()));
-        }
+        run("mknod", &[&path.display().to_string(), "c", "1", "3"])?;
     }
     Ok(uuids)
+}
+
+/// Makes `dir` a shared mount point, as systemd makes `/` on a real node: the chart mounts the
+/// driver root with `HostToContainer` propagation (a driver container mounts it later), which
+/// the runtime refuses on a private mount.
+fn shared_mount(dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let here = dir.display().to_string();
+    if !mounts
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(here.as_str()))
+    {
+        run("mount", &["--bind", &here, &here])?;
+    }
+    run("mount", &["--make-rshared", &here])
+}
+
+fn run(program: &str, args: &[&str]) -> Result<(), String> {
+    let status = std::process::Command::new(program)
+        .args(args)
+        .status()
+        .map_err(|e| format!("{program}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{program} {}: {status}", args.join(" ")))
+    }
 }
 
 fn set_mode(path: &Path, mode: u32) -> Result<(), String> {
