@@ -1,5 +1,5 @@
-//! `devplug capacity set|remove|list`: extended resources on a Node's status (seed 003), and the
-//! clean uninstall of a device plugin's leftover resource (reliability.md §5), through the API
+//! `devplug capacity set|remove|list`: extended resources on a Node's status, and the
+//! clean uninstall of a device plugin's leftover resource, through the API
 //! server with the usual kubeconfig resolution (`--kubeconfig`, `KUBECONFIG`, `~/.kube/config`,
 //! in-cluster).
 

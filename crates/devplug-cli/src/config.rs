@@ -54,7 +54,7 @@ pub struct Config {
     pub resources: Vec<ResourceConfig>,
 }
 
-/// How a resource registers with the kubelet (reliability.md §1).
+/// How a resource registers with the kubelet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RegistrationRoute {
@@ -101,7 +101,7 @@ pub struct ResourceConfig {
     #[serde(default)]
     pub registration: Option<RegistrationRoute>,
     /// No device and no socket: `run` keeps `count` of this extended resource on its own Node's
-    /// status (seed 003), through the API server.
+    /// status, through the API server.
     pub advertise: Option<AdvertiseSettings>,
     /// Serve this resource's devices as a DRA driver (ResourceSlices, claim preparation); by
     /// itself, or beside its device plugin with `device_plugin: true`.

@@ -72,9 +72,7 @@ pub async fn demo() -> anyhow::Result<()> {
 fn how_to(problem: &str) -> anyhow::Error {
     anyhow::anyhow!(
         "devplug demo --dra needs etcd, kube-apiserver and kube-scheduler: {problem}.\n\
-         Get them in devplug's repository with `../shared/k8s/setup.sh target/k8s-assets`, then \
-         `export KUBEBUILDER_ASSETS=$PWD/target/k8s-assets`.\n\
-         Elsewhere: `setup-envtest use 1.36.x -p path` (controller-runtime's tool; it prints the \
+         Get them with `setup-envtest use 1.36.x -p path` (controller-runtime's tool; it prints the \
          folder with etcd and kube-apiserver), put kube-scheduler of the same version in that \
          folder (https://dl.k8s.io/release/v1.36.N/bin/linux/amd64/kube-scheduler), then \
          `export KUBEBUILDER_ASSETS=<that folder>`."

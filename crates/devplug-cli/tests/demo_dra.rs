@@ -183,8 +183,6 @@ fn without_the_binaries_the_dra_demo_says_how_to_get_them() {
             "KUBEBUILDER_ASSETS={} lacks etcd, kube-apiserver, kube-scheduler",
             empty.path().display()
         ),
-        "`../shared/k8s/setup.sh target/k8s-assets`",
-        "`export KUBEBUILDER_ASSETS=$PWD/target/k8s-assets`",
         "`setup-envtest use 1.36.x -p path`",
         "kube-scheduler of the same version",
     ] {

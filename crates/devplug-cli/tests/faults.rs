@@ -1,4 +1,4 @@
-//! Faults an operator hits with the real binary (issue 8): signals other than SIGTERM, a
+//! Faults an operator hits with the real binary: signals other than SIGTERM, a
 //! kubelet folder that cannot be written at shutdown, a wrong `--kubelet-dir`, and Ctrl-C in the
 //! demo. Each test fails on the code before its fix.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test

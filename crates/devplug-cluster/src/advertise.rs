@@ -1,5 +1,5 @@
 //! `advertise:` resources of `devplug run`: extended resources with no device and no socket,
-//! kept on the process's own Node (seed 003). Event-driven: a watch on that one Node; whenever it
+//! kept on the process's own Node. Event-driven: a watch on that one Node; whenever it
 //! changes (the kubelet's status updates, someone's `kubectl patch`), what we advertise is
 //! compared with its status and set again where it differs. A resource that leaves the desired
 //! set is removed once. Nothing is removed at shutdown: a restarting pod must not make capacity

@@ -1,4 +1,4 @@
-//! Extended resources on a Node's status (seed 003, reliability.md §5): set, remove and list
+//! Extended resources on a Node's status: set, remove and list
 //! with JSON patches on `nodes/status`, the way `kubectl patch --subresource=status --type=json`
 //! does it. Resource names go into RFC 6901 pointers (`/` → `~1`, `~` → `~0`).
 //!
@@ -212,7 +212,7 @@ mod tests {
     }
 }
 
-/// The clean-uninstall recipe's bounds (reliability.md §5).
+/// The clean-uninstall recipe's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CleanOptions {
     /// How long to wait for the kubelet to report the resource at 0 (capacity and allocatable):
@@ -281,7 +281,7 @@ fn is_zero(value: &Option<String>) -> bool {
 }
 
 /// The clean-uninstall recipe for a device plugin's resource that the kubelet keeps at 0
-/// forever (reliability.md §5): wait until capacity and allocatable read 0 (the plugin is gone
+/// forever: wait until capacity and allocatable read 0 (the plugin is gone
 /// and its grace is over, so no new pod can get the devices), remove the keys, check again after
 /// [`CleanOptions::recheck_after`], and repeat at most [`CleanOptions::attempts`] times.
 pub async fn clean(

@@ -1,6 +1,6 @@
-//! The cluster side of devplug, through kube-rs, kept out of the core crate (DESIGN.md §2).
+//! The cluster side of devplug, through kube-rs, kept out of the core crate.
 //!
-//! - [`capacity`]: extended resources on a Node's status by JSON patch (seed 003): set, remove
+//! - [`capacity`]: extended resources on a Node's status by JSON patch: set, remove
 //!   (a missing key is "already gone"), list.
 //! - [`advertise`]: resources kept on our own Node by `devplug run` (`advertise:`), event-driven.
 //! - [`dra`]: a backend served as a DRA driver: ResourceSlices, claim preparation, CDI specs.

@@ -9,8 +9,8 @@
 //! Without `KUBEBUILDER_ASSETS` [`ApiServer::shared`] returns `None` after printing a loud
 //! message: tests then say `SKIPPED` and how to get the binaries, never pass silently; with
 //! `DEVPLUG_REQUIRE_API_SERVER` set (CI) a missing `KUBEBUILDER_ASSETS` fails them instead. Get them
-//! with `../shared/k8s/setup.sh target/k8s-assets` in this repository's checkout, or
-//! `setup-envtest use 1.36.x -p path` (controller-runtime's tool) anywhere.
+//! with `setup-envtest use 1.36.x -p path` (controller-runtime's tool; README, "Tests against a
+//! real API server").
 //!
 //! The API server authenticates a static admin token (`system:masters`) and service account
 //! tokens (TokenRequest), and authorizes with RBAC, so permission tests are real.
@@ -111,9 +111,9 @@ pub fn assets_or_skip(test: &str) -> Option<PathBuf> {
     let _ = writeln!(
         std::io::stderr(),
         "\n*** SKIPPED {test}: KUBEBUILDER_ASSETS is not set, so there is no API server to test against.\n\
-         *** Get kube-apiserver and etcd with `../shared/k8s/setup.sh target/k8s-assets` and\n\
-         *** `export KUBEBUILDER_ASSETS=$PWD/target/k8s-assets` (this repository's CI does), or with\n\
-         *** `setup-envtest use 1.36.x -p path` from controller-runtime. This test did NOT run.\n"
+         *** Get kube-apiserver and etcd with `setup-envtest use 1.36.x -p path` (controller-runtime's\n\
+         *** tool) and `export KUBEBUILDER_ASSETS=<that folder>` (README, \"Tests against a real API\n\
+         *** server\"). This test did NOT run.\n"
     );
     None
 }
@@ -189,7 +189,7 @@ fn spawn_scheduler(server: &ApiServer, assets: &Path) -> Result<Child, String> {
     if !binary.is_file() {
         return Err(format!(
             "{} is missing: DRA needs kube-scheduler beside kube-apiserver \
-             (../shared/k8s/setup.sh puts it there)",
+             (README, \"Tests against a real API server\", says where to get it)",
             binary.display()
         ));
     }

@@ -1,4 +1,4 @@
-//! DRA end to end (issue 12 item 5): a real etcd, kube-apiserver and kube-scheduler (1.36), a
+//! DRA end to end: a real etcd, kube-apiserver and kube-scheduler (1.36), a
 //! Node, devplug's DRA driver for it (ResourceSlices appear), a DeviceClass, a ResourceClaim
 //! for 2 devices with a CEL selector on an attribute, and a Pod using it. The real scheduler
 //! allocates the claim and binds the pod; the kubelet simulator, as the node's kubelet, calls

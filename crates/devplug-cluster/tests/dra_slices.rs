@@ -500,7 +500,7 @@ async fn shutdown_deletes_the_slices() {
 }
 
 /// Publish latency after one device changes health: from the send on the backend's channel to
-/// the publisher confirming the write. Printed, never asserted (DESIGN.md §7).
+/// the publisher confirming the write. Printed, never asserted.
 #[tokio::test]
 async fn publish_latency_after_a_change() {
     let Some(s) = setup("publish_latency_after_a_change", "slices-latency").await else {

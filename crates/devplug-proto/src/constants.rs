@@ -1,4 +1,4 @@
-//! Constants of the v1beta1 contract, as the kubelet defines them (protocol.md §2).
+//! Constants of the v1beta1 contract, as the kubelet defines them.
 
 /// The only API version the kubelet accepts in `RegisterRequest.version`.
 pub const VERSION: &str = "v1beta1";
@@ -31,7 +31,7 @@ pub const MAX_RECV_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 pub const CHECKPOINT_FILE_NAME: &str = "kubelet_internal_checkpoint";
 
 /// The kubelet's plugin-watcher folder: a socket here serving `pluginregistration.Registration`
-/// registers a plugin (reliability.md §1).
+/// registers a plugin.
 pub const PLUGINS_REGISTRY_PATH: &str = "/var/lib/kubelet/plugins_registry/";
 
 /// `PluginInfo.type` of a device plugin registering through the plugin watcher.
@@ -59,7 +59,7 @@ pub const POD_RESOURCES_QPS: u32 = 100;
 pub const POD_RESOURCES_BURST: u32 = 10;
 
 /// The service names a DRA plugin lists in `PluginInfo.supported_versions`, newest first: the
-/// kubelet takes the first one it supports (protocol.md §5). These are not the gRPC paths.
+/// kubelet takes the first one it supports. These are not the gRPC paths.
 pub const DRA_SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
 
 /// The kubelet's folder of plugin sockets; a DRA driver serves `<this>/<driver>/dra.sock`.

@@ -20,8 +20,8 @@
 //!   `k8s.io.kubelet.pkg.apis.dra.v1` (Kubernetes 1.34+) and `…v1beta1` (1.32+), generated from
 //!   `proto/dra/*/api.proto`.
 //!
-//! Field names, numbers and the package names come from `../shared/protocol.md` §1 and
-//! `../shared/reliability.md` §1–§2 (DRA: `protocol.md` §5), and are pinned by `tests/wire.rs`.
+//! Field names, numbers and the package names are the kubelet's (`k8s.io/kubelet/pkg/apis/…`),
+//! and are pinned by `tests/wire.rs`.
 
 pub mod authority;
 pub mod constants;

@@ -1,4 +1,4 @@
-//! The kubelet's rule for extended resource names (`IsExtendedResourceName`, protocol.md §3.2).
+//! The kubelet's rule for extended resource names (`IsExtendedResourceName`, `k8s.io/apimachinery` helpers).
 //!
 //! A name is valid when it has exactly one `/`, does not contain `kubernetes.io/`, does not start
 //! with `requests.`, and `"requests." + name` is a qualified name: a DNS-1123 subdomain prefix of

@@ -5,7 +5,7 @@ use crate::v1beta1::{NumaNode, TopologyInfo};
 
 impl TopologyInfo {
     /// The topology of a device on `nodes`; `None` when there are none, which the kubelet reads
-    /// as "no NUMA preference" (protocol.md §3.13).
+    /// as "no NUMA preference".
     pub fn for_numa_nodes(nodes: &[i64]) -> Option<Self> {
         (!nodes.is_empty()).then(|| TopologyInfo {
             nodes: nodes.iter().map(|&id| NumaNode { id }).collect(),

@@ -1,5 +1,5 @@
-//! gRPC over Unix sockets: channels dialled the way the kubelet dials (protocol.md §3.3:
-//! `:authority` is `localhost`, never the socket path, and the connection is made eagerly), and
+//! gRPC over Unix sockets: channels dialled the way the kubelet dials
+//! (`:authority` is `localhost`, never the socket path, and the connection is made eagerly), and
 //! servers on a listener we accept from ourselves, each connection wrapped in
 //! [`AuthorityFix`] so that clients sending the socket path as `:authority` are served too.
 

@@ -1,6 +1,6 @@
-//! Pins the wire contract from protocol.md §1: package and service names, full gRPC method
+//! Pins the wire contract of the kubelet's APIs: package and service names, full gRPC method
 //! paths, and the encoded bytes of messages, computed by hand from the field numbers. The same for
-//! `pluginregistration` and pod resources `v1` (reliability.md §1, §2).
+//! `pluginregistration` and pod resources `v1`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 

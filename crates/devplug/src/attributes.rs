@@ -2,7 +2,7 @@
 //! node, PCI address, UUID…) and capacities (memory…) that CEL selectors in a DeviceClass or a
 //! ResourceClaim test (`device.attributes["npu.example.com"].model == "x1"`). Optional data on a
 //! [`Device`](crate::Device): the device plugin path ignores it, the DRA driver publishes it in
-//! ResourceSlices. Names follow the API server's rules for a ResourceSlice (protocol.md §5), so
+//! ResourceSlices. Names follow the API server's rules for a ResourceSlice, so
 //! a backend finds a bad name in its own tests rather than as a refused slice.
 
 use std::collections::BTreeMap;

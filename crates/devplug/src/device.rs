@@ -22,7 +22,7 @@ pub enum Health {
     },
 }
 
-/// The longest device id the kubelet documents (`Device.ID`, protocol.md §2).
+/// The longest device id the kubelet documents (`Device.ID`).
 pub const MAX_ID_LEN: usize = 63;
 
 /// Checks that `id` can be a device id: not empty, at most [`MAX_ID_LEN`] bytes, and free of
@@ -355,7 +355,7 @@ mod tests {
 
     #[test]
     fn oversized_list_is_refused_with_how_many_fit() {
-        // 36-character ids cost 36 + 13 bytes each: ~85,000 fit in 4 MiB (DESIGN.md §9).
+        // 36-character ids cost 36 + 13 bytes each: ~85,000 fit in 4 MiB.
         let ids = (0..100_000).map(|i| Device::new(format!("{i:036}")));
         let err = DeviceList::new(ids).to_wire().unwrap_err();
         assert!(err.bytes > MAX_RECV_MESSAGE_BYTES);

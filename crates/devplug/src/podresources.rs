@@ -1,4 +1,4 @@
-//! A client of the kubelet's pod resources API v1 (reliability.md §2): which pod holds which
+//! A client of the kubelet's pod resources API v1: which pod holds which
 //! device, and what the kubelet counts as allocatable.
 //!
 //! - [`PodResourcesClient`]: `List`, `GetAllocatableResources` and `Get` over the kubelet's

@@ -1,4 +1,4 @@
-//! Allocation as the kubelet's device manager does it (protocol.md §3.6, §3.7):
+//! Allocation as the kubelet's device manager does it:
 //!
 //! 1. A container that already has devices of the resource keeps them (no call to the plugin).
 //! 2. Devices of the pod's init containers are reused first (`must_include`).

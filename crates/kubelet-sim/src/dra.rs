@@ -1,4 +1,4 @@
-//! The kubelet's DRA side (protocol.md §5), for plugins whose `GetInfo` type is `DRAPlugin`:
+//! The kubelet's DRA side, for plugins whose `GetInfo` type is `DRAPlugin`:
 //! the registration handler the plugin watcher hands them to, the per-driver
 //! `NodePrepareResources` / `NodeUnprepareResources` calls, and the claims the kubelet keeps as
 //! prepared. What it mirrors, from the kubelet 1.34–1.36 sources (`pkg/kubelet/cm/dra/plugin/

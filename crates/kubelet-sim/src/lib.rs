@@ -136,7 +136,7 @@ impl SimConfig {
     }
 }
 
-/// How the kubelet's device plugin server keys its clients (reliability.md §3).
+/// How the kubelet's device plugin server keys its clients.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum ClientKeying {
     /// Kubelets 1.25 to 1.36: one client per resource name. A new registration replaces the

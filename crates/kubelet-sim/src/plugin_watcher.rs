@@ -1,5 +1,5 @@
 //! The kubelet's plugin watcher and plugin manager, for device plugins and DRA plugins
-//! (reliability.md §1, protocol.md §3.4 and §5), as one kubelet session runs them:
+//!, as one kubelet session runs them:
 //!
 //! - the watcher walks `plugins_registry/` at start (sub-folders too) and follows it with inotify;
 //!   names starting with `.` and files that are not sockets are ignored;
@@ -18,7 +18,7 @@
 //!   [`ClientKeying::SocketPath`] only the plugin's own endpoint); a DRA plugin's endpoint is
 //!   removed from its driver.
 //!
-//! The watcher's real dial sends the socket path as `:authority` (reliability.md §6); this one
+//! The watcher's real dial sends the socket path as `:authority`; this one
 //! sends `localhost`, because tonic's client cannot send a path. Serving a path authority is
 //! tested separately with raw HTTP/2 frames (devplug's `tests/it/watcher.rs`).
 

@@ -1,4 +1,4 @@
-//! The kubelet's pod resources API v1 (reliability.md §2), served from the simulator's state on
+//! The kubelet's pod resources API v1, served from the simulator's state on
 //! its own socket:
 //!
 //! - `List`: active pods only (a removed pod is gone), app containers only (init containers are

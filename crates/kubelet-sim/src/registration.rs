@@ -1,12 +1,12 @@
 //! The simulated kubelet's `Registration` service, as the device manager handles it
-//! (protocol.md §3.2, §3.3, §3.5, §3.9): check version and resource name, dial the plugin back
+//!: check version and resource name, dial the plugin back
 //! inside the call (authority `localhost`, 10 s), ask its options, make it the resource's
 //! endpoint, then consume ListAndWatch until it ends; on the end, disconnect the resource's
 //! endpoint (every device unhealthy) and forget the resource after the grace period.
 //!
 //! Which endpoint a stream's end disconnects follows [`ClientKeying`]: kubelets 1.25 to 1.36 look
 //! the resource name up again and disconnect whatever client holds it now, so the end of an old
-//! instance's stream cuts off a newer registration (reliability.md §3). An older client that a
+//! instance's stream cuts off a newer registration. An older client that a
 //! new registration replaced keeps streaming, and its lists still update the resource, as the
 //! kubelet's name-keyed update callback does.
 

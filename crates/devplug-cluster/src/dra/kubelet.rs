@@ -1,7 +1,7 @@
 //! The kubelet side of a DRA driver: `DRAPlugin` (v1 and v1beta1) on
 //! `<plugins>/<driver>/dra.sock`, and a registration socket `<registry>/<driver>-reg.sock` that
 //! the kubelet's plugin watcher finds, asks `GetInfo` (type `DRAPlugin`, the driver name, the
-//! endpoint, `v1.DRAPlugin` first) and tells whether it registered us (protocol.md §5).
+//! endpoint, `v1.DRAPlugin` first) and tells whether it registered us.
 //!
 //! Both sockets are bound under a dot-name (the watcher ignores those) and renamed into place,
 //! so the watcher never sees a socket that is not served yet. The kubelet never retries a

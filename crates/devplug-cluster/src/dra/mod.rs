@@ -1,4 +1,4 @@
-//! Dynamic Resource Allocation: one backend served as a DRA driver (issue 12), beside or
+//! Dynamic Resource Allocation: one backend served as a DRA driver, beside or
 //! instead of its device plugin.
 //!
 //! - [`names`]: device names in a ResourceSlice (DNS labels) from backend ids, a pure function

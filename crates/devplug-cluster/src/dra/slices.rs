@@ -1,4 +1,4 @@
-//! The ResourceSlice publisher (issue 12, item 2): one backend's device list published as
+//! The ResourceSlice publisher: one backend's device list published as
 //! `resource.k8s.io/v1` ResourceSlices for one (driver, node).
 //!
 //! - **One pool** per driver and node, named after the node; `spec.nodeName` is the node. The

@@ -4,7 +4,7 @@
 //! (`RST_STREAM PROTOCOL_ERROR`), and no tower layer can help: the request dies in the HTTP/2 layer
 //! before any service sees it. Kubelets up to 1.25 dial device plugins with the socket path as
 //! authority, as do the kubelet's plugin-watcher dial and gRPC C-core clients on `unix:` targets
-//! (protocol.md §3.3, §4.1). [`AuthorityFix`] wraps each accepted connection and rewrites such an
+//!. [`AuthorityFix`] wraps each accepted connection and rewrites such an
 //! authority to `localhost` before h2 reads it; a connection that sends a valid authority costs one
 //! decoded header block, then passes through untouched. `rewriter.rs` handles frames, `hpack.rs`
 //! header compression.

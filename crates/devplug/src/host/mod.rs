@@ -126,7 +126,7 @@ impl ShutdownReport {
     }
 }
 
-/// How a resource registers with the kubelet (reliability.md §1). Both routes exist on every
+/// How a resource registers with the kubelet. Both routes exist on every
 /// kubelet since 1.13; use one per resource, never both.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Registration {

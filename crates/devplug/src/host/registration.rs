@@ -1,7 +1,7 @@
 //! Registering a resource with the kubelet: one `Register` call on `kubelet.sock`.
 //!
 //! The kubelet dials our socket back and calls `GetDevicePluginOptions` inside this call, so the
-//! caller must already be serving (protocol.md §3.2).
+//! caller must already be serving.
 
 use crate::backend::Options;
 use devplug_proto::constants::VERSION;

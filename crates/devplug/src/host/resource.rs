@@ -5,7 +5,7 @@
 //! current `kubelet.sock` is the one we registered with, and fixes what is not. Events come from
 //! inotify; the only timers are retry delays, and they run only while something is wrong.
 //!
-//! Two kubelet habits shape the retries (issue 8, reliability.md §3):
+//! Two kubelet habits shape the retries:
 //! - a Go kubelet creates `kubelet.sock` before it listens, so the first dial is often refused:
 //!   retries start at 1 ms, and a new `kubelet.sock` starts the sequence again;
 //! - kubelets up to 1.36 disconnect whichever client holds the resource name when any stream of
@@ -39,7 +39,7 @@ const REFUSED_MIN: Duration = Duration::from_millis(100);
 /// Binding our socket: errors here are about permissions or space, not races.
 const BIND_FIRST: Duration = Duration::from_millis(100);
 /// After the kubelet dropped our stream without restarting, we register again at once (the
-/// kubelet does not redial on its own, protocol.md §4.7). If it drops the new stream within
+/// kubelet does not redial on its own). If it drops the new stream within
 /// this long too, the next attempt waits, doubling from 1 ms up to 1 s.
 const RELINK_CALM: Duration = Duration::from_secs(1);
 

@@ -1,4 +1,4 @@
-//! The pod resources follower of a host (reliability.md §2, §3): one client, polling the kubelet's
+//! The pod resources follower of a host: one client, polling the kubelet's
 //! `GetAllocatableResources` and `List` in turn, each at most once per interval.
 //!
 //! - `List` gives the devices allocated per resource (for `/metrics`) and the devices in use

@@ -1,5 +1,5 @@
 //! One resource registered through the kubelet's plugin watcher instead of `kubelet.sock`
-//! (reliability.md §1, protocol.md §3.4).
+//!.
 //!
 //! Two sockets per resource:
 //! - the DevicePlugin socket, in a folder of ours *outside* `device-plugins/` (a restarting

@@ -1,4 +1,4 @@
-//! Faults found by running devplug as operators do (issue 8): the kubelet folder removed and
+//! Faults found by running devplug as operators do: the kubelet folder removed and
 //! created again, a wrong folder, a kubelet that binds before it listens, a kubelet down for a
 //! while, a rolling upgrade on kubelets that key clients by resource name, a list over the
 //! kubelet's 4 MiB limit, and 10,000 bad ids in one Allocate. Each test fails on the code

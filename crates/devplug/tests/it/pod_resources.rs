@@ -1,6 +1,5 @@
-//! The pod resources client against the simulator's PodResources v1 (reliability.md §2 and §8
-//! scenarios 13 and 16): List/Get/GetAllocatableResources over a Unix socket, NUMA duplicates,
-//! init containers left out, the kubelet's rate limit, answers over tonic's 4 MiB default, the
+//! The pod resources client against the simulator's PodResources v1:
+//! List/Get/GetAllocatableResources over a Unix socket, NUMA duplicates, init containers left out, the kubelet's rate limit, answers over tonic's 4 MiB default, the
 //! devices-in-use channel, and the watchdog that registers again when the kubelet lost us.
 
 use crate::support::{no_hold_down, wait_capacity, TestBackend, WAIT};

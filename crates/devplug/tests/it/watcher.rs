@@ -1,4 +1,4 @@
-//! Registration through the kubelet's plugin watcher (reliability.md §1): a host with
+//! Registration through the kubelet's plugin watcher: a host with
 //! `Registration::Watcher` against the simulator running its plugin watcher on
 //! `plugins_registry/`, over real sockets. Kubelet restart, `Notify(false)`, an operator deleting
 //! the registration socket, a dropped stream, and the watcher's path `:authority`.
@@ -189,7 +189,7 @@ async fn the_registration_socket_serves_the_watchers_path_authority() {
     let plugin = status.borrow_and_update().socket.clone().unwrap();
     let registration = registration_socket(root.path());
     let path = registration.to_str().unwrap().to_owned();
-    // grpc-go sends the bare path, newer grpc-go the percent-encoded path (reliability.md §6).
+    // grpc-go sends the bare path, newer grpc-go the percent-encoded path.
     for authority in [path.clone(), path.replace('/', "%2F")] {
         let mut client = RawH2Client::connect(&registration, &authority).await;
         let info: pr::PluginInfo = tokio::time::timeout(
