@@ -63,6 +63,7 @@ impl Preparer {
         files: PrepareFiles,
     ) -> Result<Preparer, CheckpointError> {
         let checkpoint = Checkpoint::load(&files.checkpoint, driver)?;
+        remove_stale_specs(&files.cdi_dir, driver, &checkpoint);
         Ok(Preparer {
             driver: driver.to_owned(),
             pool: pool.to_owned(),
@@ -267,6 +268,53 @@ impl Preparer {
     }
 }
 
+/// Removes this driver's claim specs that no claim of the checkpoint owns: left by a claim
+/// unprepared while devplug was not running to see it (an uninstall, a checkpoint removed by
+/// hand). Only files devplug writes are touched: named `devplug-<driver>-*.json`, with the
+/// driver's claim kind inside. Returns how many went.
+pub fn remove_stale_specs(cdi_dir: &Path, driver: &str, checkpoint: &Checkpoint) -> usize {
+    let Ok(entries) = std::fs::read_dir(cdi_dir) else {
+        return 0;
+    };
+    let kind = format!("{driver}/claim");
+    let prefix = spec_path(cdi_dir, driver, "")
+        .file_name()
+        .and_then(|n| n.to_str())
+        .map(|n| n.trim_end_matches(".json").to_owned())
+        .unwrap_or_default();
+    let owned: std::collections::HashSet<PathBuf> = checkpoint
+        .claims
+        .iter()
+        .flat_map(|(uid, c)| [c.cdi_spec.clone(), spec_path(cdi_dir, driver, uid)])
+        .collect();
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with(&prefix) || !name.ends_with(".json") || owned.contains(&path) {
+            continue;
+        }
+        let ours = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .is_some_and(|spec| spec["kind"] == kind.as_str());
+        if !ours {
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => {
+                removed += 1;
+                tracing::info!(%driver, spec = %path.display(), "removed the CDI spec of a claim no longer prepared");
+            }
+            Err(err) => {
+                tracing::warn!(%driver, spec = %path.display(), %err, "cannot remove a stale CDI spec")
+            }
+        }
+    }
+    removed
+}
+
 /// The CDI spec file of a claim: `<cdi_dir>/devplug-<driver>-<uid>.json`.
 pub fn spec_path(cdi_dir: &Path, driver: &str, uid: &str) -> PathBuf {
     let clean = |s: &str| -> String {
@@ -417,5 +465,43 @@ mod tests {
         assert!(results.values().all(Result::is_ok));
         assert!(!spec_file.exists());
         assert!(again.prepared().await.is_empty());
+    }
+
+    #[test]
+    fn stale_claim_specs_go_at_start_and_nothing_else_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let cdi = dir.path().join("cdi");
+        std::fs::create_dir_all(&cdi).unwrap();
+        let driver = "npu.example.com";
+        let spec = |kind: &str| format!(r#"{{"cdiVersion":"0.5.0","kind":"{kind}","devices":[]}}"#);
+        let kept = spec_path(&cdi, driver, "prepared");
+        let stale = spec_path(&cdi, driver, "gone");
+        let other_kind = spec_path(&cdi, driver, "other-kind");
+        let other_driver = spec_path(&cdi, "npu.example.com-x", "u");
+        let not_ours = cdi.join("nvidia.com_gpu.json");
+        std::fs::write(&kept, spec("npu.example.com/claim")).unwrap();
+        std::fs::write(&stale, spec("npu.example.com/claim")).unwrap();
+        std::fs::write(&other_kind, spec("example.com/else")).unwrap();
+        std::fs::write(&other_driver, spec("npu.example.com-x/claim")).unwrap();
+        std::fs::write(&not_ours, spec("npu.example.com/claim")).unwrap();
+        let mut checkpoint = Checkpoint::new(driver);
+        checkpoint.claims.insert(
+            "prepared".into(),
+            PreparedClaim {
+                namespace: "ns".into(),
+                name: "c".into(),
+                devices: Vec::new(),
+                cdi_spec: kept.clone(),
+            },
+        );
+        assert_eq!(remove_stale_specs(&cdi, driver, &checkpoint), 1);
+        assert!(!stale.exists());
+        for left in [&kept, &other_kind, &other_driver, &not_ours] {
+            assert!(left.exists(), "{}", left.display());
+        }
+        assert_eq!(
+            remove_stale_specs(&dir.path().join("none"), driver, &checkpoint),
+            0
+        );
     }
 }
