@@ -65,6 +65,7 @@ RELEASES = {
                 {"name": "example.com/b", "virtual": {"count": 3, "numa_nodes": 2}, "registration": "watcher"},
                 {"name": "example.com/dongle", "advertise": {"count": 4}},
                 {"name": "example.com/c", "virtual": {"count": 2}, "dra": {"driver": "c.example.com", "device_plugin": True}},
+                {"name": "amd.com/gpu", "amdgpu": {}},
             ]
         },
     },

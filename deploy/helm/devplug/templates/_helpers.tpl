@@ -117,18 +117,21 @@ else the vendor's PCI label from Node Feature Discovery.
 {{- end }}
 
 {{/*
-"true" when the host's /dev and /sys are mounted: hostdev.enabled, or a GPU vendor (device nodes
-and sysfs are how GPUs are found and watched).
+"true" when the host's /dev and /sys are mounted: hostdev.enabled, or a GPU backend's resource
+(from gpu.vendor or config.resources: device nodes and sysfs are how GPUs are found and watched).
 */}}
 {{- define "devplug.hostDevices" -}}
-{{- if or .Values.hostdev.enabled .Values.gpu.vendor }}true{{ end }}
+{{- if .Values.hostdev.enabled }}true{{ end }}
+{{- range (include "devplug.config" . | fromYaml).resources }}{{ if or .nvidia .amdgpu .intel_gpu }}true{{ end }}{{ end }}
 {{- end }}
 
 {{/*
-"true" when the pods write CDI specs the container runtime reads: dra: resources, GPU vendors.
+"true" when the pods write CDI specs the container runtime reads: dra: resources, and the GPU
+backends (nvidia, amdgpu, intel_gpu write a spec by default), whether from gpu.vendor or listed
+in config.resources.
 */}}
 {{- define "devplug.cdi" -}}
-{{- if or (include "devplug.dra" .) .Values.gpu.vendor }}true{{ end }}
+{{- range (include "devplug.config" . | fromYaml).resources }}{{ if or .dra .nvidia .amdgpu .intel_gpu }}true{{ end }}{{ end }}
 {{- end }}
 
 {{/*
