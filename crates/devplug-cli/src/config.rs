@@ -447,6 +447,9 @@ impl ResourceConfig {
     /// Starts the configured backend (watchers included; needs a tokio runtime). Errors name the
     /// backend key and the field.
     pub fn build(&self) -> Result<Arc<dyn Backend>, (&'static str, SettingsError)> {
+        // What the backends log while starting (and, where they spawn in this span, after)
+        // names the resource. At ERROR level so that no log filter disables the span itself.
+        let _span = tracing::error_span!("resource", resource = %self.name).entered();
         if let Some(settings) = &self.virtual_devices {
             let backend = VirtualBackend::new(settings).map_err(|e| ("virtual", e))?;
             return Ok(Arc::new(backend));

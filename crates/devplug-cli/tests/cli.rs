@@ -183,3 +183,34 @@ fn help_is_there_for_every_command() {
         assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"));
     }
 }
+
+/// `check-config --discover` reports what each resource finds and what a container gets; a
+/// backend's warnings name their resource (here a hostdev pattern that matches nothing).
+#[test]
+fn check_config_discover_reports_devices_and_warnings_name_their_resource() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write(
+        dir.path(),
+        "config.yaml",
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 3, env: NPUS }\n  \
+         - name: example.com/typo\n    hostdev: { groups: [ { paths: [\"/dev/devplug-no-such-node*\"] } ] }\n",
+    );
+    let out = devplug(&["check-config", "--discover", "--config", &config]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("example.com/npu: 3 devices, 3 healthy"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("    env NPUS="), "{stdout}");
+    assert!(
+        stdout.contains("example.com/typo: 0 devices, 0 healthy"),
+        "{stdout}"
+    );
+    let warning = stderr
+        .lines()
+        .find(|l| l.contains("matches no device"))
+        .unwrap_or_else(|| panic!("no warning: {stderr}"));
+    assert!(warning.contains("resource=example.com/typo"), "{warning}");
+}

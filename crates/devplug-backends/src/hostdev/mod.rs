@@ -161,7 +161,10 @@ impl HostdevBackend {
             inventory: inventory.clone(),
             devices: devices.clone(),
         };
-        tokio::spawn(follower.run(found, stop.clone()));
+        // In the caller's span: its logs name the resource the way the start's do.
+        tokio::spawn(tracing::Instrument::in_current_span(
+            follower.run(found, stop.clone()),
+        ));
         Ok(HostdevBackend {
             settings,
             inventory,
