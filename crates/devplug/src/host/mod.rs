@@ -612,11 +612,19 @@ impl Host {
     pub async fn shutdown(&self) -> ShutdownReport {
         self.stop.cancel();
         let running = std::mem::take(&mut *self.lock());
+        let watcher = running
+            .values()
+            .any(|r| r.settings.registration == Registration::Watcher);
         let mut report = ShutdownReport::default();
         for (_, r) in running {
             if let Ok(Some(left)) = r.task.await {
                 report.left_behind.push(left);
             }
+        }
+        // The watcher route's socket folder, made at its first bind: gone once empty (a folder
+        // still holding a socket, or mounted into a container, stays; neither is an error).
+        if watcher {
+            let _ = std::fs::remove_dir(&self.watcher_dirs.sockets);
         }
         report
     }

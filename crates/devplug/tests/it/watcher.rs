@@ -107,11 +107,14 @@ async fn registers_through_the_watcher_and_survives_a_kubelet_restart() {
     let metrics = host.metrics();
     assert_eq!(metrics[0].1.kubelet_restarts, 1, "{metrics:?}");
 
+    let sockets = host.watcher_dirs().sockets.clone();
+    assert!(sockets.is_dir());
     host.shutdown().await;
     assert!(
         !registration.exists() && !plugin.exists(),
         "both sockets removed"
     );
+    assert!(!sockets.exists(), "the emptied socket folder removed");
     // The watcher saw the registration socket go: the endpoint is disconnected.
     kubelet
         .wait_for(WAIT, |n| {
