@@ -167,6 +167,16 @@ const OTHER_KUBELET_DIRS: [(&str, &str); 2] = [
 /// Says once, at start, that the kubelet folder is not there (yet), naming the flag and where
 /// other distributions keep it; the host then waits for the folder to appear.
 fn warn_if_no_kubelet_folder(dir: &std::path::Path) {
+    if let Some(inner) = kubelet_root_given(dir) {
+        tracing::error!(
+            kubelet_dir = %dir.display(),
+            "--kubelet-dir names the kubelet's root folder (it holds device-plugins/ and no \
+             kubelet.sock): the kubelet will never be found there; set --kubelet-dir {} (or \
+             DEVPLUG_KUBELET_DIR)",
+            inner.display()
+        );
+        return;
+    }
     if dir.exists() {
         return;
     }
@@ -192,6 +202,14 @@ fn warn_if_no_kubelet_folder(dir: &std::path::Path) {
             "no kubelet here yet: the kubelet folder does not exist, but a kubelet folder was found elsewhere; set --kubelet-dir to it. Waiting for the configured folder meanwhile"
         );
     }
+}
+
+/// The `device-plugins/` folder inside `dir` when `dir` is the kubelet's root rather than that
+/// folder (a common slip: `--kubelet-dir /var/lib/kubelet`).
+fn kubelet_root_given(dir: &std::path::Path) -> Option<PathBuf> {
+    let inner = dir.join("device-plugins");
+    let socket = devplug_proto::constants::KUBELET_SOCKET_NAME;
+    (inner.is_dir() && !dir.join(socket).exists()).then_some(inner)
 }
 
 /// The running config and the host serving it.
@@ -462,4 +480,22 @@ struct Report {
     removed: Vec<String>,
     failed: Vec<String>,
     unchanged: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_kubelet_root_given_for_its_device_plugins_folder_is_noticed() {
+        let root = tempfile::tempdir().unwrap();
+        let inner = root.path().join("device-plugins");
+        std::fs::create_dir(&inner).unwrap();
+        assert_eq!(kubelet_root_given(root.path()), Some(inner.clone()));
+        // The right folder, or one with a kubelet.sock of its own, is not a slip.
+        assert_eq!(kubelet_root_given(&inner), None);
+        std::fs::write(root.path().join("kubelet.sock"), "").unwrap();
+        assert_eq!(kubelet_root_given(root.path()), None);
+    }
 }
