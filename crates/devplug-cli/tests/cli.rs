@@ -214,3 +214,25 @@ fn check_config_discover_reports_devices_and_warnings_name_their_resource() {
         .unwrap_or_else(|| panic!("no warning: {stderr}"));
     assert!(warning.contains("resource=example.com/typo"), "{warning}");
 }
+
+/// `capacity` with no cluster to talk to says so in one short line naming what it looked for.
+#[test]
+fn capacity_without_a_cluster_says_what_it_looked_for() {
+    let home = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args(["capacity", "list", "--node", "n"])
+        .env("HOME", home.path())
+        .env_remove("KUBECONFIG")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let want = format!(
+        "KUBECONFIG is not set, {} does not exist, and this is not a pod",
+        home.path().join(".kube/config").display()
+    );
+    assert!(err.contains(&want), "{err}");
+    assert!(!err.contains("'\""), "no doubled quotes: {err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}

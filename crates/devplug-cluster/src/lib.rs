@@ -44,10 +44,33 @@ pub async fn connect(kubeconfig: Option<&Path>) -> Result<kube::Client, ConnectE
                 path: path.display().to_string(),
                 message,
             }),
-        None => kube::Client::try_default()
-            .await
-            .map_err(|e| ConnectError::Infer(e.to_string())),
+        None => {
+            if let Some(missing) = no_cluster_source() {
+                return Err(ConnectError::Infer(missing));
+            }
+            kube::Client::try_default()
+                .await
+                .map_err(|e| ConnectError::Infer(e.to_string()))
+        }
     }
+}
+
+/// Why no cluster can be inferred, when none of kube-rs's sources is there: no `KUBECONFIG`, no
+/// `~/.kube/config`, not in a pod. One short line instead of kube-rs's nested one.
+fn no_cluster_source() -> Option<String> {
+    if std::env::var_os("KUBECONFIG").is_some_and(|v| !v.is_empty())
+        || std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
+    {
+        return None;
+    }
+    let home = std::env::var_os("HOME").map(std::path::PathBuf::from)?;
+    let default = home.join(".kube").join("config");
+    (!default.exists()).then(|| {
+        format!(
+            "KUBECONFIG is not set, {} does not exist, and this is not a pod",
+            default.display()
+        )
+    })
 }
 
 /// A client for the kubeconfig file at `path`, its current context (no environment).
