@@ -237,7 +237,10 @@ impl Config {
             })
         });
         let mut config: Config = parsed.map_err(|err| {
-            let message = plain_types(err.to_string().trim_start_matches("error: "));
+            let message = name_the_file(
+                &plain_types(err.to_string().trim_start_matches("error: ")),
+                path,
+            );
             let mut message = match at.as_str() {
                 "" | "." => message,
                 at => format!("{at}: {message}"),
@@ -318,15 +321,25 @@ impl Config {
     }
 }
 
-/// The parser's message with Rust type names in words (`invalid u64` → `expected an integer`).
+/// The parser's message with Rust type names in words (`invalid u64` → `expected a whole number
+/// of 0 or more`; its own range is checked once it parses).
 fn plain_types(message: &str) -> String {
     let mut message = message.to_owned();
-    for ty in [
-        "u128", "u64", "u32", "u16", "u8", "usize", "i128", "i64", "i32", "i16", "i8", "isize",
-    ] {
-        message = message.replace(&format!("invalid {ty}"), "expected an integer");
+    for ty in ["u128", "u64", "u32", "u16", "u8", "usize"] {
+        message = message.replace(
+            &format!("invalid {ty}"),
+            "expected a whole number of 0 or more (no sign, no fraction)",
+        );
+    }
+    for ty in ["i128", "i64", "i32", "i16", "i8", "isize"] {
+        message = message.replace(&format!("invalid {ty}"), "expected a whole number");
     }
     message.replace("invalid boolean", "expected true or false")
+}
+
+/// The snippet's header names the file, not the parser's `<input>`.
+fn name_the_file(message: &str, path: &Path) -> String {
+    message.replace("--> <input>:", &format!("--> {}:", path.display()))
 }
 
 /// A hint for a file that holds resources but not under `resources:` (a snippet copied from

@@ -64,7 +64,11 @@ fn config_errors_name_the_path_the_range_and_the_shape() {
     let cases = [
         (
             "resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/y\n    virtual: { count: many }\n",
-            "resources[1].virtual.count: line 5 column 23: expected an integer",
+            "resources[1].virtual.count: line 5 column 23: expected a whole number of 0 or more",
+        ),
+        (
+            "resources:\n  - name: a.com/x\n    virtual: { count: -3 }\n",
+            "expected a whole number of 0 or more (no sign, no fraction)",
         ),
         (
             "resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    health_hold_down: 18446744073709551615s\n",
@@ -100,6 +104,15 @@ fn config_errors_name_the_path_the_range_and_the_shape() {
             );
         }
     }
+    // The snippet under a parse error names the file, not the parser's `<input>`.
+    let path = write(
+        dir.path(),
+        "snippet.yaml",
+        "resources:\n  - name: a.com/x\n    virtual: { count: -3 }\n",
+    );
+    let stderr = text(&devplug(&["check-config", "--config", &path]).stderr);
+    assert!(stderr.contains(&format!("--> {path}:3:")), "{stderr}");
+    assert!(!stderr.contains("<input>"), "{stderr}");
     // `h` is a unit, and an hour is the most a hold-down may be.
     let path = write(
         dir.path(),
