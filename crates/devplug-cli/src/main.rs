@@ -54,8 +54,9 @@ const NAME: &str = if cfg!(feature = "cluster") {
     "devplug-lite"
 };
 
-/// Kubernetes device plugins: virtual devices, device files and host device nodes, served to the
-/// kubelet over the device plugin API v1beta1.
+/// Kubernetes device plugins and DRA drivers: virtual devices, device files, host device nodes
+/// and GPUs (NVIDIA, AMD, Intel), served to the kubelet over the device plugin API v1beta1 or
+/// Dynamic Resource Allocation.
 #[derive(Debug, Parser)]
 #[command(name = NAME, version = VERSION, propagate_version = true)]
 struct Cli {
@@ -77,7 +78,8 @@ struct Cli {
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Serve every resource in a config file to the kubelet until SIGTERM.
+    /// Serve every resource in a config file to the kubelet until SIGTERM, SIGINT, SIGHUP or
+    /// SIGQUIT.
     Run(run::RunArgs),
     /// Show a virtual plugin's whole life on a simulated kubelet (no cluster, no root);
     /// `demo nvidia`: the nvidia backend on a fake DGX-1 through the real NVML loading path;
