@@ -7,6 +7,7 @@ use crate::config::ResourceConfig;
 use anyhow::Context;
 use devplug::Backend;
 use devplug_cluster::dra::kubelet::KubeletDirs;
+use devplug_cluster::dra::runtime::{node_cdi_support, CdiSupport};
 use devplug_cluster::dra::{DraDriver, DraDriverSettings};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -22,6 +23,8 @@ pub struct DraSetup {
     pub node: Option<String>,
     /// The kubeconfig (default: the usual places, then in-cluster).
     pub kubeconfig: Option<PathBuf>,
+    /// Where `/readyz` learns of a runtime that cannot apply CDI, by driver.
+    pub problems: crate::endpoints::Problems,
 }
 
 /// The running drivers, by resource name.
@@ -29,6 +32,10 @@ pub struct DraDrivers {
     setup: DraSetup,
     client: Option<kube::Client>,
     running: BTreeMap<String, (ResourceConfig, DraDriver)>,
+    /// The node's runtime, judged once: `None` until read.
+    runtime: Option<CdiSupport>,
+    /// Drivers whose runtime problem is not yet published as a Node event.
+    unannounced: Vec<(String, String)>,
 }
 
 impl DraDrivers {
@@ -38,6 +45,8 @@ impl DraDrivers {
             setup,
             client: None,
             running: BTreeMap::new(),
+            runtime: None,
+            unannounced: Vec::new(),
         }
     }
 
@@ -61,7 +70,14 @@ impl DraDrivers {
             .map(|(name, _)| name.clone())
             .collect();
         for name in stale {
-            if let Some((_, driver)) = self.running.remove(&name) {
+            if let Some((config, driver)) = self.running.remove(&name) {
+                if let Some(dra) = &config.dra {
+                    self.setup
+                        .problems
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&format!("DRA driver {}", dra.driver));
+                }
                 for problem in driver.shutdown().await {
                     tracing::warn!(resource = %name, %problem, "DRA driver not fully cleaned up");
                 }
@@ -109,6 +125,7 @@ impl DraDrivers {
                 client
             }
         };
+        self.check_runtime(&client, &node, &dra.driver).await;
         let settings = DraDriverSettings {
             driver: dra.driver.clone(),
             node,
@@ -125,6 +142,49 @@ impl DraDrivers {
             })?;
         tracing::info!(resource = %resource.name, driver = %dra.driver, "serving as a DRA driver");
         Ok(driver)
+    }
+
+    /// Says, at ERROR and in `/readyz`, when this node's runtime cannot apply the CDI specs
+    /// through which `driver` hands its devices over (read from the Node once per process).
+    async fn check_runtime(&mut self, client: &kube::Client, node: &str, driver: &str) {
+        if self.runtime.is_none() {
+            match node_cdi_support(client.clone(), node).await {
+                Ok((version, support)) => {
+                    match &support {
+                        CdiSupport::No(problem) => {
+                            tracing::error!(%node, %problem, "DRA claims will reach no container on this node")
+                        }
+                        CdiSupport::IfEnabled(problem) => {
+                            tracing::warn!(%node, %problem, "check that the container runtime applies CDI specs")
+                        }
+                        CdiSupport::Yes => {
+                            tracing::debug!(%node, %version, "the container runtime applies CDI specs")
+                        }
+                        CdiSupport::Unknown => {
+                            tracing::info!(%node, %version, "cannot tell whether this container runtime applies CDI specs; DRA devices reach containers only if it does")
+                        }
+                    }
+                    self.runtime = Some(support);
+                }
+                Err(err) => {
+                    tracing::warn!(%node, %err, "cannot read the Node's container runtime version; not checked for CDI");
+                    return;
+                }
+            }
+        }
+        if let Some(CdiSupport::No(problem)) = &self.runtime {
+            self.setup
+                .problems
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(format!("DRA driver {driver}"), problem.clone());
+            self.unannounced.push((driver.to_owned(), problem.clone()));
+        }
+    }
+
+    /// The runtime problems found since the last call, to publish as Node events.
+    pub fn take_new_runtime_problems(&mut self) -> Vec<(String, String)> {
+        std::mem::take(&mut self.unannounced)
     }
 
     /// Stops every driver: sockets and the node's slices removed, prepared claims kept.

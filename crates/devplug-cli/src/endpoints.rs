@@ -27,7 +27,13 @@ pub struct Endpoints {
     pub host: Arc<Host>,
     /// Config reload counters.
     pub reloads: Arc<ReloadCounters>,
+    /// Problems outside the host that keep the process from doing its job, by what they are
+    /// about (a DRA driver on a runtime that cannot apply CDI): `/readyz` names them.
+    pub problems: Problems,
 }
+
+/// Problems outside the host, by subject, shared with whoever finds them.
+pub type Problems = Arc<std::sync::RwLock<std::collections::BTreeMap<String, String>>>;
 
 /// Binds `addr` and serves until `stop`. Binding errors are returned at once.
 pub async fn serve(
@@ -59,7 +65,14 @@ fn healthy(endpoints: &Endpoints) -> Response {
 }
 
 fn ready(endpoints: &Endpoints) -> Response {
-    if endpoints.host.is_ready() {
+    let problems: Vec<String> = endpoints
+        .problems
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(subject, problem)| format!("{subject}: {problem}"))
+        .collect();
+    if endpoints.host.is_ready() && problems.is_empty() {
         return Response::text(200, "ready\n");
     }
     let mut waiting: Vec<String> = endpoints
@@ -68,6 +81,7 @@ fn ready(endpoints: &Endpoints) -> Response {
         .into_iter()
         .filter_map(|(name, m)| Some(format!("{name}: {}", m.not_ready?)))
         .collect();
+    waiting.extend(problems);
     if !endpoints.host.folder_present() {
         waiting.push(format!(
             "the kubelet folder {} does not exist",

@@ -86,11 +86,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut watch = ConfigWatch::new(&args.config)
         .with_context(|| format!("cannot watch config file {}", args.config.display()))?;
     warn_if_no_kubelet_folder(&args.kubelet_dir);
+    let problems = endpoints::Problems::default();
     let mut runner = Runner {
         host: Arc::new(Host::new(&args.kubelet_dir)?.with_watcher_dirs(watcher_dirs(&args))),
         current: BTreeMap::new(),
         text,
         reloads: Arc::default(),
+        problems: problems.clone(),
         #[cfg(feature = "cluster")]
         cluster: Cluster {
             advertiser: None,
@@ -102,6 +104,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 cdi_dir: args.cdi_dir.clone(),
                 node: args.node_name.clone(),
                 kubeconfig: args.kubeconfig.clone(),
+                problems: problems.clone(),
             }),
         },
     };
@@ -121,6 +124,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let endpoints = Endpoints {
             host: runner.host.clone(),
             reloads: runner.reloads.clone(),
+            problems: runner.problems.clone(),
         };
         endpoints::serve(addr, endpoints, stop_http.clone())
             .await
@@ -218,6 +222,8 @@ struct Runner {
     current: BTreeMap<String, ResourceConfig>,
     text: String,
     reloads: Arc<ReloadCounters>,
+    /// What `/readyz` reports beside the resources.
+    problems: endpoints::Problems,
     /// The API-server side, in the full build.
     #[cfg(feature = "cluster")]
     cluster: Cluster,
@@ -284,6 +290,16 @@ impl Runner {
         built: &BTreeMap<String, Arc<dyn devplug::Backend>>,
     ) -> anyhow::Result<()> {
         let failed = self.cluster.dra.apply(resources, built).await;
+        if let Some(events) = &self.cluster.events {
+            for (driver, problem) in self.cluster.dra.take_new_runtime_problems() {
+                events.publish(devplug_cluster::events::NodeEvent {
+                    warning: true,
+                    reason: "ContainerRuntimeWithoutCDI".into(),
+                    action: driver.clone(),
+                    note: format!("DRA driver {driver}: {problem}"),
+                });
+            }
+        }
         match failed.into_iter().next() {
             None => Ok(()),
             Some((name, err)) => Err(err.context(format!("cannot serve {name} as a DRA driver"))),

@@ -270,3 +270,84 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
         "shutdown removes the slices"
     );
 }
+
+/// A DRA driver on a node whose runtime cannot apply CDI (containerd 1.6, as its Node reports)
+/// says so: at ERROR in its log and in `/readyz` (503), naming the driver and the runtime.
+#[tokio::test]
+async fn a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(server) = ApiServer::shared("a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz")
+    else {
+        return;
+    };
+    let client = testenv::client(&server.kubeconfig).await.unwrap();
+    let nodes: Api<Node> = Api::all(client.clone());
+    node(&nodes, "cli-old-runtime").await;
+    let info = serde_json::json!({"status": {"nodeInfo": {
+        "containerRuntimeVersion": "containerd://1.6.20",
+        "machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": "", "osImage": "",
+        "kubeletVersion": "", "kubeProxyVersion": "", "operatingSystem": "linux",
+        "architecture": "amd64"
+    }}});
+    nodes
+        .patch_status(
+            "cli-old-runtime",
+            &PatchParams::default(),
+            &Patch::Merge(&info),
+        )
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = dir.path().join("device-plugins");
+    std::fs::create_dir_all(&plugins).unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.old.example.com }\n",
+    )
+    .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let cdi = dir.path().join("cdi");
+    let devplug = Devplug::run_with(
+        &config,
+        &plugins,
+        &[
+            "--node-name",
+            "cli-old-runtime",
+            "--kubeconfig",
+            server.kubeconfig.to_str().unwrap(),
+            "--cdi-dir",
+            cdi.to_str().unwrap(),
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+        ],
+    );
+    let want = "DRA driver npu.old.example.com: the container runtime is containerd://1.6.20, \
+                which cannot apply CDI specs";
+    let mut last = String::new();
+    for _ in 0..200 {
+        if let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+            let request = "GET /readyz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+            if stream.write_all(request.as_bytes()).await.is_ok() {
+                last.clear();
+                let _ = stream.read_to_string(&mut last).await;
+                if last.contains(want) {
+                    break;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(last.starts_with("HTTP/1.1 503"), "{last}");
+    assert!(last.contains(want), "{last}");
+    let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("DRA claims will reach no container on this node"),
+        "{log}"
+    );
+}

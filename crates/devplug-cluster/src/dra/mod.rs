@@ -11,6 +11,7 @@
 //! - `driver.rs`: all of it for one backend, started and stopped as one ([`DraDriver`]).
 //! - [`kubelet`]: the driver's sockets and its plugin-watcher registration.
 //! - [`slices`]: the node's devices as ResourceSlices, event-driven, removed at shutdown.
+//! - [`runtime`]: whether the node's container runtime applies CDI specs at all.
 
 pub mod checkpoint;
 pub mod claims;
@@ -18,6 +19,7 @@ mod driver;
 pub mod kubelet;
 pub mod names;
 pub mod prepare;
+pub mod runtime;
 mod service;
 pub mod slices;
 
