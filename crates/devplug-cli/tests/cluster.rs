@@ -222,6 +222,21 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
     )
     .unwrap();
     let cdi = dir.path().join("cdi");
+    // A spec of this driver's left by a claim unprepared while devplug was down, and one of
+    // another program's: the first goes at start, the second stays.
+    std::fs::create_dir_all(&cdi).unwrap();
+    let stale = cdi.join("devplug-npu.cli.example.com-gone.json");
+    let foreign = cdi.join("vendor-npu.json");
+    for (path, kind) in [
+        (&stale, "npu.cli.example.com/claim"),
+        (&foreign, "vendor.example/npu"),
+    ] {
+        std::fs::write(
+            path,
+            format!(r#"{{"cdiVersion":"0.5.0","kind":"{kind}","devices":[]}}"#),
+        )
+        .unwrap();
+    }
     let devplug = Devplug::run_with(
         &config,
         &plugins,
@@ -250,6 +265,8 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(devices, 3, "the DRA resource's devices are published");
+    assert!(!stale.exists(), "the stale claim spec is removed at start");
+    assert!(foreign.exists(), "another program's spec is left alone");
     kubelet
         .wait_for(Duration::from_secs(10), |node| {
             (!node.dra_driver("npu.cli.example.com").is_empty()
