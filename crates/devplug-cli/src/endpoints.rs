@@ -82,6 +82,12 @@ fn ready(endpoints: &Endpoints) -> Response {
         .filter_map(|(name, m)| Some(format!("{name}: {}", m.not_ready?)))
         .collect();
     waiting.extend(problems);
+    if endpoints.host.registry_present() == Some(false) {
+        waiting.push(format!(
+            "the plugin watcher's folder {} does not exist (registration: watcher)",
+            endpoints.host.watcher_dirs().registry.display()
+        ));
+    }
     if !endpoints.host.folder_present() {
         waiting.push(format!(
             "the kubelet folder {} does not exist",

@@ -262,3 +262,36 @@ async fn nvidia_not_ready_until_the_driver_appears_and_xid_reasons_in_metrics() 
     assert!(status.success(), "{log}");
     assert!(log.contains("NVML loaded"), "{log}");
 }
+
+/// `registration: watcher` with no `plugins_registry/` yet: `/readyz` names the folder, as it
+/// names a missing kubelet folder.
+#[tokio::test]
+async fn readyz_names_a_missing_plugin_watcher_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plugins = tmp.path().join("device-plugins");
+    std::fs::create_dir(&plugins).unwrap();
+    let config = tmp.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        format!("registration: watcher\nresources:\n  - name: {RESOURCE}\n    virtual: {{ count: 2 }}\n"),
+    )
+    .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let devplug = Devplug::run_with(&config, &plugins, &["--metrics-addr", &addr]);
+    let body = until(port, "/readyz", 503).await;
+    let registry = tmp.path().join("plugins_registry");
+    assert!(
+        body.contains(&format!(
+            "the plugin watcher's folder {} does not exist",
+            registry.display()
+        )),
+        "{body}"
+    );
+    let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
+    assert!(status.success(), "{log}");
+}

@@ -597,6 +597,14 @@ impl Host {
         matches!(*self.folder.borrow(), FolderState::Present)
     }
 
+    /// Whether the plugin watcher's folder (`plugins_registry/`) is there, once a resource
+    /// registers through it (`registration: watcher`); `None` while none does.
+    pub fn registry_present(&self) -> Option<bool> {
+        self.registry
+            .get()
+            .map(|(_, state)| matches!(*state.borrow(), FolderState::Present))
+    }
+
     /// Ready when every resource is registered and streaming to the kubelet, and no backend
     /// says it cannot serve its devices ([`Backend::not_ready`]).
     pub fn is_ready(&self) -> bool {
