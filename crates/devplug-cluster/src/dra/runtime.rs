@@ -59,14 +59,20 @@ pub fn cdi_support(runtime_version: &str) -> CdiSupport {
     }
 }
 
-/// Reads this node's runtime version and judges it; an error is the API server's.
+/// Reads this node's runtime version and judges it; an error is the API server's. A list by
+/// name, not a get: the driver's RBAC lets it list and watch Nodes (for the slices' owner
+/// reference) and no more.
 pub async fn node_cdi_support(
     client: kube::Client,
     node: &str,
 ) -> Result<(String, CdiSupport), kube::Error> {
-    let node = Api::<Node>::all(client).get(node).await?;
-    let version = node
-        .status
+    let params = kube::api::ListParams::default().fields(&format!("metadata.name={node}"));
+    let list = Api::<Node>::all(client).list(&params).await?;
+    let version = list
+        .items
+        .into_iter()
+        .next()
+        .and_then(|n| n.status)
         .and_then(|s| s.node_info)
         .map(|i| i.container_runtime_version)
         .unwrap_or_default();
