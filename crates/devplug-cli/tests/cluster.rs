@@ -292,7 +292,6 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
 /// says so: at ERROR in its log and in `/readyz` (503), naming the driver and the runtime.
 #[tokio::test]
 async fn a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let Some(server) = ApiServer::shared("a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz")
     else {
         return;
@@ -323,11 +322,7 @@ async fn a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz() {
         "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.old.example.com }\n",
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = support::free_port();
     let cdi = dir.path().join("cdi");
     let devplug = Devplug::run_with(
         &config,
@@ -345,22 +340,18 @@ async fn a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz() {
     );
     let want = "DRA driver npu.old.example.com: the container runtime is containerd://1.6.20, \
                 which cannot apply CDI specs";
-    let mut last = String::new();
+    let mut last = (0, String::new());
     for _ in 0..200 {
-        if let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
-            let request = "GET /readyz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
-            if stream.write_all(request.as_bytes()).await.is_ok() {
-                last.clear();
-                let _ = stream.read_to_string(&mut last).await;
-                if last.contains(want) {
-                    break;
-                }
+        if let Some(answer) = support::http_get(port, "/readyz").await {
+            last = answer;
+            if last.1.contains(want) {
+                break;
             }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(last.starts_with("HTTP/1.1 503"), "{last}");
-    assert!(last.contains(want), "{last}");
+    assert_eq!(last.0, 503, "{}", last.1);
+    assert!(last.1.contains(want), "{}", last.1);
     let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
     assert!(status.success(), "{log}");
     assert!(

@@ -5,31 +5,16 @@ mod support;
 
 use kubelet_sim::Kubelet;
 use std::time::{Duration, Instant};
-use support::Devplug;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use support::{free_port, http_get, Devplug};
 
 const WAIT: Duration = Duration::from_secs(10);
 const RESOURCE: &str = "example.com/npu";
-
-/// GET `path`; returns the status code and body.
-async fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .ok()?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.ok()?;
-    let code = response.split_whitespace().nth(1)?.parse().ok()?;
-    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
-    Some((code, body))
-}
 
 /// Polls `path` until it answers `code`.
 async fn until(port: u16, path: &str, code: u16) -> String {
     let start = Instant::now();
     loop {
-        if let Some((got, body)) = get(port, path).await {
+        if let Some((got, body)) = http_get(port, path).await {
             if got == code {
                 return body;
             }
@@ -58,11 +43,7 @@ async fn readiness_follows_registration_and_metrics_move() {
         colas.display()
     );
     std::fs::write(&config, text).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let addr = format!("127.0.0.1:{port}");
     let devplug = Devplug::run_with(&config, &plugins, &["--metrics-addr", &addr]);
 
@@ -191,11 +172,7 @@ async fn nvidia_not_ready_until_the_driver_appears_and_xid_reasons_in_metrics() 
         tmp.path().join("cdi").display(),
     );
     std::fs::write(&config, text).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let addr = format!("127.0.0.1:{port}");
     let kubelet = Kubelet::start(&plugins).await.unwrap();
     let devplug = Devplug::run_with(&config, &plugins, &["--metrics-addr", &addr]);
@@ -276,11 +253,7 @@ async fn readyz_names_a_missing_plugin_watcher_folder() {
         format!("registration: watcher\nresources:\n  - name: {RESOURCE}\n    virtual: {{ count: 2 }}\n"),
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let addr = format!("127.0.0.1:{port}");
     let devplug = Devplug::run_with(&config, &plugins, &["--metrics-addr", &addr]);
     let body = until(port, "/readyz", 503).await;
