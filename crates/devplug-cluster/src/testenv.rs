@@ -211,11 +211,73 @@ fn start(assets: &Path) -> Result<ApiServer, String> {
         .tempdir()
         .map_err(|e| fail("temp folder", e))?
         .keep();
-    let (server, [etcd, apiserver]) = spawn_api_server(assets, &dir)?;
-    // Not waited for: it outlives us on purpose. Drop the handle only.
-    drop(reap_at_exit(Some(&dir), &[etcd.id(), apiserver.id()])?);
-    wait_ready(&server).map_err(|e| with_logs(e, &dir))?;
-    Ok(server)
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let (server, mut children) = spawn_api_server(assets, &dir)?;
+        let mut reaper = reap_at_exit(Some(&dir), &children.each_ref().map(Child::id))?;
+        match wait_ready(&server, &mut children, &dir) {
+            // The reaper is not waited for: it outlives us on purpose.
+            Ok(()) => return Ok(server),
+            Err(e) if e.port_taken && tries < START_TRIES => {
+                eprintln!("API server: {}; starting again on other ports", e.message);
+                let _ = reaper.kill();
+                let _ = reaper.wait();
+                stop_all(&mut children);
+                let _ = std::fs::remove_dir_all(dir.join("etcd"));
+            }
+            Err(e) => return Err(with_logs(e.message, &dir)),
+        }
+    }
+}
+
+/// How many times a control plane is started when one of its processes found its port taken:
+/// the ports are picked free by binding `:0` and releasing them, so a test starting its own
+/// control plane at the same moment can take one in between.
+const START_TRIES: u32 = 3;
+
+/// Why a started control plane did not become ready.
+#[derive(Debug)]
+struct NotReady {
+    /// A process exited because its port was taken: starting again on other ports helps.
+    port_taken: bool,
+    message: String,
+}
+
+/// The last lines of `path`.
+fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(5)..].join("\n")
+}
+
+/// Waits for `/readyz` as [`wait_ready_async`] does, but fails at once when one of `children`
+/// (etcd, kube-apiserver, in any order) exits, with the tail of its log.
+async fn ready_or_exit(
+    server: &ApiServer,
+    children: &mut [Child],
+    dir: &Path,
+) -> Result<(), NotReady> {
+    let ready = wait_ready_async(&server.kubeconfig, &server.ca);
+    tokio::pin!(ready);
+    loop {
+        tokio::select! {
+            result = &mut ready => {
+                return result.map_err(|message| NotReady { port_taken: false, message });
+            }
+            () = tokio::time::sleep(Duration::from_millis(200)) => {
+                if let Some(status) = children.iter_mut().find_map(|c| c.try_wait().ok().flatten()) {
+                    let logs = ["etcd.log", "kube-apiserver.log"]
+                        .map(|name| format!("{name}: {}", log_tail(&dir.join(name))))
+                        .join("\n");
+                    return Err(NotReady {
+                        port_taken: logs.contains("address already in use"),
+                        message: format!("a control-plane process exited ({status}) before the API server was ready:\n{logs}"),
+                    });
+                }
+            }
+        }
+    }
 }
 
 /// `err` with where the logs are.
@@ -380,18 +442,27 @@ impl ControlPlane {
     /// the API server's `/readyz` is `ok` (60 s at most). Dropping the future while it waits
     /// stops the processes.
     pub async fn start(assets: &Path, dir: &Path) -> Result<ControlPlane, String> {
-        let (server, [etcd, apiserver]) = spawn_api_server(assets, dir)?;
-        let mut plane = ControlPlane {
-            server,
-            assets: assets.to_owned(),
-            processes: vec![apiserver, etcd],
-            reaper: None,
-        };
-        plane.rearm_reaper()?;
-        wait_ready_async(&plane.server.kubeconfig, &plane.server.ca)
-            .await
-            .map_err(|e| with_logs(e, dir))?;
-        Ok(plane)
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let (server, [etcd, apiserver]) = spawn_api_server(assets, dir)?;
+            let mut plane = ControlPlane {
+                server,
+                assets: assets.to_owned(),
+                processes: vec![apiserver, etcd],
+                reaper: None,
+            };
+            plane.rearm_reaper()?;
+            match ready_or_exit(&plane.server, &mut plane.processes, dir).await {
+                Ok(()) => return Ok(plane),
+                Err(e) if e.port_taken && tries < START_TRIES => {
+                    tracing::warn!(problem = %e.message, "starting the control plane again on other ports");
+                    drop(plane);
+                    let _ = std::fs::remove_dir_all(dir.join("etcd"));
+                }
+                Err(e) => return Err(with_logs(e.message, dir)),
+            }
+        }
     }
 
     /// The API server.
@@ -449,22 +520,25 @@ impl Drop for ControlPlane {
     }
 }
 
-/// Polls `/readyz` with the admin kubeconfig until it answers `ok` (60 s at most), on a thread of
-/// its own so that it works from inside any test runtime.
-fn wait_ready(server: &ApiServer) -> Result<(), String> {
-    let kubeconfig = server.kubeconfig.clone();
-    let ca = server.ca.clone();
-    let waited = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| fail("runtime", e))?;
-        runtime.block_on(wait_ready_async(&kubeconfig, &ca))
-    });
+/// [`ready_or_exit`] on a thread of its own, so that it works from inside any test runtime.
+fn wait_ready(server: &ApiServer, children: &mut [Child], dir: &Path) -> Result<(), NotReady> {
+    let failed = |message: String| NotReady {
+        port_taken: false,
+        message,
+    };
     let _ = std::io::stderr().flush();
-    waited
-        .join()
-        .map_err(|_| "the readiness thread panicked".to_owned())?
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| failed(fail("runtime", e)))?;
+                runtime.block_on(ready_or_exit(server, children, dir))
+            })
+            .join()
+            .map_err(|_| failed("the readiness thread panicked".to_owned()))?
+    })
 }
 
 /// Polls `/readyz` with `kubeconfig` until it answers `ok` (60 s at most); `ca` is the serving
