@@ -34,8 +34,28 @@ RELEASES = {
             "extraResources": [{"name": "example.com/a", "virtual": {"count": 2}}],
         }
     },
+    # Where NVIDIA's container toolkit is a RuntimeClass: unprivileged under it, the driver's
+    # files left to the toolkit, its own resource name and mount propagation, an image tag
+    # already naming the GPU image, and a dra: resource beside it (one CDI folder for both).
+    "gpu-nvidia-toolkit": {
+        "gpu": {
+            "vendor": "nvidia",
+            "privileged": False,
+            "driverRootPropagation": "None",
+            "resourceName": "nvidia.com/h100",
+            "settings": {"driver_files": False},
+            "extraResources": [
+                {"name": "example.com/npu", "virtual": {"count": 4}, "dra": {"driver": "npu.example.com"}},
+            ],
+        },
+        "image": {"repository": "registry.example.com/devplug", "tag": "0.1.0-gpu"},
+        "runtimeClassName": "nvidia",
+        "extraEnv": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
+    },
     "gpu-amdgpu": {"gpu": {"vendor": "amdgpu"}},
-    "gpu-intel": {"gpu": {"vendor": "intel-gpu", "nodeSelector": {"example.com/gpu": "intel"}}},
+    "gpu-intel": {
+        "gpu": {"vendor": "intel-gpu", "settings": {"driver": "xe"}, "nodeSelector": {"example.com/gpu": "intel"}}
+    },
     "all-options": {
         "hostdev": {"enabled": True},
         "nodeEvents": {"enabled": True},

@@ -56,6 +56,21 @@ fn gpu_releases_mount_and_run_what_their_vendor_needs() {
             continue;
         };
         seen.push(vendor);
+        // gpu.vendor puts its resource first, and the chart's default resource is not beside it.
+        if resources[0].get(vendor).is_some() {
+            assert!(
+                resources.iter().all(|r| r["name"] != "dummy.com/npu"),
+                "{name}"
+            );
+            if vendor == "intel_gpu" {
+                let driver = settings["driver"].as_str().unwrap_or("i915");
+                assert_eq!(
+                    resources[0]["name"],
+                    format!("gpu.intel.com/{driver}"),
+                    "{name}"
+                );
+            }
+        }
         let daemonset = of_kind(&objects, "DaemonSet")[0];
         let container = &daemonset["spec"]["template"]["spec"]["containers"][0];
         let image = container["image"].as_str().unwrap();
@@ -87,7 +102,12 @@ fn gpu_releases_mount_and_run_what_their_vendor_needs() {
                 settings["host_driver_root"].as_str().map(str::to_owned),
                 "{name}: host_driver_root is the host folder mounted at /driver-root"
             );
-            assert_eq!(container["securityContext"]["privileged"], true, "{name}");
+            // Privileged, or under NVIDIA's runtime (which gives the pod its GPUs).
+            let runtime_class = &daemonset["spec"]["template"]["spec"]["runtimeClassName"];
+            assert!(
+                container["securityContext"]["privileged"] == true || runtime_class.is_string(),
+                "{name}: NVML cannot open the GPUs' device nodes"
+            );
         } else {
             assert!(
                 !image.ends_with("-gpu"),

@@ -67,10 +67,11 @@ Container image: repository:tag, the tag defaulting to the chart's appVersion.
 
 {{/*
 "-gpu" for NVIDIA GPU nodes: the image whose binaries are built for glibc, so that they can load
-the driver's libnvidia-ml.so.1 (the main image's static binaries cannot load any library).
+the driver's libnvidia-ml.so.1 (the main image's static binaries cannot load any library). Not
+twice: an image.tag that already ends in -gpu is kept.
 */}}
 {{- define "devplug.imageSuffix" -}}
-{{- if eq (toString .Values.gpu.vendor) "nvidia" }}-gpu{{ end }}
+{{- if and (eq (toString .Values.gpu.vendor) "nvidia") (not (hasSuffix "-gpu" (toString .Values.image.tag))) }}-gpu{{ end }}
 {{- end }}
 
 {{/*
@@ -82,7 +83,8 @@ vendor's GPU resource and gpu.extraResources. Everything that looks at the resou
 {{- $vendor := toString .Values.gpu.vendor -}}
 {{- if $vendor -}}
 {{- $backends := dict "nvidia" "nvidia" "amdgpu" "amdgpu" "intel-gpu" "intel_gpu" -}}
-{{- $names := dict "nvidia" "nvidia.com/gpu" "amdgpu" "amd.com/gpu" "intel-gpu" "gpu.intel.com/i915" -}}
+{{- $intel := printf "gpu.intel.com/%s" (default "i915" (toString (get (default dict .Values.gpu.settings) "driver"))) -}}
+{{- $names := dict "nvidia" "nvidia.com/gpu" "amdgpu" "amd.com/gpu" "intel-gpu" $intel -}}
 {{- if not (hasKey $backends $vendor) -}}
 {{- fail (printf "gpu.vendor: %q is not a GPU vendor devplug serves: use nvidia, amdgpu or intel-gpu (or \"\" for none)" $vendor) -}}
 {{- end -}}
@@ -100,16 +102,17 @@ vendor's GPU resource and gpu.extraResources. Everything that looks at the resou
 
 {{/*
 The pods' node selector: .Values.nodeSelector, and with gpu.vendor set, gpu.nodeSelector or
-else the vendor's PCI label from Node Feature Discovery.
+else the label Node Feature Discovery sets as the vendor's own tooling configures it: NVIDIA's
+GPU operator (PCI labels by vendor alone), AMD's and Intel's NodeFeatureRules.
 */}}
 {{- define "devplug.nodeSelector" -}}
 {{- $selector := deepCopy (default dict .Values.nodeSelector) -}}
 {{- $vendor := toString .Values.gpu.vendor -}}
 {{- if $vendor -}}
-{{- $pci := dict "nvidia" "10de" "amdgpu" "1002" "intel-gpu" "8086" -}}
+{{- $labels := dict "nvidia" "feature.node.kubernetes.io/pci-10de.present" "amdgpu" "feature.node.kubernetes.io/amd-gpu" "intel-gpu" "intel.feature.node.kubernetes.io/gpu" -}}
 {{- $gpu := .Values.gpu.nodeSelector -}}
 {{- if not $gpu -}}
-{{- $gpu = dict (printf "feature.node.kubernetes.io/pci-%s.present" (get $pci $vendor)) "true" -}}
+{{- $gpu = dict (get $labels $vendor) "true" -}}
 {{- end -}}
 {{- $selector = mergeOverwrite $selector (deepCopy $gpu) -}}
 {{- end -}}
