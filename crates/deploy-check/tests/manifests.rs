@@ -174,6 +174,386 @@ fn kustomization_lists_exactly_the_manifests_beside_it() {
     }
 }
 
+/// A kustomization built by hand, for the part of kustomize that deploy/ uses: `resources`
+/// (files, and folders built the same way), `namespace`, `patches` by file (strategic merge,
+/// the target named by the patch's kind and name), `images`, applied in kustomize's order. Any
+/// other field fails, so an overlay that starts using one is not checked wrongly.
+fn kustomize_build(dir: &Path) -> Vec<Value> {
+    let name = dir.strip_prefix(repo_root()).unwrap_or(dir).display();
+    let k = documents(&dir.join("kustomization.yaml"))
+        .unwrap()
+        .remove(0);
+    for key in k.as_object().unwrap().keys() {
+        let known = [
+            "apiVersion",
+            "kind",
+            "resources",
+            "namespace",
+            "patches",
+            "images",
+        ];
+        assert!(
+            known.contains(&key.as_str()),
+            "{name}: kustomize_build does not do {key:?}; teach it"
+        );
+    }
+    let mut objects = Vec::new();
+    for resource in k["resources"].as_array().into_iter().flatten() {
+        let path = dir.join(resource.as_str().unwrap());
+        if path.is_dir() {
+            objects.extend(kustomize_build(&path));
+        } else {
+            objects.extend(documents(&path).unwrap());
+        }
+    }
+    if let Some(namespace) = k.get("namespace") {
+        for object in &mut objects {
+            object["metadata"]["namespace"] = namespace.clone();
+        }
+    }
+    for patch in k["patches"].as_array().into_iter().flatten() {
+        let keys: Vec<&String> = patch.as_object().unwrap().keys().collect();
+        assert_eq!(
+            keys,
+            ["path"],
+            "{name}: kustomize_build applies patches by file only"
+        );
+        for patch in documents(&dir.join(patch["path"].as_str().unwrap())).unwrap() {
+            let target = objects
+                .iter_mut()
+                .find(|o| {
+                    o["kind"] == patch["kind"]
+                        && o["metadata"]["name"] == patch["metadata"]["name"]
+                        && (patch["metadata"]["namespace"].is_null()
+                            || o["metadata"]["namespace"] == patch["metadata"]["namespace"])
+                })
+                .unwrap_or_else(|| panic!("{name}: the patch for {} has no target", patch["kind"]));
+            strategic_merge(target, &patch, "");
+        }
+    }
+    let images = k["images"].as_array().cloned().unwrap_or_default();
+    for object in &mut objects {
+        let containers = object.pointer_mut("/spec/template/spec/containers");
+        for container in containers
+            .and_then(Value::as_array_mut)
+            .into_iter()
+            .flatten()
+        {
+            let image = container["image"].as_str().unwrap().to_owned();
+            container["image"] = Value::from(image_transformed(&image, &images));
+        }
+    }
+    objects
+}
+
+/// The field a list of the Kubernetes types merges by, as kustomize's strategic merge does for
+/// the lists deploy/ patches; other lists are replaced.
+fn merge_key(field: &str) -> Option<&'static str> {
+    match field {
+        "containers" | "initContainers" | "volumes" | "env" => Some("name"),
+        "volumeMounts" => Some("mountPath"),
+        "ports" => Some("containerPort"),
+        _ => None,
+    }
+}
+
+/// `patch` merged into `target` (a strategic merge patch without directives).
+fn strategic_merge(target: &mut Value, patch: &Value, field: &str) {
+    match (target, patch) {
+        (Value::Object(target), Value::Object(patch)) => {
+            for (key, value) in patch {
+                assert!(
+                    !key.starts_with('$'),
+                    "kustomize_build: no patch directives ({key})"
+                );
+                if value.is_null() {
+                    target.remove(key);
+                } else if let Some(existing) = target.get_mut(key) {
+                    strategic_merge(existing, value, key);
+                } else {
+                    target.insert(key.clone(), value.clone());
+                }
+            }
+        }
+        (Value::Array(target), Value::Array(patch)) if merge_key(field).is_some() => {
+            let key = merge_key(field).unwrap();
+            let mut added = Vec::new();
+            for item in patch {
+                match target.iter_mut().find(|t| t[key] == item[key]) {
+                    Some(existing) => strategic_merge(existing, item, ""),
+                    None => added.push(item.clone()),
+                }
+            }
+            // kustomize puts the new items first.
+            target.splice(0..0, added);
+        }
+        (target, patch) => *target = patch.clone(),
+    }
+}
+
+/// What kustomize's image transformer makes of `image` with the `images:` entries.
+fn image_transformed(image: &str, entries: &[Value]) -> String {
+    let (name, tag) = match image.rsplit_once(':') {
+        Some((name, tag)) if !tag.contains('/') => (name, Some(tag)),
+        _ => (image, None),
+    };
+    for entry in entries {
+        if entry["name"] == name {
+            let name = entry["newName"].as_str().unwrap_or(name);
+            return match entry["newTag"].as_str().or(tag) {
+                Some(tag) => format!("{name}:{tag}"),
+                None => name.to_owned(),
+            };
+        }
+    }
+    image.to_owned()
+}
+
+/// The base and every folder in deploy/overlays.
+fn kustomizations() -> Vec<PathBuf> {
+    let mut dirs = vec![kustomize_dir()];
+    let overlays = std::fs::read_dir(repo_root().join("deploy/overlays")).unwrap();
+    let mut overlays: Vec<PathBuf> = overlays.flatten().map(|e| e.path()).collect();
+    overlays.sort();
+    dirs.extend(
+        overlays
+            .into_iter()
+            .filter(|p| p.join("kustomization.yaml").is_file()),
+    );
+    dirs
+}
+
+fn typed_ok(name: &str, docs: &[Value]) -> Vec<Object> {
+    let (objects, problems): (Vec<_>, Vec<_>) = docs.iter().map(typed).partition(Result::is_ok);
+    let problems: Vec<String> = problems.into_iter().map(Result::unwrap_err).collect();
+    assert!(problems.is_empty(), "{name}:\n{}", problems.join("\n"));
+    objects.into_iter().map(Result::unwrap).collect()
+}
+
+#[test]
+fn kustomize_builds_are_strictly_valid_and_refer_to_each_other() {
+    let dirs = kustomizations();
+    assert!(dirs.len() >= 3, "{dirs:?}");
+    for dir in dirs {
+        let name = dir.strip_prefix(repo_root()).unwrap().display().to_string();
+        let objects = typed_ok(&name, &kustomize_build(&dir));
+        let problems = references(&objects);
+        assert!(problems.is_empty(), "{name}:\n{}", problems.join("\n"));
+    }
+}
+
+/// Lists merged by key in any order, so that two builds compare as kustomize means them.
+fn normalized(value: &Value) -> Value {
+    match value {
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| {
+                    let mut v = normalized(v);
+                    if let (Some(key), Value::Array(items)) = (merge_key(k), &mut v) {
+                        items.sort_by_key(|i| i[key].to_string());
+                    }
+                    (k.clone(), v)
+                })
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(normalized).collect()),
+        other => other.clone(),
+    }
+}
+
+/// The hand build against kubectl's kustomize, where kubectl is installed (it needs no cluster).
+#[test]
+fn the_hand_build_is_what_kubectl_kustomize_makes() {
+    for dir in kustomizations() {
+        let output = match std::process::Command::new("kubectl")
+            .arg("kustomize")
+            .arg(&dir)
+            .output()
+        {
+            Ok(output) => output,
+            Err(err) => {
+                eprintln!("kubectl kustomize: {err}: the hand build is not compared");
+                return;
+            }
+        };
+        let name = dir.strip_prefix(repo_root()).unwrap().display().to_string();
+        assert!(
+            output.status.success(),
+            "kubectl kustomize {name}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let text = String::from_utf8(output.stdout).unwrap();
+        let theirs: Vec<Value> = serde_saphyr::from_multiple::<Value>(&text).unwrap();
+        let key = |o: &Value| format!("{}/{}", o["kind"], o["metadata"]["name"]);
+        let mut ours: Vec<Value> = kustomize_build(&dir).iter().map(normalized).collect();
+        let mut theirs: Vec<Value> = theirs.iter().map(normalized).collect();
+        ours.sort_by_key(key);
+        theirs.sort_by_key(key);
+        assert_eq!(ours, theirs, "{name}");
+    }
+}
+
+/// The NVIDIA overlay as kubectl applies it: the GPU image, the nvidia resource alone, the
+/// driver root, /dev, /sys and the CDI folder, privileged, NVIDIA nodes only.
+#[test]
+fn the_nvidia_overlay_serves_nvidia_gpus() {
+    let dir = repo_root().join("deploy/overlays/nvidia");
+    let built = kustomize_build(&dir);
+    let objects = typed_ok("deploy/overlays/nvidia", &built);
+    assert!(references(&objects).is_empty());
+    let (ds, cm) = release_objects(&objects);
+    let config: Value = serde_saphyr::from_str(&cm.data.as_ref().unwrap()["config.yaml"]).unwrap();
+    let resources = config["resources"].as_array().unwrap();
+    assert_eq!(resources.len(), 1, "{config}");
+    assert_eq!(resources[0]["name"], "nvidia.com/gpu");
+    let spec = pod_spec(ds).unwrap();
+    let container = &spec.containers[0];
+    let version = env!("CARGO_PKG_VERSION");
+    assert_eq!(
+        container.image.as_deref(),
+        Some(&*format!("devplug:{version}-gpu"))
+    );
+    let host_path_at = |path: &str| {
+        let mount = container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.mount_path == path)?;
+        let volume = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == mount.name)?;
+        Some((
+            volume.host_path.as_ref()?.path.clone(),
+            mount.read_only == Some(true),
+        ))
+    };
+    let host_root = resources[0]["nvidia"]["host_driver_root"].as_str().unwrap();
+    assert_eq!(
+        host_path_at("/driver-root"),
+        Some((host_root.to_owned(), true))
+    );
+    assert_eq!(host_path_at("/dev"), Some(("/dev".into(), true)));
+    assert_eq!(host_path_at("/sys"), Some(("/sys".into(), true)));
+    assert_eq!(
+        host_path_at("/var/run/cdi"),
+        Some(("/var/run/cdi".into(), false))
+    );
+    let selector = spec.node_selector.as_ref().unwrap();
+    assert_eq!(
+        selector
+            .get("feature.node.kubernetes.io/pci-10de.present")
+            .map(String::as_str),
+        Some("true")
+    );
+}
+
+/// The DaemonSet and ConfigMap of a release.
+fn release_objects(objects: &[Object]) -> (&DaemonSet, &ConfigMap) {
+    let ds = objects.iter().find_map(|o| match o {
+        Object::DaemonSet(d) => Some(d.as_ref()),
+        _ => None,
+    });
+    let cm = objects.iter().find_map(|o| match o {
+        Object::ConfigMap(c) => Some(c),
+        _ => None,
+    });
+    (ds.unwrap(), cm.unwrap())
+}
+
+/// A change to a list of documents.
+type Change = Box<dyn Fn(&mut [Value])>;
+
+#[test]
+fn what_a_gpu_resource_needs_is_checked() {
+    let built = kustomize_build(&repo_root().join("deploy/overlays/nvidia"));
+    let problems_after = |change: &dyn Fn(&mut [Value])| {
+        let mut docs = built.clone();
+        change(&mut docs);
+        references(&typed_ok("changed overlay", &docs)).join("\n")
+    };
+    assert_eq!(problems_after(&|_| {}), "");
+    fn ds(docs: &mut [Value]) -> &mut Value {
+        docs.iter_mut().find(|d| d["kind"] == "DaemonSet").unwrap()
+    }
+    fn container(docs: &mut [Value]) -> &mut Value {
+        &mut ds(docs)["spec"]["template"]["spec"]["containers"][0]
+    }
+    let cases: Vec<(&str, Change, &str)> = vec![
+        (
+            "the static image",
+            Box::new(|docs| container(docs)["image"] = json!("devplug:0.1.0")),
+            "cannot load NVML",
+        ),
+        (
+            "another host driver root",
+            Box::new(|docs| {
+                let volumes = &mut ds(docs)["spec"]["template"]["spec"]["volumes"];
+                for v in volumes.as_array_mut().unwrap() {
+                    if v["name"] == "driver-root" {
+                        v["hostPath"]["path"] = json!("/run/nvidia/driver");
+                    }
+                }
+            }),
+            "is the host's driver root (host_driver_root /) mounted",
+        ),
+        (
+            "unprivileged",
+            Box::new(|docs| {
+                let c = container(docs);
+                c["securityContext"]["privileged"] = json!(false);
+                c["securityContext"]["allowPrivilegeEscalation"] = json!(false);
+            }),
+            "run privileged, or under NVIDIA's runtime",
+        ),
+        (
+            "privileged without escalation",
+            Box::new(|docs| {
+                let c = container(docs);
+                c["securityContext"]["allowPrivilegeEscalation"] = json!(false);
+            }),
+            "privileged with allowPrivilegeEscalation false",
+        ),
+        (
+            "the CDI folder read-only",
+            Box::new(|docs| {
+                let c = container(docs);
+                for m in c["volumeMounts"].as_array_mut().unwrap() {
+                    if m["mountPath"] == "/var/run/cdi" {
+                        m["readOnly"] = json!(true);
+                    }
+                }
+            }),
+            "cdi_dir /var/run/cdi is not the host's /var/run/cdi mounted writable",
+        ),
+        (
+            "no /dev",
+            Box::new(|docs| {
+                let c = container(docs);
+                c["volumeMounts"]
+                    .as_array_mut()
+                    .unwrap()
+                    .retain(|m| m["mountPath"] != "/dev");
+            }),
+            "dev_root /dev is not the host's /dev",
+        ),
+        (
+            "a mount twice",
+            Box::new(|docs| {
+                let c = container(docs);
+                let mounts = c["volumeMounts"].as_array_mut().unwrap();
+                mounts.push(mounts[0].clone());
+            }),
+            "is mounted twice",
+        ),
+    ];
+    for (what, change, needle) in cases {
+        let problems = problems_after(&*change);
+        assert!(problems.contains(needle), "{what}: {problems:?}");
+    }
+}
+
 #[test]
 fn example_pods_are_strictly_valid() {
     let files = yaml_files(&repo_root().join("deploy/examples")).unwrap();
@@ -400,9 +780,12 @@ fn references(objects: &[Object]) -> Vec<String> {
                 container.command.as_deref(),
                 needs_cluster(&config, args),
             ));
+            problems.extend(gpu_problems(&config, spec, container));
         }
         Err(err) => problems.push(format!("the ConfigMap's config.yaml is not YAML: {err}")),
     }
+
+    problems.extend(pod_problems(spec, container));
 
     // --kubelet-dir DIR: mounted from the host's DIR at DIR.
     match arg("--kubelet-dir") {
@@ -418,6 +801,148 @@ fn references(objects: &[Object]) -> Vec<String> {
                     "--kubelet-dir {dir} is not the host's {dir} mounted at the same path"
                 ));
             }
+        }
+    }
+    problems
+}
+
+/// What the API server refuses in a pod spec that the typed check cannot see: a volume name
+/// twice, a mount of a missing volume, a mount path twice, `privileged` without privilege
+/// escalation, `Bidirectional` propagation unprivileged.
+fn pod_problems(spec: &PodSpec, container: &Container) -> Vec<String> {
+    let mut problems = Vec::new();
+    let volumes = spec.volumes.as_deref().unwrap_or_default();
+    let mounts = container.volume_mounts.as_deref().unwrap_or_default();
+    for (i, v) in volumes.iter().enumerate() {
+        if volumes[..i].iter().any(|o| o.name == v.name) {
+            problems.push(format!("volume {:?} is named twice", v.name));
+        }
+    }
+    for (i, m) in mounts.iter().enumerate() {
+        if !volumes.iter().any(|v| v.name == m.name) {
+            problems.push(format!(
+                "{} mounts volume {:?}, which is missing",
+                m.mount_path, m.name
+            ));
+        }
+        if mounts[..i].iter().any(|o| o.mount_path == m.mount_path) {
+            problems.push(format!("{} is mounted twice", m.mount_path));
+        }
+    }
+    let security = container.security_context.as_ref();
+    let privileged = security.and_then(|s| s.privileged) == Some(true);
+    if privileged && security.and_then(|s| s.allow_privilege_escalation) == Some(false) {
+        problems.push("privileged with allowPrivilegeEscalation false: refused".into());
+    }
+    for m in mounts {
+        if m.mount_propagation.as_deref() == Some("Bidirectional") && !privileged {
+            problems.push(format!(
+                "{}: Bidirectional propagation needs privileged",
+                m.mount_path
+            ));
+        }
+    }
+    problems
+}
+
+/// The GPU backends, as config keys.
+const GPU_KEYS: [&str; 3] = ["nvidia", "amdgpu", "intel_gpu"];
+
+/// devplug's default NVIDIA driver roots (`nvidia::DEFAULT_DRIVER_ROOTS` in devplug-backends).
+const DEFAULT_DRIVER_ROOTS: [&str; 3] = ["/", "/run/nvidia/driver", "/driver-root"];
+
+/// What a GPU backend's resource needs from the pod it runs in. Every one: its `dev_root` and,
+/// when it writes a CDI spec, its `cdi_dir` (writable) mounted from the same host paths, since
+/// the paths it hands the runtime are host paths. nvidia also: the GPU image (binaries built for
+/// glibc, which can load NVML), one of its `driver_roots` mounted from the host, that folder
+/// being `host_driver_root` where set, and a way to open the GPUs' device nodes: privileged, or
+/// a RuntimeClass (NVIDIA's runtime giving the pod its GPUs).
+fn gpu_problems(config: &Value, spec: &PodSpec, container: &Container) -> Vec<String> {
+    let host_path_at = |path: &str| {
+        let mount = container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.mount_path == path)?;
+        let volume = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == mount.name)?;
+        let host = volume.host_path.as_ref()?.path.clone();
+        Some((host, mount.read_only == Some(true)))
+    };
+    let mut problems = Vec::new();
+    let resources = config["resources"].as_array().into_iter().flatten();
+    for (i, resource) in resources.enumerate() {
+        let Some((backend, settings)) = GPU_KEYS
+            .iter()
+            .find_map(|k| resource.get(*k).map(|s| (*k, s)))
+        else {
+            continue;
+        };
+        let at = format!("resources[{i}].{backend}");
+        let setting =
+            |key: &str, default: &str| settings[key].as_str().unwrap_or(default).to_owned();
+        let dev = setting("dev_root", "/dev");
+        if host_path_at(&dev).map(|(host, _)| host) != Some(dev.clone()) {
+            problems.push(format!(
+                "{at}.dev_root {dev} is not the host's {dev} mounted at the same path"
+            ));
+        }
+        let cdi = if backend == "nvidia" {
+            settings["device_list_strategy"].as_array().is_none_or(|s| {
+                s.iter()
+                    .any(|s| s.as_str().is_some_and(|s| s.starts_with("cdi")))
+            })
+        } else {
+            settings["cdi"] != false
+        };
+        let cdi_dir = setting("cdi_dir", "/var/run/cdi");
+        if cdi && host_path_at(&cdi_dir) != Some((cdi_dir.clone(), false)) {
+            problems.push(format!(
+                "{at}.cdi_dir {cdi_dir} is not the host's {cdi_dir} mounted writable at the same \
+                 path (the runtime reads the CDI spec there)"
+            ));
+        }
+        if backend != "nvidia" {
+            continue;
+        }
+        let image = container.image.as_deref().unwrap_or_default();
+        if !image.ends_with("-gpu") {
+            problems.push(format!(
+                "{at}: image {image} cannot load NVML; the GPU image is tagged <version>-gpu"
+            ));
+        }
+        let roots: Vec<String> = match settings["driver_roots"].as_array() {
+            Some(roots) => roots
+                .iter()
+                .filter_map(|r| r.as_str().map(str::to_owned))
+                .collect(),
+            None => DEFAULT_DRIVER_ROOTS.map(str::to_owned).to_vec(),
+        };
+        let host_root = settings["host_driver_root"].as_str();
+        let mounted = roots.iter().any(|root| {
+            host_path_at(root).is_some_and(|(host, _)| host == host_root.unwrap_or(root))
+        });
+        if !mounted {
+            problems.push(format!(
+                "{at}: none of driver_roots {roots:?} is the host's driver root ({}) mounted",
+                host_root.map_or("host_driver_root unset: the same path".into(), |h| format!(
+                    "host_driver_root {h}"
+                ))
+            ));
+        }
+        let privileged = container
+            .security_context
+            .as_ref()
+            .and_then(|s| s.privileged)
+            == Some(true);
+        if !privileged && spec.runtime_class_name.is_none() {
+            problems.push(format!(
+                "{at}: NVML opens the GPUs' device nodes: run privileged, or under NVIDIA's \
+                 runtime (runtimeClassName)"
+            ));
         }
     }
     problems
