@@ -101,10 +101,21 @@ fn vendor_spec() -> FakeSpec {
     }
 }
 
+/// The binary, blind to any pod resources socket the machine has at the default path (a node's
+/// kubelet, or one a killed test left behind): tests that want one name it with the flag.
+fn bin() -> Command {
+    let mut command = Command::new(BIN);
+    command.env(
+        "DEVPLUG_POD_RESOURCES_SOCKET",
+        "/nonexistent/devplug-inspect-test/kubelet.sock",
+    );
+    command
+}
+
 /// Runs the binary off the async threads (the plugins under test are served in this process).
 async fn devplug(args: &[&str]) -> Output {
     let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-    tokio::task::spawn_blocking(move || Command::new(BIN).args(&args).output().unwrap())
+    tokio::task::spawn_blocking(move || bin().args(&args).output().unwrap())
         .await
         .unwrap()
 }
@@ -324,7 +335,7 @@ async fn wait_exit(child: Child) -> Output {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_json_sees_a_health_change_and_the_end_of_the_stream() {
     let o = ours().await;
-    let mut child = Command::new(BIN)
+    let mut child = bin()
         .args(["inspect", "-s", path(&o.socket), "--watch", "--json"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -384,7 +395,7 @@ async fn watch_text_on_a_vendor_plugin_until_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("vendor-gpu.sock");
     let plugin = FakePlugin::serve(&socket, vendor_spec()).await.unwrap();
-    let mut child = Command::new(BIN)
+    let mut child = bin()
         .args(["inspect", "-s", path(&socket), "--watch"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
