@@ -28,14 +28,15 @@ fn host_path_at(daemonset: &Value, path: &str) -> Option<String> {
     volume["hostPath"]["path"].as_str().map(str::to_owned)
 }
 
+#[cfg_attr(
+    no_helm_rendered,
+    ignore = "needs the rendered Helm chart: run .ci/render-helm target/helm-rendered and set DEVPLUG_HELM_RENDERED"
+)]
 #[test]
 fn gpu_releases_mount_and_run_what_their_vendor_needs() {
-    let Some(dir) = std::env::var_os("DEVPLUG_HELM_RENDERED") else {
-        eprintln!(
-            "DEVPLUG_HELM_RENDERED is not set: the chart's GPU mode is not checked (.ci/run does)"
-        );
-        return;
-    };
+    // Ignored where the variable is not set; run anyway, it fails.
+    let dir = std::env::var_os("DEVPLUG_HELM_RENDERED")
+        .expect("DEVPLUG_HELM_RENDERED names the rendered chart");
     let mut seen = Vec::new();
     for file in yaml_files(Path::new(&dir)).unwrap() {
         let objects = documents(&file).unwrap();

@@ -611,12 +611,15 @@ fn mistakes_in_a_real_manifest_are_caught_with_their_path() {
     }
 }
 
+#[cfg_attr(
+    no_helm_rendered,
+    ignore = "needs the rendered Helm chart: run .ci/render-helm target/helm-rendered and set DEVPLUG_HELM_RENDERED"
+)]
 #[test]
 fn rendered_helm_releases_are_strictly_valid_and_refer_to_each_other() {
-    let Some(dir) = std::env::var_os("DEVPLUG_HELM_RENDERED") else {
-        eprintln!("DEVPLUG_HELM_RENDERED is not set: the Helm chart is not checked (.ci/run does)");
-        return;
-    };
+    // Ignored where the variable is not set; run anyway, it fails.
+    let dir = std::env::var_os("DEVPLUG_HELM_RENDERED")
+        .expect("DEVPLUG_HELM_RENDERED names the rendered chart");
     let files = yaml_files(Path::new(&dir)).unwrap();
     assert!(!files.is_empty(), "no rendered releases in {dir:?}");
     for file in files {

@@ -42,6 +42,10 @@ fn devplug(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn capacity_set_list_remove() {
     let Some(server) = ApiServer::shared("capacity_set_list_remove") else {
@@ -100,6 +104,10 @@ async fn capacity_set_list_remove() {
     assert!(err.contains("no-such-node"), "{err}");
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_advertises_on_its_node_and_follows_the_config() {
     let Some(server) = ApiServer::shared("run_advertises_on_its_node_and_follows_the_config")
@@ -194,6 +202,10 @@ async fn run_advertises_on_its_node_and_follows_the_config() {
     wait("example.com/dongle", Some("3")).await;
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
     use k8s_openapi::api::resource::v1::ResourceSlice;
@@ -290,6 +302,10 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
 
 /// A DRA driver on a node whose runtime cannot apply CDI (containerd 1.6, as its Node reports)
 /// says so: at ERROR in its log and in `/readyz` (503), naming the driver and the runtime.
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz() {
     let Some(server) = ApiServer::shared("a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz")

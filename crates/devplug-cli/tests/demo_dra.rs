@@ -52,6 +52,10 @@ fn processes_in(folder: &Path, wait: Duration) -> Vec<String> {
 /// How long processes may take to end after the demo exits (none should be left at all).
 const GONE: Duration = Duration::from_secs(5);
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[test]
 fn the_dra_demo_walks_the_whole_path_and_cleans_up() {
     let Some(assets) = testenv::assets_or_skip("the_dra_demo_walks_the_whole_path_and_cleans_up")
@@ -110,6 +114,10 @@ fn the_dra_demo_walks_the_whole_path_and_cleans_up() {
     );
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[test]
 fn ctrl_c_during_the_dra_demo_stops_the_control_plane_and_removes_its_folder() {
     let Some(assets) = testenv::assets_or_skip(

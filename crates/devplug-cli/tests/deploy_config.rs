@@ -87,12 +87,15 @@ fn the_helm_default_values_hold_a_valid_config() {
     );
 }
 
+#[cfg_attr(
+    no_helm_rendered,
+    ignore = "needs the rendered Helm chart: run .ci/render-helm target/helm-rendered and set DEVPLUG_HELM_RENDERED"
+)]
 #[test]
 fn rendered_helm_config_maps_hold_valid_configs() {
-    let Some(dir) = std::env::var_os("DEVPLUG_HELM_RENDERED") else {
-        eprintln!("DEVPLUG_HELM_RENDERED is not set: rendered Helm releases are not checked");
-        return;
-    };
+    // Ignored where the variable is not set; run anyway, it fails.
+    let dir = std::env::var_os("DEVPLUG_HELM_RENDERED")
+        .expect("DEVPLUG_HELM_RENDERED names the rendered chart");
     let mut checked = 0;
     for entry in std::fs::read_dir(&dir).unwrap().flatten() {
         let path = entry.path();

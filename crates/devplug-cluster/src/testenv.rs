@@ -96,9 +96,11 @@ impl ApiServer {
 }
 
 /// The folder named by `KUBEBUILDER_ASSETS`, for a test that needs the control plane's binaries.
-/// `None` after a loud `SKIPPED` message on stderr when the variable is not set; a panic when it
-/// is not set but `DEVPLUG_REQUIRE_API_SERVER` is (CI), so that a test never passes silently
-/// without running.
+/// Such tests carry `#[cfg_attr(no_api_server, ignore = "...")]` (the test-gates crate), so they
+/// are counted as ignored where the variable is not set; this check is for other callers (the
+/// benchmarks) and for a run with `--include-ignored`: `None` after a loud `SKIPPED` message on
+/// stderr when the variable is not set; a panic when it is not set but
+/// `DEVPLUG_REQUIRE_API_SERVER` is (CI).
 pub fn assets_or_skip(test: &str) -> Option<PathBuf> {
     if let Some(assets) = std::env::var_os("KUBEBUILDER_ASSETS") {
         return Some(PathBuf::from(assets));

@@ -12,6 +12,10 @@ use devplug_cluster::capacity::{self, Removed};
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn set_list_and_remove_with_escaping() {
     let Some(client) = admin("set_list_and_remove_with_escaping").await else {
@@ -103,6 +107,10 @@ async fn kubelet_writes(nodes: &Api<Node>, node: &str, resource: &str, value: &s
         .unwrap();
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn clean_uninstall_waits_for_zero_removes_and_rechecks() {
     use devplug_cluster::capacity::{CleanError, CleanOptions};
@@ -161,6 +169,10 @@ async fn clean_uninstall_waits_for_zero_removes_and_rechecks() {
     assert_eq!(again.removals, 0);
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn advertise_reapplies_after_removal_and_removes_on_config_change() {
     use devplug_cluster::advertise::Advertiser;
@@ -235,6 +247,10 @@ impl devplug::Backend for Flip {
     }
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn a_health_flip_becomes_events_on_the_node() {
     use devplug::{Device, DeviceList, Health, Host, ResourceSettings};

@@ -141,6 +141,10 @@ fn spawn(s: &Setup, devices: watch::Receiver<DeviceList>) -> SlicePublisher {
     .unwrap()
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn devices_appear_with_attributes_capacity_and_owner() {
     let Some(s) = setup(
@@ -235,6 +239,10 @@ async fn devices_appear_with_attributes_capacity_and_owner() {
     );
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn a_change_bumps_the_generation_and_unhealthy_devices_leave_and_return() {
     let Some(s) = setup(
@@ -310,6 +318,10 @@ async fn a_change_bumps_the_generation_and_unhealthy_devices_leave_and_return() 
     assert_eq!(device_names(&slices(&s.api, &s.node).await).len(), 4);
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn three_hundred_devices_in_three_slices_and_no_duplicates_after_a_restart() {
     let Some(s) = setup(
@@ -393,6 +405,10 @@ async fn three_hundred_devices_in_three_slices_and_no_duplicates_after_a_restart
     );
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn a_slice_deleted_or_edited_by_someone_is_repaired() {
     let Some(s) = setup(
@@ -446,6 +462,10 @@ async fn a_slice_deleted_or_edited_by_someone_is_repaired() {
     drop(publisher);
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn nothing_is_published_until_the_node_exists() {
     let Some(client) = admin("nothing_is_published_until_the_node_exists").await else {
@@ -485,6 +505,10 @@ async fn nothing_is_published_until_the_node_exists() {
     assert_eq!(Some(&owner.uid), created.metadata.uid.as_ref());
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn shutdown_deletes_the_slices() {
     let Some(s) = setup("shutdown_deletes_the_slices", "slices-stop").await else {
@@ -501,6 +525,10 @@ async fn shutdown_deletes_the_slices() {
 
 /// Publish latency after one device changes health: from the send on the backend's channel to
 /// the publisher confirming the write. Printed, never asserted.
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn publish_latency_after_a_change() {
     let Some(s) = setup("publish_latency_after_a_change", "slices-latency").await else {
@@ -546,6 +574,10 @@ const RULES: &str = r#"[
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]}
 ]"#;
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn the_rbac_rules_are_enough() {
     use k8s_openapi::api::authentication::v1::TokenRequest;

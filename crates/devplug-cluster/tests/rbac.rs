@@ -24,6 +24,10 @@ fn forbidden<T: std::fmt::Debug>(result: Result<T, kube::Error>, what: &str) {
     }
 }
 
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+)]
 #[tokio::test]
 async fn the_uninstall_account_can_do_exactly_what_it_needs() {
     let Some(admin) = admin("the_uninstall_account_can_do_exactly_what_it_needs").await else {

@@ -1,0 +1,94 @@
+//! Honest test counts for tests that need what a fresh clone lacks.
+//!
+//! libtest cannot mark a test ignored while it runs, and a test that returns early when its
+//! API server is missing is counted as passed. So a crate's build script calls [`gate`] for each
+//! such need; where the need is not met, it sets a cfg, and each test that has the need carries
+//! `#[cfg_attr(<cfg>, ignore = "<reason>")]`: `cargo test` then reports it as ignored, with the
+//! reason, and `--include-ignored` runs it (and it fails). Where the `require` variable is set
+//! (CI), the cfg is never set: the tests run, and fail when what they need is missing.
+//!
+//! The gates of this workspace (one place, so the build scripts and tests agree on the names):
+//!
+//! | cfg | set when | tests |
+//! |---|---|---|
+//! | `no_api_server` | `KUBEBUILDER_ASSETS` is unset and `DEVPLUG_REQUIRE_API_SERVER` too | those that start etcd and kube-apiserver |
+//! | `no_helm_rendered` | `DEVPLUG_HELM_RENDERED` is unset and `DEVPLUG_REQUIRE_API_SERVER` too | those that check the chart rendered by `.ci/render-helm` |
+
+/// A need: the variable that meets it and the cfg set when it is not met.
+#[derive(Debug, Clone, Copy)]
+pub struct Gate {
+    /// The environment variable that names what the tests need.
+    pub var: &'static str,
+    /// The cfg set when it is missing.
+    pub cfg: &'static str,
+}
+
+/// The API server's binaries (etcd, kube-apiserver, kube-scheduler), envtest's variable.
+pub const API_SERVER: Gate = Gate {
+    var: "KUBEBUILDER_ASSETS",
+    cfg: "no_api_server",
+};
+
+/// The Helm chart rendered offline by `.ci/render-helm`.
+pub const HELM_RENDERED: Gate = Gate {
+    var: "DEVPLUG_HELM_RENDERED",
+    cfg: "no_helm_rendered",
+};
+
+/// Set where the gated tests must run (CI): they are never ignored.
+pub const REQUIRE_VAR: &str = "DEVPLUG_REQUIRE_API_SERVER";
+
+/// What a build script prints for `gates`, given the environment `env`.
+pub fn instructions(gates: &[Gate], env: impl Fn(&str) -> Option<String>) -> Vec<String> {
+    let required = env(REQUIRE_VAR).is_some_and(|v| !v.is_empty() && v != "0");
+    let mut out = vec![format!("cargo:rerun-if-env-changed={REQUIRE_VAR}")];
+    for gate in gates {
+        out.push(format!("cargo:rerun-if-env-changed={}", gate.var));
+        out.push(format!("cargo:rustc-check-cfg=cfg({})", gate.cfg));
+        if !required && env(gate.var).is_none_or(|v| v.is_empty()) {
+            out.push(format!("cargo:rustc-cfg={}", gate.cfg));
+        }
+    }
+    out
+}
+
+/// Called from a build script: prints the instructions for `gates` from this environment.
+pub fn gate(gates: &[Gate]) {
+    for line in instructions(gates, |name| std::env::var(name).ok()) {
+        println!("{line}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name: &str| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| (*v).to_owned())
+        }
+    }
+
+    #[test]
+    fn a_missing_need_sets_the_cfg_unless_required() {
+        let both = [API_SERVER, HELM_RENDERED];
+        let missing = instructions(&both, env(&[]));
+        assert!(missing.contains(&"cargo:rustc-cfg=no_api_server".to_owned()));
+        assert!(missing.contains(&"cargo:rustc-cfg=no_helm_rendered".to_owned()));
+        assert!(missing.contains(&"cargo:rerun-if-env-changed=KUBEBUILDER_ASSETS".to_owned()));
+
+        let met = instructions(&both, env(&[("KUBEBUILDER_ASSETS", "/a")]));
+        assert!(!met.contains(&"cargo:rustc-cfg=no_api_server".to_owned()));
+        assert!(met.contains(&"cargo:rustc-cfg=no_helm_rendered".to_owned()));
+
+        let required = instructions(&both, env(&[(REQUIRE_VAR, "1")]));
+        assert!(!required.iter().any(|l| l.starts_with("cargo:rustc-cfg=")));
+        let empty = instructions(
+            &both,
+            env(&[("KUBEBUILDER_ASSETS", ""), (REQUIRE_VAR, "0")]),
+        );
+        assert!(empty.contains(&"cargo:rustc-cfg=no_api_server".to_owned()));
+    }
+}
