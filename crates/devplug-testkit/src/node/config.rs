@@ -90,7 +90,14 @@ pub fn scheduler_args(layout: &Layout) -> Vec<String> {
 /// `oom_score_adj` in a VM without CAP_SYS_RESOURCE); cgroupfs; our CNI folder; network
 /// namespaces under the state folder, so that every one it makes is ours to remove. CDI is on
 /// by default in containerd 2.x, reading /etc/cdi and /var/run/cdi.
-pub fn containerd_toml(layout: &Layout, sandbox_image: &str, cni_bin_dir: &str) -> String {
+/// containerd 1.6 reads the same file (without CDI, which it lacks).
+pub fn containerd_toml(
+    layout: &Layout,
+    root: &Path,
+    state: &Path,
+    sandbox_image: &str,
+    cni_bin_dir: &str,
+) -> String {
     format!(
         r#"version = 2
 root = "{root}"
@@ -107,8 +114,8 @@ state = "{state}"
     bin_dir = "{cni_bin_dir}"
     conf_dir = "{cni_conf}"
 "#,
-        root = layout.containerd_root().display(),
-        state = layout.containerd_state().display(),
+        root = root.display(),
+        state = state.display(),
         socket = layout.containerd_socket().display(),
         cni_conf = layout.cni_conf_dir().display(),
     )

@@ -76,13 +76,11 @@ impl Layout {
     pub fn containerd_socket(&self) -> PathBuf {
         self.dir.join("containerd.sock")
     }
-    /// containerd's persistent root.
-    pub fn containerd_root(&self) -> PathBuf {
-        self.dir.join("containerd/root")
-    }
-    /// containerd's state (tmpfs on a real node: a reboot empties it).
-    pub fn containerd_state(&self) -> PathBuf {
-        self.dir.join("containerd/state")
+    /// The folder of a containerd's root and state: `containerd` for the node's own, another
+    /// name for each other containerd the node switched to ([`Node::switch_containerd`]), so
+    /// that two versions never share a metadata database.
+    pub fn containerd_files(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
     }
     /// The CNI configuration folder.
     pub fn cni_conf_dir(&self) -> PathBuf {
@@ -119,6 +117,28 @@ pub struct StartTimes {
     pub total: Duration,
 }
 
+/// The containerd the node runs now.
+#[derive(Debug, Clone)]
+struct Containerd {
+    /// The folder of its `containerd`, `containerd-shim-runc-v2` and `ctr`.
+    bin_dir: PathBuf,
+    /// The folder of its root and state ([`Layout::containerd_files`]).
+    files: PathBuf,
+}
+
+impl Containerd {
+    fn root(&self) -> PathBuf {
+        self.files.join("root")
+    }
+    /// tmpfs on a real node: a reboot empties it.
+    fn state(&self) -> PathBuf {
+        self.files.join("state")
+    }
+    fn config(&self) -> PathBuf {
+        self.files.join("containerd.toml")
+    }
+}
+
 /// A running node. Stop it with [`Node::stop`].
 #[derive(Debug)]
 pub struct Node {
@@ -130,6 +150,7 @@ pub struct Node {
     pub start_times: StartTimes,
     processes: Mutex<BTreeMap<&'static str, Child>>,
     reaper: Mutex<Option<Child>>,
+    containerd: Mutex<Containerd>,
 }
 
 fn fail(what: &str, err: impl std::fmt::Display) -> String {
@@ -174,6 +195,10 @@ impl Node {
         cleanup::run(&layout.cleanup_script())?;
         write(&layout.cleanup_script(), cleanup::script(&layout))?;
         let reaper = cleanup::reaper(&layout.cleanup_script())?;
+        let containerd = Containerd {
+            bin_dir: requirements.assets.clone(),
+            files: layout.containerd_files("containerd"),
+        };
         let node = Node {
             requirements,
             layout,
@@ -184,6 +209,7 @@ impl Node {
             },
             processes: Mutex::new(BTreeMap::new()),
             reaper: Mutex::new(Some(reaper)),
+            containerd: Mutex::new(containerd),
         };
         match node.bring_up(started).await {
             Ok(times) => Ok(Node {
@@ -248,27 +274,11 @@ impl Node {
             config::cni_conflist(),
         )?;
         write(
-            &layout.dir.join("containerd.toml"),
-            config::containerd_toml(layout, image::BUSYBOX_IMAGE, requirements::CNI_BIN_DIR),
-        )?;
-        self.start_containerd().await?;
-        let busybox = layout.dir.join("busybox.oci.tar");
-        write(
-            &busybox,
+            &layout.dir.join("busybox.oci.tar"),
             image::busybox_archive(&self.requirements.busybox)?,
         )?;
-        self.import_image(&busybox, &[])?;
-        let archive = self.requirements.image_archive.clone();
-        let version = env!("CARGO_PKG_VERSION");
-        // The chart's and the kustomize base's name (docker.io/library/ once normalized), and
-        // the registry overlay's.
-        self.import_image(
-            &archive,
-            &[
-                format!("docker.io/library/devplug:{version}"),
-                format!("registry.example.com/devplug:{version}"),
-            ],
-        )?;
+        self.start_containerd().await?;
+        self.import_images()?;
 
         write(
             &layout.dir.join("kubelet.yaml"),
@@ -284,6 +294,30 @@ impl Node {
         })
     }
 
+    /// The containerd the node runs now.
+    fn containerd(&self) -> Result<Containerd, String> {
+        self.containerd
+            .lock()
+            .map(|c| c.clone())
+            .map_err(|_| "the containerd record's lock is poisoned".to_owned())
+    }
+
+    /// The test image and devplug's into the running containerd.
+    fn import_images(&self) -> Result<(), String> {
+        self.import_image(&self.layout.dir.join("busybox.oci.tar"), &[])?;
+        let archive = self.requirements.image_archive.clone();
+        let version = env!("CARGO_PKG_VERSION");
+        // The chart's and the kustomize base's name (docker.io/library/ once normalized), and
+        // the registry overlay's.
+        self.import_image(
+            &archive,
+            &[
+                format!("docker.io/library/devplug:{version}"),
+                format!("registry.example.com/devplug:{version}"),
+            ],
+        )
+    }
+
     fn spawn(&self, name: &'static str, binary: &Path, args: &[String]) -> Result<(), String> {
         let log_path = self.layout.logs().join(format!("{name}.log"));
         let log = std::fs::OpenOptions::new()
@@ -292,13 +326,18 @@ impl Node {
             .open(&log_path)
             .map_err(|e| fail(&log_path.display().to_string(), e))?;
         let err = log.try_clone().map_err(|e| fail("log", e))?;
-        // The node's own binaries first: containerd finds its shim in PATH.
+        // The running containerd's folder first, then the node's: containerd finds its shim
+        // in PATH.
         let path = std::env::var("PATH").unwrap_or_default();
         let child = Command::new(binary)
             .args(args)
             .env(
                 "PATH",
-                format!("{}:{path}", self.requirements.assets.display()),
+                format!(
+                    "{}:{}:{path}",
+                    self.containerd()?.bin_dir.display(),
+                    self.requirements.assets.display()
+                ),
             )
             .stdin(Stdio::null())
             .stdout(log)
@@ -345,16 +384,25 @@ impl Node {
         Ok(())
     }
 
+    /// Starts the containerd of [`Node::containerd`], its config written first.
     async fn start_containerd(&self) -> Result<(), String> {
+        let containerd = self.containerd()?;
+        write(
+            &containerd.config(),
+            config::containerd_toml(
+                &self.layout,
+                &containerd.root(),
+                &containerd.state(),
+                image::BUSYBOX_IMAGE,
+                requirements::CNI_BIN_DIR,
+            ),
+        )?;
         let socket = self.layout.containerd_socket();
         let _ = std::fs::remove_file(&socket);
         self.spawn(
             "containerd",
-            &self.requirements.assets.join("containerd"),
-            &[format!(
-                "--config={}",
-                self.layout.dir.join("containerd.toml").display()
-            )],
+            &containerd.bin_dir.join("containerd"),
+            &[format!("--config={}", containerd.config().display())],
         )?;
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
@@ -407,6 +455,82 @@ impl Node {
     /// their service units do. `between` runs while the node is down (e.g. to start a host
     /// service before the kubelet).
     pub async fn reboot(&self, between: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+        self.power_off()?;
+        between()?;
+        self.start_containerd().await?;
+        self.start_kubelet()
+    }
+
+    /// Replaces the node's container runtime as an operator would (drain aside): the kubelet
+    /// and containerd stop with every container, the containerd whose `containerd`,
+    /// `containerd-shim-runc-v2` and `ctr` are in `bin_dir` starts with a root and state of its
+    /// own (`files_name` under the node's folder; `None`: back to the node's own containerd),
+    /// gets the test images, and the kubelet starts again and reports the new runtime in its
+    /// Node's `status.nodeInfo.containerRuntimeVersion`, which this waits for.
+    pub async fn switch_containerd(&self, other: Option<(&Path, &str)>) -> Result<String, String> {
+        let next = match other {
+            Some((bin_dir, files_name)) => Containerd {
+                bin_dir: bin_dir.to_path_buf(),
+                files: self.layout.containerd_files(files_name),
+            },
+            None => Containerd {
+                bin_dir: self.requirements.assets.clone(),
+                files: self.layout.containerd_files("containerd"),
+            },
+        };
+        self.power_off()?;
+        let fresh = !next.root().exists();
+        *self
+            .containerd
+            .lock()
+            .map_err(|_| "the containerd record's lock is poisoned".to_owned())? = next;
+        self.start_containerd().await?;
+        if fresh {
+            self.import_images()?;
+        }
+        let version = self.ctr_version()?;
+        self.start_kubelet()?;
+        self.wait_node_ready(Duration::from_secs(90)).await?;
+        let wanted = format!("containerd://{version}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let reported = self.kubectl(
+                &[
+                    "get",
+                    "node",
+                    NODE_NAME,
+                    "-o",
+                    "jsonpath={.status.nodeInfo.containerRuntimeVersion}",
+                ],
+                None,
+            )?;
+            if reported == wanted {
+                return Ok(reported);
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "the Node reports runtime {reported:?} 30 s after the kubelet started on \
+                     {wanted}"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The running containerd's version, as the CRI reports it.
+    fn ctr_version(&self) -> Result<String, String> {
+        let out = self.ctr(&["version"])?;
+        let server = out.split("Server:").nth(1).unwrap_or_default();
+        server
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("Version:"))
+            .map(|v| v.trim().to_owned())
+            .ok_or_else(|| format!("no server version in `ctr version`: {out}"))
+    }
+
+    /// The kubelet and containerd killed with every container; what lives on tmpfs on a real
+    /// node removed (containerd's state, the pods' network namespaces, the bridge).
+    fn power_off(&self) -> Result<(), String> {
         self.stop_process("kubelet", Duration::ZERO)?;
         self.stop_process("containerd", Duration::ZERO)?;
         // Every container and shim of this node, then what they had mounted.
@@ -419,27 +543,26 @@ impl Node {
                | sort -r | while read -r m; do umount \"$m\" 2>/dev/null || umount -l \"$m\"; done; \
              rm -rf '{state}'; ip link delete {BRIDGE} 2>/dev/null; true",
             socket = self.layout.containerd_socket().display(),
-            state = self.layout.containerd_state().display(),
+            state = self.containerd()?.state().display(),
         );
         let status = Command::new("sh")
             .arg("-c")
             .arg(&script)
             .stdin(Stdio::null())
             .status()
-            .map_err(|e| fail("reboot", e))?;
-        if !status.success() {
-            return Err(format!(
-                "reboot: tearing down the containers failed: {status}"
-            ));
+            .map_err(|e| fail("power off", e))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "power off: tearing down the containers failed: {status}"
+            ))
         }
-        between()?;
-        self.start_containerd().await?;
-        self.start_kubelet()
     }
 
     /// Runs `ctr` against this node's containerd in the `k8s.io` namespace.
     pub fn ctr(&self, args: &[&str]) -> Result<String, String> {
-        let output = Command::new(self.requirements.assets.join("ctr"))
+        let output = Command::new(self.containerd()?.bin_dir.join("ctr"))
             .arg("--address")
             .arg(self.layout.containerd_socket())
             .args(["--namespace", "k8s.io"])

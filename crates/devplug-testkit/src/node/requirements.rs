@@ -23,6 +23,35 @@ pub const HELM_VAR: &str = "DEVPLUG_HELM_RENDERED";
 /// Set (to anything but `0`) where the whole-node tests must run: a missing piece fails them.
 pub const REQUIRE_VAR: &str = "DEVPLUG_REQUIRE_CLUSTER";
 
+/// A folder holding a containerd that cannot apply CDI specs (older than 1.7) with its
+/// `containerd-shim-runc-v2` and `ctr`, for the scenario where the DRA driver must say so.
+/// Debian 12's containerd 1.6.20 is one: `apt-get download containerd && dpkg-deb -x
+/// containerd_*.deb DIR`, then `DIR/usr/bin`.
+pub const CONTAINERD_WITHOUT_CDI_VAR: &str = "DEVPLUG_CONTAINERD_WITHOUT_CDI";
+
+/// The folder of [`CONTAINERD_WITHOUT_CDI_VAR`], or what is missing.
+pub fn containerd_without_cdi() -> Result<PathBuf, String> {
+    let dir = std::env::var_os(CONTAINERD_WITHOUT_CDI_VAR)
+        .map(PathBuf::from)
+        .ok_or_else(|| {
+            format!(
+                "{CONTAINERD_WITHOUT_CDI_VAR}: a folder with a containerd older than 1.7, its \
+                 containerd-shim-runc-v2 and ctr (Debian 12: `apt-get download containerd && \
+                 dpkg-deb -x containerd_*.deb DIR`, then DIR/usr/bin)"
+            )
+        })?;
+    for name in ["containerd", "containerd-shim-runc-v2", "ctr"] {
+        if !dir.join(name).is_file() {
+            return Err(format!(
+                "{CONTAINERD_WITHOUT_CDI_VAR}: no {} (the folder needs containerd, \
+                 containerd-shim-runc-v2 and ctr)",
+                dir.join(name).display()
+            ));
+        }
+    }
+    Ok(dir)
+}
+
 /// The CNI plugins the node's network uses, from the folder [`CNI_BIN_DIR`].
 const CNI_PLUGINS: [&str; 3] = ["bridge", "host-local", "loopback"];
 /// Where Debian's `containernetworking-plugins` puts the CNI plugins.

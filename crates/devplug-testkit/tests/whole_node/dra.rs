@@ -1,10 +1,11 @@
 //! DRA on the real node: the chart with a `dra:` resource, the example's DeviceClass,
 //! ResourceClaimTemplate and pod applied unchanged; the scheduler allocates, the kubelet asks
-//! devplug to prepare, containerd applies the CDI spec devplug wrote.
+//! devplug to prepare, containerd applies the CDI spec devplug wrote. And on a containerd that
+//! cannot apply CDI specs (1.6), where the pod runs without its devices: devplug must say so.
 
 use crate::support::{self, figure};
 use crate::Outcome;
-use devplug_testkit::node::{Node, NODE_NAME};
+use devplug_testkit::node::{requirements, Node, NODE_NAME};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
 use std::time::{Duration, Instant};
@@ -14,98 +15,8 @@ const DRIVER: &str = "npu.example.com";
 pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
     Box::pin(async move {
         let client = node.client().await?;
-        let release = support::helm_release(node, "whole-node-dra")?;
-        let started = Instant::now();
-        release.install(node)?;
-        // Published: a ResourceSlice of the driver for this node.
-        let deadline = Instant::now() + Duration::from_secs(90);
-        loop {
-            let slices = node.kubectl(
-                &[
-                    "get",
-                    "resourceslices",
-                    "-o",
-                    "jsonpath={range .items[*]}{.spec.driver} {.spec.nodeName}{\"\\n\"}{end}",
-                ],
-                None,
-            )?;
-            if slices.lines().any(|l| l == format!("{DRIVER} {NODE_NAME}")) {
-                break;
-            }
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "no ResourceSlice of {DRIVER} in 90 s\n{}",
-                    support::devplug_log(node)
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        figure(&format!(
-            "helm install (DRA release) → ResourceSlice published: {:.1} s",
-            started.elapsed().as_secs_f64()
-        ));
-        // The example's pod runs busybox:1.36: the test image under that name.
-        node.ctr(&[
-            "images",
-            "tag",
-            "--force",
-            devplug_testkit::node::image::BUSYBOX_IMAGE,
-            "docker.io/library/busybox:1.36",
-        ])?;
-        let example = node
-            .requirements
-            .repo
-            .join("deploy/examples/dra/basic/manifests.yaml");
-        let example = example.display().to_string();
-        let created = Instant::now();
-        node.kubectl(&["apply", "-f", &example], None)?;
-        support::wait_pod(
-            &client,
-            "default",
-            "dra-npu-demo",
-            Duration::from_secs(90),
-            support::running,
-        )
-        .await
-        .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
-        figure(&format!(
-            "DRA pod (ResourceClaimTemplate) created → Running: {:.1} s",
-            created.elapsed().as_secs_f64()
-        ));
-        let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-        let claim = claims
-            .list(&Default::default())
-            .await
-            .map_err(|e| format!("list claims: {e}"))?
-            .items
-            .into_iter()
-            .find(|c| {
-                c.metadata
-                    .name
-                    .as_deref()
-                    .is_some_and(|n| n.starts_with("dra-npu-demo"))
-            })
-            .ok_or("no ResourceClaim made from the template")?;
-        let results = claim
-            .status
-            .and_then(|s| s.allocation)
-            .and_then(|a| a.devices)
-            .and_then(|d| d.results)
-            .unwrap_or_default();
-        assert_eq!(results.len(), 1, "one device allocated: {results:?}");
-        assert_eq!(results[0].driver, DRIVER);
-        let device = results[0].device.clone();
-        // What containerd applied from devplug's CDI spec: env naming the device.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let out = loop {
-            let log = node
-                .container_log("default", "dra-npu-demo", "demo")
-                .unwrap_or_default();
-            if log.contains("PATH=") || Instant::now() > deadline {
-                break log;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        let release = install_and_wait_for_slice(node).await?;
+        let (device, out) = run_example(node, &client).await?;
         let edited: Vec<&str> = out.lines().filter(|l| l.contains(&device)).collect();
         assert!(
             !edited.is_empty(),
@@ -115,18 +26,219 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
             "DRA container env from the CDI spec: {}",
             edited.join(" ")
         ));
-        node.kubectl(
-            &[
-                "delete",
-                "-f",
-                &example,
-                "--wait=true",
-                "--grace-period=0",
-                "--force",
-            ],
-            None,
-        )?;
+        remove_example(node)?;
         release.delete_objects(node)?;
         Ok(())
     })
+}
+
+/// The node switched to a containerd without CDI (Debian 12's 1.6.20): the claim is allocated
+/// and prepared and its pod runs without the device, and devplug says so at ERROR, in
+/// `/readyz` and in a Node event. Then the node's own containerd again.
+pub fn runtime_without_cdi_says_so(node: &'static Node) -> Outcome {
+    Box::pin(async move {
+        let bin_dir = requirements::containerd_without_cdi()?;
+        let switched = Instant::now();
+        let runtime = node
+            .switch_containerd(Some((&bin_dir, "containerd-without-cdi")))
+            .await?;
+        figure(&format!(
+            "runtime switched to {runtime} (kubelet and containerd restarted, images imported): \
+             {:.1} s",
+            switched.elapsed().as_secs_f64()
+        ));
+        let outcome = says_so(node, &runtime).await;
+        let back = node.switch_containerd(None).await.map(drop);
+        outcome.and(back)
+    })
+}
+
+async fn says_so(node: &'static Node, runtime: &str) -> Result<(), String> {
+    let client = node.client().await?;
+    let release = install_and_wait_for_slice(node).await?;
+    // /readyz (the release is on the host network, metrics on 18080) names the driver and why.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let readyz = loop {
+        let got = support::http_get(18080, "/readyz");
+        if let Some((503, body)) = &got {
+            break body.clone();
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "/readyz on a runtime without CDI: {got:?}, not 503\n{}",
+                support::devplug_log(node)
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        readyz.contains(&format!("DRA driver {DRIVER}")) && readyz.contains(runtime),
+        "/readyz does not name the driver and the runtime: {readyz}"
+    );
+    figure(&format!("/readyz on {runtime}: 503 {}", readyz.trim()));
+    let log = support::devplug_log(node);
+    assert!(
+        log.lines()
+            .any(|l| l.contains("ERROR") && l.contains("cannot apply CDI specs")),
+        "no ERROR about CDI in devplug's log:\n{log}"
+    );
+    // The Node event, where `kubectl describe node` shows it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let event = loop {
+        let messages = node.kubectl(
+            &[
+                "get",
+                "events",
+                "-n",
+                "default",
+                "--field-selector",
+                "reason=ContainerRuntimeWithoutCDI",
+                "-o",
+                "jsonpath={range .items[*]}{.involvedObject.kind}/{.involvedObject.name}: {.message}{\"\\n\"}{end}",
+            ],
+            None,
+        )?;
+        if let Some(line) = messages.lines().find(|l| l.contains(runtime)) {
+            break line.to_owned();
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "no ContainerRuntimeWithoutCDI event naming {runtime} in 30 s: {messages:?}"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(event.starts_with(&format!("Node/{NODE_NAME}: ")), "{event}");
+    // What devplug warns of: the claim is prepared, the pod runs, no CDI edit reaches it.
+    let (device, out) = run_example(node, &client).await?;
+    assert!(
+        !out.lines().any(|l| l.contains(&device)),
+        "{runtime} applied the CDI spec after all (the scenario's premise is wrong):\n{out}"
+    );
+    figure(&format!(
+        "DRA container on {runtime}: Running, no env names its device {device} (the runtime \
+         ignored the CDI spec devplug wrote)"
+    ));
+    remove_example(node)?;
+    release.delete_objects(node)?;
+    Ok(())
+}
+
+/// The DRA release installed, and the driver's ResourceSlice for this node published.
+async fn install_and_wait_for_slice(node: &Node) -> Result<support::Release, String> {
+    let release = support::helm_release(node, "whole-node-dra")?;
+    let started = Instant::now();
+    release.install(node)?;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let slices = node.kubectl(
+            &[
+                "get",
+                "resourceslices",
+                "-o",
+                "jsonpath={range .items[*]}{.spec.driver} {.spec.nodeName}{\"\\n\"}{end}",
+            ],
+            None,
+        )?;
+        if slices.lines().any(|l| l == format!("{DRIVER} {NODE_NAME}")) {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "no ResourceSlice of {DRIVER} in 90 s\n{}",
+                support::devplug_log(node)
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    figure(&format!(
+        "helm install (DRA release) → ResourceSlice published: {:.1} s",
+        started.elapsed().as_secs_f64()
+    ));
+    Ok(release)
+}
+
+fn example() -> String {
+    devplug_testkit::node::requirements::repo_root()
+        .join("deploy/examples/dra/basic/manifests.yaml")
+        .display()
+        .to_string()
+}
+
+/// The DRA example applied unchanged and its pod Running: the allocated device and what the
+/// container printed (its env).
+async fn run_example(node: &Node, client: &kube::Client) -> Result<(String, String), String> {
+    // The example's pod runs busybox:1.36: the test image under that name.
+    node.ctr(&[
+        "images",
+        "tag",
+        "--force",
+        devplug_testkit::node::image::BUSYBOX_IMAGE,
+        "docker.io/library/busybox:1.36",
+    ])?;
+    let created = Instant::now();
+    node.kubectl(&["apply", "-f", &example()], None)?;
+    support::wait_pod(
+        client,
+        "default",
+        "dra-npu-demo",
+        Duration::from_secs(90),
+        support::running,
+    )
+    .await
+    .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
+    figure(&format!(
+        "DRA pod (ResourceClaimTemplate) created → Running: {:.1} s",
+        created.elapsed().as_secs_f64()
+    ));
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let claim = claims
+        .list(&Default::default())
+        .await
+        .map_err(|e| format!("list claims: {e}"))?
+        .items
+        .into_iter()
+        .find(|c| {
+            c.metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.starts_with("dra-npu-demo"))
+        })
+        .ok_or("no ResourceClaim made from the template")?;
+    let results = claim
+        .status
+        .and_then(|s| s.allocation)
+        .and_then(|a| a.devices)
+        .and_then(|d| d.results)
+        .unwrap_or_default();
+    assert_eq!(results.len(), 1, "one device allocated: {results:?}");
+    assert_eq!(results[0].driver, DRIVER);
+    let device = results[0].device.clone();
+    // What the container printed: its env, ending with PATH.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let out = loop {
+        let log = node
+            .container_log("default", "dra-npu-demo", "demo")
+            .unwrap_or_default();
+        if log.contains("PATH=") || Instant::now() > deadline {
+            break log;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    Ok((device, out))
+}
+
+fn remove_example(node: &Node) -> Result<(), String> {
+    node.kubectl(
+        &[
+            "delete",
+            "-f",
+            &example(),
+            "--wait=true",
+            "--grace-period=0",
+            "--force",
+        ],
+        None,
+    )
+    .map(drop)
 }

@@ -27,7 +27,7 @@ use std::sync::OnceLock;
 type Outcome = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
 type Scenario = fn(&'static Node) -> Outcome;
 
-const SCENARIOS: [(&str, Scenario); 8] = [
+const SCENARIOS: [(&str, Scenario); 9] = [
     (
         "device_plugins_reach_the_container",
         device_plugins::reach_the_container,
@@ -42,7 +42,20 @@ const SCENARIOS: [(&str, Scenario); 8] = [
         dra::claim_reaches_the_container,
     ),
     ("uninstall_removes_capacity", lifecycle::uninstall),
+    (
+        "dra_on_a_runtime_without_cdi_says_so",
+        dra::runtime_without_cdi_says_so,
+    ),
 ];
+
+/// What a scenario needs beyond the node: without it the scenario is ignored (with the
+/// reason), or fails where the node is required.
+fn extra_requirement(name: &str) -> Result<(), String> {
+    match name {
+        "dra_on_a_runtime_without_cdi_says_so" => requirements::containerd_without_cdi().map(drop),
+        _ => Ok(()),
+    }
+}
 
 static NODE: OnceLock<Node> = OnceLock::new();
 
@@ -111,7 +124,11 @@ fn main() -> ExitCode {
                 requirements::REQUIRE_VAR
             ));
             let trials = names
-                .map(|name| Trial::test(name, || Ok(())).with_ignored_flag(true))
+                // Run anyway (--include-ignored), it fails: it cannot pass without a node.
+                .map(|name| {
+                    Trial::test(name, || Err(Failed::from("no whole node here (see above)")))
+                        .with_ignored_flag(true)
+                })
                 .into_iter()
                 .collect::<Vec<_>>();
             return libtest_mimic::run(&args, trials).exit_code();
@@ -142,6 +159,18 @@ fn main() -> ExitCode {
     ));
     let trials = SCENARIOS
         .map(|(name, scenario)| {
+            if let Err(missing) = extra_requirement(name) {
+                if requirements::required() {
+                    return Trial::test(name, move || Err(Failed::from(missing)));
+                }
+                if wanted(&args, name) {
+                    say(&format!(
+                        "\n*** IGNORED: {name} did NOT run; missing: {missing}\n"
+                    ));
+                }
+                return Trial::test(name, move || Err(Failed::from(missing)))
+                    .with_ignored_flag(true);
+            }
             Trial::test(name, move || {
                 // A failed assertion panics: catch it, so the logs are kept and the node reset.
                 let outcome = runtime().and_then(|rt| {
