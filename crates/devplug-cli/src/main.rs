@@ -80,6 +80,7 @@ struct Cli {
 enum Command {
     /// Serve every resource in a config file to the kubelet until SIGTERM, SIGINT, SIGHUP or
     /// SIGQUIT.
+    #[command(after_long_help = CONFIG_FORMAT)]
     Run(run::RunArgs),
     /// Show a virtual plugin's whole life on a simulated kubelet (no cluster, no root);
     /// `demo nvidia`: the nvidia backend on a fake DGX-1 through the real NVML loading path;
@@ -104,9 +105,14 @@ enum Command {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
-    /// Print the man page (roff), e.g. `devplug man > devplug.1; man ./devplug.1`.
+    /// Print the man page (roff), e.g. `devplug man > devplug.1; man ./devplug.1`; with
+    /// `--dir`, write devplug.1 and one page per command (devplug-run.1, ...) there.
     #[cfg(feature = "tools")]
-    Man,
+    Man {
+        /// Write every page into this existing folder instead of printing devplug(1).
+        #[arg(long, value_name = "DIR")]
+        dir: Option<std::path::PathBuf>,
+    },
     /// A command this build leaves out (or a typo): see [`left_out`].
     #[cfg(not(all(feature = "cluster", feature = "tools")))]
     #[command(external_subcommand)]
@@ -136,12 +142,66 @@ fn completions(shell: clap_complete::Shell) -> anyhow::Result<()> {
     output::print(&String::from_utf8_lossy(&script))
 }
 
-/// Prints the man page of `devplug` and its subcommands, one roff document.
+/// The config file's format, at the end of `run --help` and in devplug-run(1).
+const CONFIG_FORMAT: &str = "\
+Config file (YAML; an unknown field is an error naming it):
+  registration: socket            # or watcher (the plugin watcher); per resource too
+  resources:
+    - name: example.com/npu       # the extended resource pods ask for
+      virtual: { count: 8 }       # exactly one backend: virtual, files, hostdev,
+                                  #   nvidia, amdgpu or intel_gpu (or advertise:)
+      health_hold_down: 5s        # a recovered device waits this long (at most 1h)
+      dra: { driver: npu.example.com }   # serve it as a DRA driver instead
+                                         #   (device_plugin: true: as both)
+Every backend's fields are in the README (\"Backends\"); `devplug check-config FILE` checks a
+file as run loads it, naming the line, the field and the allowed values.";
+
+/// Prints devplug(1), or with `dir` writes it and a page per command there.
 #[cfg(feature = "tools")]
-fn man() -> anyhow::Result<()> {
+fn man(dir: Option<&std::path::Path>) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let Some(dir) = dir else {
+        let mut page = Vec::new();
+        clap_mangen::Man::new(Cli::command()).render(&mut page)?;
+        return output::print(&String::from_utf8_lossy(&page));
+    };
+    clap_mangen::generate_to(Cli::command(), dir)
+        .and_then(|()| write_run_page(dir))
+        .with_context(|| format!("cannot write the man pages into {}", dir.display()))?;
+    let mut written: Vec<String> = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot list {}", dir.display()))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with(NAME) && name.ends_with(".1"))
+        .collect();
+    written.sort();
+    output::print(&format!("{}\n", written.join("\n")))
+}
+
+/// devplug-run(1) again, with the config file's format in a CONFIG FILE section kept as
+/// written (clap_mangen would fill its lines into one paragraph under EXTRA).
+#[cfg(feature = "tools")]
+fn write_run_page(dir: &std::path::Path) -> std::io::Result<()> {
+    let mut cli = Cli::command().disable_help_subcommand(true);
+    cli.build();
+    let Some(run) = cli.find_subcommand("run").cloned() else {
+        return Ok(());
+    };
+    let man = clap_mangen::Man::new(run);
     let mut page = Vec::new();
-    clap_mangen::Man::new(Cli::command()).render(&mut page)?;
-    output::print(&String::from_utf8_lossy(&page))
+    man.render_title(&mut page)?;
+    man.render_name_section(&mut page)?;
+    man.render_synopsis_section(&mut page)?;
+    man.render_description_section(&mut page)?;
+    man.render_options_section(&mut page)?;
+    page.extend_from_slice(b".SH \"CONFIG FILE\"\n.nf\n");
+    for line in CONFIG_FORMAT.lines() {
+        // `\&` first: a line may start with a space or a dot, which roff would act on.
+        page.extend_from_slice(format!("\\&{}\n", line.replace('\\', "\\e")).as_bytes());
+    }
+    page.extend_from_slice(b".fi\n");
+    man.render_version_section(&mut page)?;
+    std::fs::write(dir.join(man.get_filename()), page)
 }
 
 /// `devplug demo --dra`, or in a build without the API client the refusal.
@@ -225,7 +285,7 @@ fn main() -> ExitCode {
         #[cfg(feature = "tools")]
         Command::Completions { shell } => completions(shell),
         #[cfg(feature = "tools")]
-        Command::Man => man(),
+        Command::Man { dir } => man(dir.as_deref()),
         #[cfg(not(all(feature = "cluster", feature = "tools")))]
         Command::LeftOut(args) => Err(left_out(&args)),
     };

@@ -218,6 +218,54 @@ fn the_man_page_is_roff_generated_from_the_options() {
 }
 
 #[test]
+fn every_page_the_man_page_names_is_written_and_run_has_the_config_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = devplug(&["man", "--dir", dir.path().to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let written = text(&out.stdout);
+    let main = std::fs::read_to_string(dir.path().join("devplug.1")).unwrap();
+    // Every `devplug-<command>(1)` the main page refers to is there.
+    let named: Vec<&str> = main
+        .split_whitespace()
+        .filter_map(|w| w.strip_suffix("(1)"))
+        .collect();
+    assert!(named.contains(&"devplug\\-run"), "{main}");
+    for page in named {
+        let file = format!("{}.1", page.replace("\\-", "-"));
+        assert!(
+            dir.path().join(&file).is_file(),
+            "{file} not written: {written}"
+        );
+        assert!(
+            written.lines().any(|l| l == file),
+            "{file} not listed: {written}"
+        );
+    }
+    let run = std::fs::read_to_string(dir.path().join("devplug-run.1")).unwrap();
+    assert!(run.contains(".SH \"CONFIG FILE\"\n.nf\n"), "{run}");
+    assert!(!run.contains(".SH EXTRA"), "{run}");
+}
+
+#[test]
+fn the_config_format_in_run_help_is_a_valid_config() {
+    let help = text(&devplug(&["run", "--help"]).stdout);
+    let from = help
+        .find("  registration:")
+        .expect("the format in run --help");
+    let to = help.find("Every backend").unwrap();
+    let yaml: String = help[from..to]
+        .lines()
+        .map(|l| l.split(" #").next().unwrap().trim_end())
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| format!("{}\n", l.strip_prefix("  ").unwrap_or(l)))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "config.yaml", &yaml);
+    let out = devplug(&["check-config", "--config", &file]);
+    assert!(out.status.success(), "{yaml}\n{}", text(&out.stderr));
+}
+
+#[test]
 fn command_line_durations_are_bounded_too() {
     let out = devplug(&["inspect", "--timeout", "18446744073709551615"]);
     assert_eq!(out.status.code(), Some(2));
