@@ -172,6 +172,15 @@ pub enum ConfigError {
         /// The field and what to do.
         problem: String,
     },
+    /// Several resources' settings cannot work: each one, in file order
+    /// (`resources[i] (name): problem`).
+    #[error("config file {path}: {} problems:\n  {}", problems.len(), problems.join("\n  "))]
+    Resources {
+        /// The file.
+        path: PathBuf,
+        /// One line each.
+        problems: Vec<String>,
+    },
     /// The file uses the API server (e.g. `advertise:`), and this build has no client for it.
     #[error("config file {path}: {}", not_in_this_build(field))]
     NeedsCluster {
@@ -275,47 +284,83 @@ impl Config {
         }
     }
 
+    /// Every settings problem of every resource (the first of each resource: a later check
+    /// may depend on an earlier one), not only the first in the file.
     fn validate(&self, path: &Path) -> Result<(), ConfigError> {
-        let mut seen = HashSet::new();
-        let mut drivers: std::collections::HashMap<&str, usize> = Default::default();
-        for (index, resource) in self.resources.iter().enumerate() {
-            let fail = |problem: String| ConfigError::Resource {
-                path: path.to_owned(),
-                index,
-                name: resource.name.clone(),
-                problem,
-            };
-            resource_name::validate(&resource.name).map_err(|e| fail(format!("name: {e}")))?;
-            if !seen.insert(resource.name.as_str()) {
-                return Err(fail(
-                    "name: this resource is listed twice; each resource needs one entry".into(),
-                ));
-            }
-            resource.settings_check().map_err(fail)?;
-            if let Some(dra) = &resource.dra {
-                if resource.advertise.is_some() {
-                    return Err(fail(
-                        "dra: an advertise: resource has no devices to serve as a DRA driver; \
-                         remove one of the two"
-                            .into(),
-                    ));
-                }
-                devplug::attributes::check_dns_subdomain(&dra.driver)
-                    .map_err(|e| fail(format!("dra.driver: {e}")))?;
-                if let Some(first) = drivers.insert(dra.driver.as_str(), index) {
-                    return Err(fail(format!(
-                        "dra.driver: {} is already the driver of resources[{first}]; each \
-                         driver serves one resource",
-                        dra.driver
-                    )));
-                }
-            }
-        }
         if self.resources.is_empty() {
             return Err(ConfigError::Parse {
                 path: path.to_owned(),
                 message: "resources: the list is empty; add at least one resource".into(),
             });
+        }
+        let mut seen = HashSet::new();
+        let mut drivers: std::collections::HashMap<&str, usize> = Default::default();
+        let mut failed: Vec<ConfigError> = Vec::new();
+        for (index, resource) in self.resources.iter().enumerate() {
+            if let Err(problem) = resource.problem(index, &mut seen, &mut drivers) {
+                failed.push(ConfigError::Resource {
+                    path: path.to_owned(),
+                    index,
+                    name: resource.name.clone(),
+                    problem,
+                });
+            }
+        }
+        if failed.len() > 1 {
+            let problems = failed
+                .iter()
+                .filter_map(|f| match f {
+                    ConfigError::Resource {
+                        index,
+                        name,
+                        problem,
+                        ..
+                    } => Some(format!("resources[{index}] ({name}): {problem}")),
+                    _ => None,
+                })
+                .collect();
+            return Err(ConfigError::Resources {
+                path: path.to_owned(),
+                problems,
+            });
+        }
+        failed.pop().map_or(Ok(()), Err)
+    }
+}
+
+impl ResourceConfig {
+    /// The first problem of this resource, `index` in the list; `seen` and `drivers` are the
+    /// names and DRA drivers of the resources before it.
+    fn problem<'a>(
+        &'a self,
+        index: usize,
+        seen: &mut HashSet<&'a str>,
+        drivers: &mut std::collections::HashMap<&'a str, usize>,
+    ) -> Result<(), String> {
+        resource_name::validate(&self.name).map_err(|e| format!("name: {e}"))?;
+        if !seen.insert(self.name.as_str()) {
+            return Err(
+                "name: this resource is listed twice; each resource needs one entry".into(),
+            );
+        }
+        self.settings_check()?;
+        if let Some(dra) = &self.dra {
+            if self.advertise.is_some() {
+                return Err(
+                    "dra: an advertise: resource has no devices to serve as a DRA driver; \
+                     remove one of the two"
+                        .into(),
+                );
+            }
+            devplug::attributes::check_dns_subdomain(&dra.driver)
+                .map_err(|e| format!("dra.driver: {e}"))?;
+            if let Some(first) = drivers.insert(dra.driver.as_str(), index) {
+                return Err(format!(
+                    "dra.driver: {} is already the driver of resources[{first}]; each driver \
+                     serves one resource",
+                    dra.driver
+                ));
+            }
         }
         Ok(())
     }

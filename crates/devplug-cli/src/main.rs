@@ -296,8 +296,22 @@ fn main() -> ExitCode {
         // The reader went away: nothing to tell it.
         Err(err) if output::is_stdout_closed(&err) => ExitCode::FAILURE,
         Err(err) => {
-            eprintln!("error: {}", output::error_text(&err));
+            fatal(cli.log_format, &output::error_text(&err));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The error that ends the program, on stderr: as text, or with `--log-format json` as one JSON
+/// log line whose message is the error's first line and whose `snippet` field holds the rest
+/// (a config file's lines around the error), so that log readers keep the message readable.
+fn fatal(format: LogFormat, text: &str) {
+    if format == LogFormat::Json && tracing::dispatcher::has_been_set() {
+        match text.split_once('\n') {
+            Some((message, snippet)) => tracing::error!(snippet, "{message}"),
+            None => tracing::error!("{text}"),
+        }
+    } else {
+        eprintln!("error: {text}");
     }
 }

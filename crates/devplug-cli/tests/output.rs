@@ -59,6 +59,51 @@ fn an_os_error_is_printed_once() {
 }
 
 #[test]
+fn every_resource_with_a_problem_is_reported_and_json_logs_keep_the_snippet_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(
+        dir.path(),
+        "two.yaml",
+        "resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: bad\n    virtual: { count: 1 }\n",
+    );
+    let out = devplug(&["check-config", "--config", &path]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(": 2 problems:"), "{stderr}");
+    assert!(
+        stderr.contains("resources[1] (a.com/x): name: this resource is listed twice"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("resources[2] (bad): name: "), "{stderr}");
+
+    let path = write(
+        dir.path(),
+        "parse.yaml",
+        "resources:\n  - name: a.com/x\n    virtual: { count: -3 }\n",
+    );
+    let kubelet_dir = dir.path().to_str().unwrap();
+    let out = devplug(&[
+        "--log-format",
+        "json",
+        "run",
+        "--config",
+        &path,
+        "--kubelet-dir",
+        kubelet_dir,
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert_eq!(stderr.lines().count(), 1, "one JSON line: {stderr}");
+    let line: serde_json::Value = serde_json::from_str(&stderr).unwrap();
+    assert_eq!(line["level"], "ERROR", "{line}");
+    let message = line["fields"]["message"].as_str().unwrap();
+    assert!(message.contains("resources[0].virtual.count"), "{line}");
+    assert!(!message.contains('\n'), "{line}");
+    let snippet = line["fields"]["snippet"].as_str().unwrap();
+    assert!(snippet.contains("3 |     virtual: { count: -3 }"), "{line}");
+}
+
+#[test]
 fn config_errors_name_the_path_the_range_and_the_shape() {
     let dir = tempfile::tempdir().unwrap();
     let cases = [
