@@ -1,0 +1,215 @@
+//! The docs' links work: every relative link in `README.md`, `deploy/README.md` and `docs/*.md`
+//! names a file that exists, and a `#anchor` names a heading of that file, by GitHub's rules
+//! for heading anchors. (That the config reference lists the fields the parser accepts is
+//! checked by devplug-cli's `tests/docs_config.rs`, with the real binary.)
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
+use deploy_check::repo_root;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// The Markdown files whose links are checked, relative to the repository root.
+fn documents() -> Vec<PathBuf> {
+    let root = repo_root();
+    let mut docs = vec![
+        PathBuf::from("README.md"),
+        PathBuf::from("deploy/README.md"),
+    ];
+    let mut pages: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+        .expect("docs/ must exist")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .map(|p| PathBuf::from("docs").join(p.file_name().unwrap()))
+        .collect();
+    pages.sort();
+    docs.extend(pages);
+    docs
+}
+
+/// The lines of `text` outside fenced code blocks, with their numbers (from 1).
+fn prose_lines(text: &str) -> Vec<(usize, &str)> {
+    let mut fenced = false;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if !fenced {
+            out.push((n + 1, line));
+        }
+    }
+    out
+}
+
+/// A heading's anchor as GitHub makes it: lowercase, punctuation other than `-` and `_`
+/// dropped, each space a `-`.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            '-' | '_' => Some(c),
+            c if c.is_alphanumeric() => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every anchor of a Markdown text: its headings' slugs, a repeated one numbered `-1`, `-2`…
+fn anchors(text: &str) -> Vec<String> {
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    let mut out = Vec::new();
+    for (_, line) in prose_lines(text) {
+        let level = line.chars().take_while(|c| *c == '#').count();
+        if !(1..=6).contains(&level) || !line[level..].starts_with(' ') {
+            continue;
+        }
+        let base = slug(&line[level..]);
+        let count = seen.entry(base.clone()).or_insert(0);
+        out.push(if *count == 0 {
+            base.clone()
+        } else {
+            format!("{base}-{count}")
+        });
+        *count += 1;
+    }
+    out
+}
+
+/// The targets of the inline links `[text](target)` on a line.
+fn link_targets(line: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = line;
+    while let Some(at) = rest.find("](") {
+        let after = &rest[at + 2..];
+        let Some(end) = after.find(')') else { break };
+        out.push(after[..end].trim());
+        rest = &after[end..];
+    }
+    out
+}
+
+/// Why `target`, linked from `doc`, does not resolve, if it does not.
+fn broken(root: &Path, doc: &Path, target: &str) -> Option<String> {
+    if target.contains("://") || target.starts_with("mailto:") {
+        return None;
+    }
+    let (file, anchor) = match target.split_once('#') {
+        Some((file, anchor)) => (file, Some(anchor)),
+        None => (target, None),
+    };
+    let path = if file.is_empty() {
+        root.join(doc)
+    } else {
+        root.join(doc.parent().unwrap()).join(file)
+    };
+    if !path.exists() {
+        return Some(format!("{} does not exist", path.display()));
+    }
+    let anchor = anchor?;
+    if path.extension().is_none_or(|e| e != "md") {
+        return Some(format!(
+            "#{anchor} in {}, which is not Markdown",
+            path.display()
+        ));
+    }
+    let text = std::fs::read_to_string(&path).unwrap();
+    let known = anchors(&text);
+    (!known.iter().any(|a| a == anchor)).then(|| {
+        format!(
+            "no heading #{anchor} in {} (its anchors: {})",
+            path.display(),
+            known.join(", ")
+        )
+    })
+}
+
+#[test]
+fn slugs_follow_githubs_rules() {
+    for (heading, anchor) in [
+        (
+            "Registration: kubelet.sock or the plugin watcher",
+            "registration-kubeletsock-or-the-plugin-watcher",
+        ),
+        ("`hostdev` USB ids (`usb`)", "hostdev-usb-ids-usb"),
+        ("`intel_gpu`", "intel_gpu"),
+        (
+            "Extended resources on the Node, and a clean uninstall",
+            "extended-resources-on-the-node-and-a-clean-uninstall",
+        ),
+        (
+            "A pod stays Pending: `Insufficient <resource>`",
+            "a-pod-stays-pending-insufficient-resource",
+        ),
+    ] {
+        assert_eq!(slug(heading), anchor, "{heading}");
+    }
+    assert_eq!(
+        anchors("# A\n```sh\n# not a heading\n```\n## A\n#nope\n"),
+        ["a", "a-1"]
+    );
+    assert_eq!(
+        link_targets("see [a](x.md#y) and [b](../c.md), not (d)"),
+        ["x.md#y", "../c.md"]
+    );
+}
+
+#[test]
+fn every_relative_link_in_the_docs_resolves() {
+    let root = repo_root();
+    let docs = documents();
+    assert!(
+        docs.len() >= 8,
+        "expected README.md, deploy/README.md and the docs/ pages, found {docs:?}"
+    );
+    let mut problems = Vec::new();
+    let mut checked = 0;
+    for doc in &docs {
+        let text = std::fs::read_to_string(root.join(doc))
+            .unwrap_or_else(|e| panic!("{}: {e}", doc.display()));
+        for (n, line) in prose_lines(&text) {
+            for target in link_targets(line) {
+                checked += 1;
+                if let Some(why) = broken(&root, doc, target) {
+                    problems.push(format!("{}:{n}: ({target}): {why}", doc.display()));
+                }
+            }
+        }
+    }
+    assert!(
+        checked > 30,
+        "only {checked} links found: is the parser right?"
+    );
+    assert!(
+        problems.is_empty(),
+        "broken links:\n{}",
+        problems.join("\n")
+    );
+}
+
+#[test]
+fn the_readme_links_every_page_in_docs() {
+    let root = repo_root();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let linked: Vec<&str> = prose_lines(&readme)
+        .into_iter()
+        .flat_map(|(_, line)| link_targets(line))
+        .collect();
+    let missing: Vec<String> = documents()
+        .into_iter()
+        .filter(|d| d.starts_with("docs"))
+        .map(|d| d.display().to_string())
+        .filter(|d| {
+            !linked
+                .iter()
+                .any(|t| t.split('#').next() == Some(d.as_str()))
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "README.md's \"Where to go next\" does not link {missing:?}"
+    );
+}
