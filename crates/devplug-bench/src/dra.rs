@@ -2,7 +2,7 @@
 //! ResourceSlice, and `NodePrepareResources` / `NodeUnprepareResources` as the kubelet
 //! simulator calls them (one claim a call: the claim read from the API server, the backend's
 //! edits, the CDI spec and the checkpoint written and synced). Needs the test control plane
-//! (`KUBEBUILDER_ASSETS`: README, "Tests against a real API server"): `devplug-bench dra`.
+//! (`KUBEBUILDER_ASSETS`: docs/testing.md, "Tests against a real API server"): `devplug-bench dra`.
 
 use crate::{print_row, WAIT};
 use anyhow::Context;
@@ -38,7 +38,7 @@ impl Backend for Devices {
 /// Prints the DRA rows of the table.
 pub async fn figures(changes: usize, claims: usize) -> anyhow::Result<()> {
     let server = ApiServer::shared("devplug-bench dra").context(
-        "devplug-bench dra needs KUBEBUILDER_ASSETS (README, \"Tests against a real API server\")",
+        "devplug-bench dra needs KUBEBUILDER_ASSETS (docs/testing.md, \"Tests against a real API server\")",
     )?;
     let client = testenv::client(&server.kubeconfig)
         .await

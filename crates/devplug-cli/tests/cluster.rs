@@ -44,7 +44,7 @@ fn devplug(args: &[&str]) -> (bool, String, String) {
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn capacity_set_list_remove() {
@@ -106,7 +106,7 @@ async fn capacity_set_list_remove() {
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_advertises_on_its_node_and_follows_the_config() {
@@ -204,7 +204,7 @@ async fn run_advertises_on_its_node_and_follows_the_config() {
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
@@ -304,7 +304,7 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
 /// says so: at ERROR in its log and in `/readyz` (503), naming the driver and the runtime.
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz() {

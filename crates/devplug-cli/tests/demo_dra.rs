@@ -54,7 +54,7 @@ const GONE: Duration = Duration::from_secs(5);
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[test]
 fn the_dra_demo_walks_the_whole_path_and_cleans_up() {
@@ -116,7 +116,7 @@ fn the_dra_demo_walks_the_whole_path_and_cleans_up() {
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[test]
 fn ctrl_c_during_the_dra_demo_stops_the_control_plane_and_removes_its_folder() {

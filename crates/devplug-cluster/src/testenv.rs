@@ -9,7 +9,7 @@
 //! Without `KUBEBUILDER_ASSETS` [`ApiServer::shared`] returns `None` after printing a loud
 //! message: tests then say `SKIPPED` and how to get the binaries, never pass silently; with
 //! `DEVPLUG_REQUIRE_API_SERVER` set (CI) a missing `KUBEBUILDER_ASSETS` fails them instead. Get them
-//! with `setup-envtest use 1.36.x -p path` (controller-runtime's tool; README, "Tests against a
+//! with `setup-envtest use 1.36.x -p path` (controller-runtime's tool; docs/testing.md, "Tests against a
 //! real API server").
 //!
 //! The API server authenticates a static admin token (`system:masters`) and service account
@@ -114,8 +114,8 @@ pub fn assets_or_skip(test: &str) -> Option<PathBuf> {
         std::io::stderr(),
         "\n*** SKIPPED {test}: KUBEBUILDER_ASSETS is not set, so there is no API server to test against.\n\
          *** Get kube-apiserver and etcd with `setup-envtest use 1.36.x -p path` (controller-runtime's\n\
-         *** tool) and `export KUBEBUILDER_ASSETS=<that folder>` (README, \"Tests against a real API\n\
-         *** server\"). This test did NOT run.\n"
+         *** tool) and `export KUBEBUILDER_ASSETS=<that folder>` (docs/testing.md, \"Tests against a\n\
+         *** real API server\"). This test did NOT run.\n"
     );
     None
 }
@@ -191,7 +191,7 @@ fn spawn_scheduler(server: &ApiServer, assets: &Path) -> Result<Child, String> {
     if !binary.is_file() {
         return Err(format!(
             "{} is missing: DRA needs kube-scheduler beside kube-apiserver \
-             (README, \"Tests against a real API server\", says where to get it)",
+             (docs/testing.md, \"Tests against a real API server\", says where to get it)",
             binary.display()
         ));
     }

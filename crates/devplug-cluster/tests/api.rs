@@ -14,7 +14,7 @@ use kube::Api;
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn set_list_and_remove_with_escaping() {
@@ -109,7 +109,7 @@ async fn kubelet_writes(nodes: &Api<Node>, node: &str, resource: &str, value: &s
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn clean_uninstall_waits_for_zero_removes_and_rechecks() {
@@ -171,7 +171,7 @@ async fn clean_uninstall_waits_for_zero_removes_and_rechecks() {
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn advertise_reapplies_after_removal_and_removes_on_config_change() {
@@ -249,7 +249,7 @@ impl devplug::Backend for Flip {
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn a_health_flip_becomes_events_on_the_node() {

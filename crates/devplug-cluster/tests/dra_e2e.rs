@@ -75,7 +75,7 @@ async fn slice_devices(slices: &Api<ResourceSlice>) -> Vec<String> {
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {

@@ -143,7 +143,7 @@ fn spawn(s: &Setup, devices: watch::Receiver<DeviceList>) -> SlicePublisher {
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn devices_appear_with_attributes_capacity_and_owner() {
@@ -241,7 +241,7 @@ async fn devices_appear_with_attributes_capacity_and_owner() {
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn a_change_bumps_the_generation_and_unhealthy_devices_leave_and_return() {
@@ -320,7 +320,7 @@ async fn a_change_bumps_the_generation_and_unhealthy_devices_leave_and_return() 
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn three_hundred_devices_in_three_slices_and_no_duplicates_after_a_restart() {
@@ -407,7 +407,7 @@ async fn three_hundred_devices_in_three_slices_and_no_duplicates_after_a_restart
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn a_slice_deleted_or_edited_by_someone_is_repaired() {
@@ -464,7 +464,7 @@ async fn a_slice_deleted_or_edited_by_someone_is_repaired() {
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn nothing_is_published_until_the_node_exists() {
@@ -507,7 +507,7 @@ async fn nothing_is_published_until_the_node_exists() {
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn shutdown_deletes_the_slices() {
@@ -527,7 +527,7 @@ async fn shutdown_deletes_the_slices() {
 /// the publisher confirming the write. Printed, never asserted.
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn publish_latency_after_a_change() {
@@ -576,7 +576,7 @@ const RULES: &str = r#"[
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn the_rbac_rules_are_enough() {

@@ -26,7 +26,7 @@ fn forbidden<T: std::fmt::Debug>(result: Result<T, kube::Error>, what: &str) {
 
 #[cfg_attr(
     no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (README, Tests against a real API server)"
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
 async fn the_uninstall_account_can_do_exactly_what_it_needs() {
