@@ -153,7 +153,7 @@ Config file (YAML; an unknown field is an error naming it):
       health_hold_down: 5s        # a recovered device waits this long (at most 1h)
       dra: { driver: npu.example.com }   # serve it as a DRA driver instead
                                          #   (device_plugin: true: as both)
-Every backend's fields are in docs/configuration.md; `devplug check-config FILE` checks a
+Every backend's fields are in docs/configuration.md; `devplug check-config --config FILE` checks a
 file as run loads it, naming the line, the field and the allowed values.";
 
 /// Prints devplug(1), or with `dir` writes it and a page per command there.

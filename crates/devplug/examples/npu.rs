@@ -1,5 +1,5 @@
 //! A complete device plugin in a few lines: four NPUs whose ids go into `NPU_VISIBLE_DEVICES`.
-//! The README shows this file.
+//! docs/writing-a-plugin.md shows this file.
 //!
 //! Against the kubelet simulator (no kubelet needed; it registers, a pod gets two NPUs, the
 //! example prints what the container got and exits):
