@@ -218,10 +218,17 @@ fn both_image_builds_make_the_same_image_from_the_same_command() {
         runs(&dockerfile),
         ["TARGET=\"${TARGET}\" deploy/build-static /out"]
     );
+    // The second run is the linux/arm64 build, cross-compiled with plain links (the link order
+    // is trained by running the binary, which cannot run a foreign architecture).
     assert_eq!(
         runs(&script),
-        ["TARGET=\"${TARGET}\" deploy/build-static \"$context\""]
+        [
+            "TARGET=\"${TARGET}\" deploy/build-static \"$context\"",
+            "deploy/build-static \"$arm_context\""
+        ]
     );
+    assert!(script.contains("TARGET=\"$ARM_TARGET\" DEVPLUG_LINK_ORDER=off \\\n"));
+    assert!(script.contains("ARM_TARGET=aarch64-unknown-linux-musl\n"));
     // The script: the lean build (no default features), then the full one, each into its name.
     let build_static = read("deploy/build-static");
     let builds: Vec<&str> = build_static
