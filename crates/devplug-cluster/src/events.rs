@@ -10,12 +10,15 @@
 //!   server.
 //!
 //! Events are written in namespace `default` (Nodes are cluster-scoped; that is where kubectl
-//! looks for them). RBAC: `create` and `patch` on `events.k8s.io` `events` there.
+//! looks for them). RBAC: `create` and `patch` on `events.k8s.io` `events` there, and nothing
+//! else: the Node is referred to as the kubelet refers to it in its own Node events (kind
+//! `Node`, name and UID both the node's name; `nodeRef` in the kubelet's `kubelet.go`), which
+//! `kubectl describe node` finds beside events that carry the Node object's UID. So no Node
+//! is read, and an install with only `--node-events` needs no access to Nodes.
 
 use devplug::HostEvent;
-use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::Api;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -153,6 +156,17 @@ impl NodeEvents {
     }
 }
 
+/// The Node as the kubelet's own Node events refer to it: kind, name, and the name as UID.
+fn node_reference(node: &str) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Node".into()),
+        name: Some(node.to_owned()),
+        uid: Some(node.to_owned()),
+        ..Default::default()
+    }
+}
+
 async fn write(
     client: kube::Client,
     node: String,
@@ -168,8 +182,7 @@ async fn write(
             instance: Some(instance),
         },
     );
-    let nodes: Api<Node> = Api::all(client);
-    let mut reference: Option<ObjectReference> = None;
+    let regarding = node_reference(&node);
     let mut tokens = f64::from(BURST);
     let mut refilled = Instant::now();
     loop {
@@ -190,27 +203,6 @@ async fn write(
             continue;
         }
         tokens -= 1.0;
-        if reference.is_none() {
-            match nodes.get(&node).await {
-                Ok(n) => {
-                    reference = Some(ObjectReference {
-                        api_version: Some("v1".into()),
-                        kind: Some("Node".into()),
-                        name: Some(node.clone()),
-                        uid: n.metadata.uid,
-                        ..Default::default()
-                    })
-                }
-                Err(err) => {
-                    counters.failed.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(%node, %err, "cannot read our Node for its events");
-                    continue;
-                }
-            }
-        }
-        let Some(regarding) = &reference else {
-            continue;
-        };
         let ev = Event {
             type_: if event.warning {
                 EventType::Warning
@@ -222,7 +214,7 @@ async fn write(
             action: event.action.clone(),
             secondary: None,
         };
-        match recorder.publish(&ev, regarding).await {
+        match recorder.publish(&ev, &regarding).await {
             Ok(()) => {
                 counters.published.fetch_add(1, Ordering::Relaxed);
             }

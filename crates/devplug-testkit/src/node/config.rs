@@ -90,7 +90,8 @@ pub fn scheduler_args(layout: &Layout) -> Vec<String> {
 /// `oom_score_adj` in a VM without CAP_SYS_RESOURCE); cgroupfs; our CNI folder; network
 /// namespaces under the state folder, so that every one it makes is ours to remove. CDI is on
 /// by default in containerd 2.x, reading /etc/cdi and /var/run/cdi.
-/// containerd 1.6 reads the same file (without CDI, which it lacks).
+/// containerd 1.6 reads the same file (without CDI, which it lacks); it needs the runc
+/// runtime's `runtime_type` spelled out once the table is there (2.x fills it in).
 pub fn containerd_toml(
     layout: &Layout,
     root: &Path,
@@ -108,6 +109,8 @@ state = "{state}"
   sandbox_image = "{sandbox_image}"
   restrict_oom_score_adj = true
   netns_mounts_under_state_dir = true
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    runtime_type = "io.containerd.runc.v2"
   [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
     SystemdCgroup = false
   [plugins."io.containerd.grpc.v1.cri".cni]

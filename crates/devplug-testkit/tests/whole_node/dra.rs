@@ -38,16 +38,20 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
 pub fn runtime_without_cdi_says_so(node: &'static Node) -> Outcome {
     Box::pin(async move {
         let bin_dir = requirements::containerd_without_cdi()?;
-        let switched = Instant::now();
-        let runtime = node
-            .switch_containerd(Some((&bin_dir, "containerd-without-cdi")))
-            .await?;
-        figure(&format!(
-            "runtime switched to {runtime} (kubelet and containerd restarted, images imported): \
-             {:.1} s",
-            switched.elapsed().as_secs_f64()
-        ));
-        let outcome = says_so(node, &runtime).await;
+        let outcome = async {
+            let switched = Instant::now();
+            let runtime = node
+                .switch_containerd(Some((&bin_dir, "containerd-without-cdi")))
+                .await?;
+            figure(&format!(
+                "runtime switched to {runtime} (kubelet and containerd restarted, images \
+                 imported): {:.1} s",
+                switched.elapsed().as_secs_f64()
+            ));
+            says_so(node, &runtime).await
+        }
+        .await;
+        // Back to the node's own containerd, whatever happened.
         let back = node.switch_containerd(None).await.map(drop);
         outcome.and(back)
     })
@@ -109,6 +113,12 @@ async fn says_so(node: &'static Node, runtime: &str) -> Result<(), String> {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert!(event.starts_with(&format!("Node/{NODE_NAME}: ")), "{event}");
+    // Where an operator looks: `kubectl describe node`.
+    let described = node.kubectl(&["describe", "node", NODE_NAME], None)?;
+    assert!(
+        described.contains("ContainerRuntimeWithoutCDI"),
+        "kubectl describe node does not show the event:\n{described}"
+    );
     // What devplug warns of: the claim is prepared, the pod runs, no CDI edit reaches it.
     let (device, out) = run_example(node, &client).await?;
     assert!(
