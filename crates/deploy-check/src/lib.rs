@@ -202,6 +202,25 @@ fn diff_at(path: String, original: &Value, typed: &Value) -> Option<Difference> 
     }
 }
 
+/// What kustomize's image transformer makes of `image` (`name[:tag]`) with a kustomization's
+/// `images:` entries: the entry whose `name` matches gives `newName` and `newTag`.
+pub fn image_transformed(image: &str, entries: &[Value]) -> String {
+    let (name, tag) = match image.rsplit_once(':') {
+        Some((name, tag)) if !tag.contains('/') => (name, Some(tag)),
+        _ => (image, None),
+    };
+    for entry in entries {
+        if entry["name"] == name {
+            let name = entry["newName"].as_str().unwrap_or(name);
+            return match entry["newTag"].as_str().or(tag) {
+                Some(tag) => format!("{name}:{tag}"),
+                None => name.to_owned(),
+            };
+        }
+    }
+    image.to_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

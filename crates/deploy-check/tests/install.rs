@@ -5,7 +5,7 @@
 //! `/devplug` and the device-plugin-only `/devplug-lite`), from the same cargo commands.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
-use deploy_check::{documents, repo_root, strict};
+use deploy_check::{documents, image_transformed, repo_root, strict};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use serde_json::Value;
 use std::path::Path;
@@ -20,24 +20,6 @@ fn kustomization(dir: &Path) -> Value {
     let docs = documents(&dir.join("kustomization.yaml")).unwrap();
     assert_eq!(docs.len(), 1, "{}", dir.display());
     docs.into_iter().next().unwrap()
-}
-
-/// What kustomize's image transformer makes of `image` with the `images:` entries.
-fn transformed(image: &str, entries: &[Value]) -> String {
-    let (name, tag) = match image.rsplit_once(':') {
-        Some((name, tag)) if !tag.contains('/') => (name, Some(tag)),
-        _ => (image, None),
-    };
-    for entry in entries {
-        if entry["name"] == name {
-            let name = entry["newName"].as_str().unwrap_or(name);
-            return match entry["newTag"].as_str().or(tag) {
-                Some(tag) => format!("{name}:{tag}"),
-                None => name.to_owned(),
-            };
-        }
-    }
-    image.to_owned()
 }
 
 /// The container images of the kustomize base's DaemonSet.
@@ -106,12 +88,12 @@ fn the_overlay_sets_the_image_in_one_place_on_top_of_the_base() {
     let edited = overlay_with_registry("registry.internal:5000/team");
     let entries = edited["images"].as_array().unwrap();
     assert_eq!(
-        transformed(&base_images[0], entries),
+        image_transformed(&base_images[0], entries),
         format!("registry.internal:5000/team/devplug:{version}")
     );
     // The base alone keeps the name every node would have to have loaded.
     assert_eq!(
-        transformed(&base_images[0], base_k["images"].as_array().unwrap()),
+        image_transformed(&base_images[0], base_k["images"].as_array().unwrap()),
         format!("devplug:{version}")
     );
 }

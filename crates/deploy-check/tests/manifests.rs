@@ -9,7 +9,7 @@
 //! releases (`.ci/render-helm` writes one); rendering needs Helm, which tests do not fetch.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
-use deploy_check::{documents, repo_root, strict, yaml_files, CheckError};
+use deploy_check::{documents, image_transformed, repo_root, strict, yaml_files, CheckError};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec, ServiceAccount};
@@ -291,24 +291,6 @@ fn strategic_merge(target: &mut Value, patch: &Value, field: &str) {
     }
 }
 
-/// What kustomize's image transformer makes of `image` with the `images:` entries.
-fn image_transformed(image: &str, entries: &[Value]) -> String {
-    let (name, tag) = match image.rsplit_once(':') {
-        Some((name, tag)) if !tag.contains('/') => (name, Some(tag)),
-        _ => (image, None),
-    };
-    for entry in entries {
-        if entry["name"] == name {
-            let name = entry["newName"].as_str().unwrap_or(name);
-            return match entry["newTag"].as_str().or(tag) {
-                Some(tag) => format!("{name}:{tag}"),
-                None => name.to_owned(),
-            };
-        }
-    }
-    image.to_owned()
-}
-
 /// The base and every folder in deploy/overlays.
 fn kustomizations() -> Vec<PathBuf> {
     let mut dirs = vec![kustomize_dir()];
@@ -413,22 +395,7 @@ fn the_nvidia_overlay_serves_nvidia_gpus() {
         container.image.as_deref(),
         Some(&*format!("devplug:{version}-gpu"))
     );
-    let host_path_at = |path: &str| {
-        let mount = container
-            .volume_mounts
-            .iter()
-            .flatten()
-            .find(|m| m.mount_path == path)?;
-        let volume = spec
-            .volumes
-            .iter()
-            .flatten()
-            .find(|v| v.name == mount.name)?;
-        Some((
-            volume.host_path.as_ref()?.path.clone(),
-            mount.read_only == Some(true),
-        ))
-    };
+    let host_path_at = |path: &str| mounted_host_path(spec, container, path);
     let host_root = resources[0]["nvidia"]["host_driver_root"].as_str().unwrap();
     assert_eq!(
         host_path_at("/driver-root"),
@@ -447,6 +414,22 @@ fn the_nvidia_overlay_serves_nvidia_gpus() {
             .map(String::as_str),
         Some("true")
     );
+}
+
+/// The host folder mounted at `path` in `container` of `spec`, and whether read-only.
+fn mounted_host_path(spec: &PodSpec, container: &Container, path: &str) -> Option<(String, bool)> {
+    let mount = container
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.mount_path == path)?;
+    let volume = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == mount.name)?;
+    let host = volume.host_path.as_ref()?.path.clone();
+    Some((host, mount.read_only == Some(true)))
 }
 
 /// The DaemonSet and ConfigMap of a release.
@@ -861,20 +844,7 @@ const DEFAULT_DRIVER_ROOTS: [&str; 3] = ["/", "/run/nvidia/driver", "/driver-roo
 /// being `host_driver_root` where set, and a way to open the GPUs' device nodes: privileged, or
 /// a RuntimeClass (NVIDIA's runtime giving the pod its GPUs).
 fn gpu_problems(config: &Value, spec: &PodSpec, container: &Container) -> Vec<String> {
-    let host_path_at = |path: &str| {
-        let mount = container
-            .volume_mounts
-            .iter()
-            .flatten()
-            .find(|m| m.mount_path == path)?;
-        let volume = spec
-            .volumes
-            .iter()
-            .flatten()
-            .find(|v| v.name == mount.name)?;
-        let host = volume.host_path.as_ref()?.path.clone();
-        Some((host, mount.read_only == Some(true)))
-    };
+    let host_path_at = |path: &str| mounted_host_path(spec, container, path);
     let mut problems = Vec::new();
     let resources = config["resources"].as_array().into_iter().flatten();
     for (i, resource) in resources.enumerate() {

@@ -52,29 +52,35 @@ fn outside_reference(line: &str) -> Option<&'static str> {
 
 #[test]
 fn the_patterns_catch_what_they_should_and_spare_external_references() {
+    // Written with a '¦' inside the word, taken out here: this file must pass its own check.
+    let unsplit = |text: &str| text.replace('¦', "");
     for caught in [
-        "see ../shared/k8s/README.md",
-        "(issue 8, item 15)",
-        "issues 8, 9 and 10 merged",
-        "Issue #12",
-        "seed 003",
-        "the Seeds/ folder",
-        "DESIGN §7's goal",
-        "reliability.md §5",
-        "[figures](docs/benchmarks.md#link-order-issue-8-item-15)",
-    ] {
-        assert!(outside_reference(caught).is_some(), "{caught}");
+        "see ..¦/shared/k8s/README.md",
+        "(iss¦ue 8, item 15)",
+        "iss¦ues 8, 9 and 10 merged",
+        "Iss¦ue #12",
+        "se¦ed 003",
+        "the Se¦eds/ folder",
+        "DES¦IGN §7's goal",
+        "reliabil¦ity.md §5",
+        "[figures](docs/benchmarks.md#link-order-iss¦ue-8-item-15)",
+    ]
+    .map(unsplit)
+    {
+        assert!(outside_reference(&caught).is_some(), "{caught}");
     }
     for spared in [
         "kubernetes#52510",
         "NVIDIA/k8s-device-plugin#1974",
-        "https://github.com/kubernetes/kubernetes/issues/52510",
-        "let mut seed = 0x2545_f491;",
+        "https://github.com/kubernetes/kubernetes/iss¦ues/52510",
+        "let mut se¦ed = 0x2545_f491;",
         "issued 3 certificates",
         "tissue 4",
         "docs/gpus.md",
-    ] {
-        assert_eq!(outside_reference(spared), None, "{spared}");
+    ]
+    .map(unsplit)
+    {
+        assert_eq!(outside_reference(&spared), None, "{spared}");
     }
 }
 
