@@ -295,36 +295,29 @@ impl Config {
         }
         let mut seen = HashSet::new();
         let mut drivers: std::collections::HashMap<&str, usize> = Default::default();
-        let mut failed: Vec<ConfigError> = Vec::new();
+        let mut failed = Vec::new();
         for (index, resource) in self.resources.iter().enumerate() {
             if let Err(problem) = resource.problem(index, &mut seen, &mut drivers) {
-                failed.push(ConfigError::Resource {
-                    path: path.to_owned(),
-                    index,
-                    name: resource.name.clone(),
-                    problem,
-                });
+                failed.push((index, resource.name.clone(), problem));
             }
         }
-        if failed.len() > 1 {
-            let problems = failed
-                .iter()
-                .filter_map(|f| match f {
-                    ConfigError::Resource {
-                        index,
-                        name,
-                        problem,
-                        ..
-                    } => Some(format!("resources[{index}] ({name}): {problem}")),
-                    _ => None,
-                })
-                .collect();
-            return Err(ConfigError::Resources {
-                path: path.to_owned(),
-                problems,
-            });
+        let path = path.to_owned();
+        match <[_; 1]>::try_from(failed) {
+            Ok([(index, name, problem)]) => Err(ConfigError::Resource {
+                path,
+                index,
+                name,
+                problem,
+            }),
+            Err(failed) if failed.is_empty() => Ok(()),
+            Err(failed) => Err(ConfigError::Resources {
+                path,
+                problems: failed
+                    .into_iter()
+                    .map(|(index, name, problem)| format!("resources[{index}] ({name}): {problem}"))
+                    .collect(),
+            }),
         }
-        failed.pop().map_or(Ok(()), Err)
     }
 }
 

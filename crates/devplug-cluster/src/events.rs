@@ -176,7 +176,7 @@ async fn write(
     stop: CancellationToken,
 ) {
     let recorder = Recorder::new(
-        client.clone(),
+        client,
         Reporter {
             controller: "devplug".into(),
             instance: Some(instance),
