@@ -16,8 +16,8 @@
 //! Shared pieces: [`dra_attributes`] (what each backend's devices say about themselves for
 //! DRA selectors), [`placement`] (exact preferred allocation over a pair-weight matrix),
 //! [`cdi`] (CDI spec files, written atomically), `sysfs` (PCI and DRM reading), `sysfs_watch`
-//! (discover, follow with inotify, keep vanished GPUs Unhealthy), and [`fake_sysfs`] (fake
-//! sysfs and /dev trees for tests and benchmarks).
+//! (discover, follow with inotify, keep vanished GPUs Unhealthy). The fake sysfs and /dev trees
+//! their tests run on are in the test kit (`devplug-testkit`), not here.
 //!
 //! Each backend has a settings struct that deserializes from the config file (unknown fields are
 //! errors) and a `validate` that names the field and the fix.
@@ -25,7 +25,6 @@
 pub mod amdgpu;
 pub mod cdi;
 pub mod dra_attributes;
-pub mod fake_sysfs;
 pub mod files;
 pub mod hostdev;
 mod inotify_batch;

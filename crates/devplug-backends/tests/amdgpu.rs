@@ -4,8 +4,8 @@
 #![allow(clippy::unwrap_used)] // a panic in a test is a failed test
 
 use devplug::{Backend, Host};
-use devplug_backends::fake_sysfs::{pci_dir, scratch_dir, AmdNode, FakeSysfs};
 use devplug_backends::{AmdgpuBackend, AmdgpuSettings};
+use devplug_testkit::fake_sysfs::{pci_dir, scratch_dir, AmdNode, FakeSysfs};
 use kubelet_sim::Kubelet;
 use std::path::Path;
 use std::sync::Arc;

@@ -4,10 +4,10 @@
 #![allow(clippy::unwrap_used)] // a panic in a test is a failed test
 
 use devplug::{Backend, Host};
-use devplug_backends::fake_sysfs::{intel_pair, scratch_dir, FakeSysfs, IntelGpu};
 use devplug_backends::hostdev::SharePolicy;
 use devplug_backends::intel_gpu::IntelDriver;
 use devplug_backends::{IntelGpuBackend, IntelGpuSettings};
+use devplug_testkit::fake_sysfs::{intel_pair, scratch_dir, FakeSysfs, IntelGpu};
 use kubelet_sim::Kubelet;
 use std::sync::Arc;
 

@@ -6,11 +6,11 @@
 #![allow(clippy::unwrap_used)] // a panic in a test is a failed test
 
 use devplug::{Backend, Host, PreferenceRequest};
-use devplug_backends::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
 use devplug_backends::hostdev::SharePolicy;
 use devplug_backends::nvidia::{
     sysfs_bus_id, ListStrategy, MigStrategy, NvidiaBackend, NvidiaSettings,
 };
+use devplug_testkit::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
 use kubelet_sim::Kubelet;
 use serde::Deserialize;
 use std::collections::BTreeSet;

@@ -7,9 +7,9 @@
 use crate::{print_row, WAIT};
 use anyhow::Context;
 use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, DeviceList, Health};
-use devplug_cluster::dra::kubelet::{KubeletDirs, Registered};
-use devplug_cluster::dra::{DraDriver, DraDriverSettings};
-use devplug_cluster::testenv::{self, ApiServer};
+use devplug_dra::kubelet::{KubeletDirs, Registered};
+use devplug_dra::{DraDriver, DraDriverSettings};
+use devplug_testkit::api_server::{self, ApiServer};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -40,7 +40,7 @@ pub async fn figures(changes: usize, claims: usize) -> anyhow::Result<()> {
     let server = ApiServer::shared("devplug-bench dra").context(
         "devplug-bench dra needs KUBEBUILDER_ASSETS (docs/testing.md, \"Tests against a real API server\")",
     )?;
-    let client = testenv::client(&server.kubeconfig)
+    let client = api_server::client(&server.kubeconfig)
         .await
         .map_err(anyhow::Error::msg)?;
     let nodes: Api<Node> = Api::all(client.clone());

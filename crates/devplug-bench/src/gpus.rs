@@ -5,9 +5,9 @@
 
 use crate::{print_row, WAIT};
 use devplug::{Backend, PreferenceRequest};
-use devplug_backends::fake_sysfs::{intel_pair, scratch_dir, AmdNode, FakeSysfs};
 use devplug_backends::placement::{brute_force, PairMatrix};
 use devplug_backends::{AmdgpuBackend, AmdgpuSettings, IntelGpuBackend, IntelGpuSettings};
+use devplug_testkit::fake_sysfs::{intel_pair, scratch_dir, AmdNode, FakeSysfs};
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -7,9 +7,9 @@
 
 use crate::{print_row, WAIT};
 use devplug::{Backend, Host, PreferenceRequest, ResourceSettings};
-use devplug_backends::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
 use devplug_backends::nvidia::{NvidiaBackend, NvidiaSettings, NVLINK_SCORE};
 use devplug_backends::placement::{brute_force, PairMatrix};
+use devplug_testkit::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
 use kubelet_sim::Kubelet;
 use std::io::Write;
 use std::path::PathBuf;

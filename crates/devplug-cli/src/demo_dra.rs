@@ -10,9 +10,9 @@ use crate::demo::{detail, ms, step};
 use crate::output::line;
 use anyhow::Context;
 use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, DeviceList};
-use devplug_cluster::dra::kubelet::{KubeletDirs, Registered};
-use devplug_cluster::dra::{DraDriver, DraDriverSettings};
-use devplug_cluster::testenv::{self, ControlPlane};
+use devplug_dra::kubelet::{KubeletDirs, Registered};
+use devplug_dra::{DraDriver, DraDriverSettings};
+use devplug_testkit::api_server::{self, ControlPlane};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -93,7 +93,7 @@ fn find_assets() -> anyhow::Result<PathBuf> {
     };
     if let Some(dir) = std::env::var_os("KUBEBUILDER_ASSETS") {
         let dir = PathBuf::from(dir);
-        let missing = testenv::missing_binaries(&dir);
+        let missing = api_server::missing_binaries(&dir);
         if missing.is_empty() {
             return Ok(dir);
         }
@@ -109,7 +109,7 @@ fn find_assets() -> anyhow::Result<PathBuf> {
         .nth(2)
         .map(|root| root.join("target/k8s-assets"));
     for candidate in std::iter::once(here).chain(repo) {
-        if testenv::missing_binaries(&candidate).is_empty() {
+        if api_server::missing_binaries(&candidate).is_empty() {
             return Ok(std::fs::canonicalize(&candidate).unwrap_or(candidate));
         }
     }
@@ -413,7 +413,7 @@ async fn walk(assets: &Path, dir: &Path) -> anyhow::Result<()> {
     for id in prepared.cdi_device_ids() {
         detail(&format!("CDI id: {id}"));
     }
-    let spec_path = devplug_cluster::dra::prepare::spec_path(&settings.cdi_dir, DRIVER, &claim_uid);
+    let spec_path = devplug_dra::prepare::spec_path(&settings.cdi_dir, DRIVER, &claim_uid);
     show_spec(&spec_path)?;
 
     step(

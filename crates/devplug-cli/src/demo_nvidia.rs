@@ -6,9 +6,9 @@
 
 use anyhow::Context;
 use devplug::{Backend, Host, ResourceSettings};
-use devplug_backends::fake_sysfs::{FakeSysfs, PciSpec};
 use devplug_backends::nvidia::{sysfs_bus_id, NvidiaSettings};
 use devplug_backends::NvidiaBackend;
+use devplug_testkit::fake_sysfs::{FakeSysfs, PciSpec};
 use kubelet_sim::Kubelet;
 use std::io::Write;
 use std::path::{Path, PathBuf};

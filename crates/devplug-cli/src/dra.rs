@@ -6,9 +6,9 @@
 use crate::config::ResourceConfig;
 use anyhow::Context;
 use devplug::Backend;
-use devplug_cluster::dra::kubelet::KubeletDirs;
-use devplug_cluster::dra::runtime::{node_cdi_support, CdiSupport};
-use devplug_cluster::dra::{DraDriver, DraDriverSettings};
+use devplug_dra::kubelet::KubeletDirs;
+use devplug_dra::runtime::{node_cdi_support, CdiSupport};
+use devplug_dra::{DraDriver, DraDriverSettings};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -100,7 +100,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             kubeconfig: args.kubeconfig.clone(),
             events: None,
             dra: crate::dra::DraDrivers::new(crate::dra::DraSetup {
-                dirs: devplug_cluster::dra::kubelet::KubeletDirs::beside(&args.kubelet_dir),
+                dirs: devplug_dra::kubelet::KubeletDirs::beside(&args.kubelet_dir),
                 cdi_dir: args.cdi_dir.clone(),
                 node: args.node_name.clone(),
                 kubeconfig: args.kubeconfig.clone(),

@@ -8,7 +8,7 @@
 mod support;
 
 use devplug_cluster::capacity;
-use devplug_cluster::testenv::{self, ApiServer};
+use devplug_testkit::api_server::{self, ApiServer};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::Api;
@@ -51,7 +51,7 @@ async fn capacity_set_list_remove() {
     let Some(server) = ApiServer::shared("capacity_set_list_remove") else {
         return;
     };
-    let client = testenv::client(&server.kubeconfig).await.unwrap();
+    let client = api_server::client(&server.kubeconfig).await.unwrap();
     let nodes: Api<Node> = Api::all(client);
     node(&nodes, "cli-capacity").await;
     let kc = server.kubeconfig.to_str().unwrap().to_owned();
@@ -114,7 +114,7 @@ async fn run_advertises_on_its_node_and_follows_the_config() {
     else {
         return;
     };
-    let client = testenv::client(&server.kubeconfig).await.unwrap();
+    let client = api_server::client(&server.kubeconfig).await.unwrap();
     let nodes: Api<Node> = Api::all(client);
     node(&nodes, "cli-advertise").await;
     let dir = tempfile::tempdir().unwrap();
@@ -165,7 +165,7 @@ async fn run_advertises_on_its_node_and_follows_the_config() {
     // A broken config keeps the previous one running and says so on the Node.
     std::fs::write(&config, "resources: [ { name: example.com/npu } ]\n").unwrap();
     let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(
-        testenv::client(&server.kubeconfig).await.unwrap(),
+        api_server::client(&server.kubeconfig).await.unwrap(),
         "default",
     );
     let mut reasons = Vec::new();
@@ -215,7 +215,7 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
     else {
         return;
     };
-    let client = testenv::client(&server.kubeconfig).await.unwrap();
+    let client = api_server::client(&server.kubeconfig).await.unwrap();
     let nodes: Api<Node> = Api::all(client.clone());
     node(&nodes, "cli-dra").await;
     let dir = tempfile::tempdir().unwrap();
@@ -312,7 +312,7 @@ async fn a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz() {
     else {
         return;
     };
-    let client = testenv::client(&server.kubeconfig).await.unwrap();
+    let client = api_server::client(&server.kubeconfig).await.unwrap();
     let nodes: Api<Node> = Api::all(client.clone());
     node(&nodes, "cli-old-runtime").await;
     let info = serde_json::json!({"status": {"nodeInfo": {

@@ -6,7 +6,7 @@
 #![cfg(feature = "cluster")]
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
-use devplug_cluster::testenv;
+use devplug_testkit::api_server;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -58,7 +58,8 @@ const GONE: Duration = Duration::from_secs(5);
 )]
 #[test]
 fn the_dra_demo_walks_the_whole_path_and_cleans_up() {
-    let Some(assets) = testenv::assets_or_skip("the_dra_demo_walks_the_whole_path_and_cleans_up")
+    let Some(assets) =
+        api_server::assets_or_skip("the_dra_demo_walks_the_whole_path_and_cleans_up")
     else {
         return;
     };
@@ -120,7 +121,7 @@ fn the_dra_demo_walks_the_whole_path_and_cleans_up() {
 )]
 #[test]
 fn ctrl_c_during_the_dra_demo_stops_the_control_plane_and_removes_its_folder() {
-    let Some(assets) = testenv::assets_or_skip(
+    let Some(assets) = api_server::assets_or_skip(
         "ctrl_c_during_the_dra_demo_stops_the_control_plane_and_removes_its_folder",
     ) else {
         return;

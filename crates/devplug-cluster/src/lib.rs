@@ -3,18 +3,17 @@
 //! - [`capacity`]: extended resources on a Node's status by JSON patch: set, remove
 //!   (a missing key is "already gone"), list.
 //! - [`advertise`]: resources kept on our own Node by `devplug run` (`advertise:`), event-driven.
-//! - [`dra`]: a backend served as a DRA driver: ResourceSlices, claim preparation, CDI specs.
 //! - [`events`]: device health, registration and config reload problems as Events on the Node.
-//! - [`testenv`]: a real etcd + kube-apiserver for tests (`KUBEBUILDER_ASSETS`, as envtest).
+//!
+//! The DRA driver is a crate of its own (`devplug-dra`), and the test control plane lives in the
+//! test kit (`devplug-testkit`).
 //!
 //! Clients come from the usual places: `--kubeconfig`, else `KUBECONFIG` / `~/.kube/config`, else
 //! the in-cluster service account ([`connect`]).
 
 pub mod advertise;
 pub mod capacity;
-pub mod dra;
 pub mod events;
-pub mod testenv;
 
 use std::path::Path;
 

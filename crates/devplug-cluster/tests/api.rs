@@ -5,10 +5,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
-mod common;
-
-use common::{admin, new_node};
 use devplug_cluster::capacity::{self, Removed};
+use devplug_testkit::api_server::{admin, new_node};
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 

@@ -5,11 +5,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
-mod common;
-
-use common::{admin, new_node};
 use devplug_cluster::capacity::{self, CleanOptions};
-use devplug_cluster::testenv::{self, ApiServer};
+use devplug_testkit::api_server::{self, ApiServer};
+use devplug_testkit::api_server::{admin, new_node};
 use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
@@ -91,7 +89,7 @@ async fn the_uninstall_account_can_do_exactly_what_it_needs() {
     let token = issued.status.unwrap().token;
     let server = ApiServer::shared("rbac").unwrap();
     let config = server.kubeconfig_for_token("uninstall", &token).unwrap();
-    let job = testenv::client(&config).await.unwrap();
+    let job = api_server::client(&config).await.unwrap();
     let as_job: Api<Node> = Api::all(job.clone());
 
     // Allowed: list, get, watch nodes; get and patch their status (the whole recipe).

@@ -375,7 +375,7 @@ pub(crate) fn kfd_edits(dev_root: &Path) -> ContainerEdits {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::fake_sysfs::{AmdNode, FakeSysfs};
+    use devplug_testkit::fake_sysfs::{AmdNode, FakeSysfs};
 
     fn settings(tree: &FakeSysfs) -> AmdgpuSettings {
         AmdgpuSettings {
@@ -388,7 +388,7 @@ mod tests {
 
     #[test]
     fn mi300x_partitions_links_and_numa() {
-        let tmp = tempfile::tempdir_in(crate::fake_sysfs::scratch_dir()).unwrap();
+        let tmp = tempfile::tempdir_in(devplug_testkit::fake_sysfs::scratch_dir()).unwrap();
         let tree = FakeSysfs::new(tmp.path()).unwrap();
         let node = AmdNode::mi300x();
         node.create(&tree).unwrap();
@@ -433,7 +433,7 @@ mod tests {
 
     #[test]
     fn pcie_only_node_weights_and_missing_nodes() {
-        let tmp = tempfile::tempdir_in(crate::fake_sysfs::scratch_dir()).unwrap();
+        let tmp = tempfile::tempdir_in(devplug_testkit::fake_sysfs::scratch_dir()).unwrap();
         let tree = FakeSysfs::new(tmp.path()).unwrap();
         let mut node = AmdNode::new(4, 1, "SPX", "NPS1", false);
         node.xgmi = vec![(0, 1)];
@@ -446,10 +446,10 @@ mod tests {
         assert_eq!(m.weight(0, 1), WEIGHT_XGMI);
         assert_eq!(m.weight(0, 2), WEIGHT_NONE);
         // A processing-accelerator class (0x12) counts; AMD's HDMI audio function does not.
-        let gpu3 = crate::fake_sysfs::pci_dir(&node.gpus[3].address);
+        let gpu3 = devplug_testkit::fake_sysfs::pci_dir(&node.gpus[3].address);
         tree.file(&format!("sys/{gpu3}/class"), "0x120000\n")
             .unwrap();
-        tree.pci(&crate::fake_sysfs::PciSpec {
+        tree.pci(&devplug_testkit::fake_sysfs::PciSpec {
             address: "0000:0c:00.1".into(),
             vendor: 0x1002,
             device: 0xab28,

@@ -237,7 +237,7 @@ impl Node {
         )?;
         write(&layout.made_files(), "")?;
         make_cgroup_roots()?;
-        let (private_key, public_key) = devplug_cluster::testenv::service_account_keys()?;
+        let (private_key, public_key) = crate::api_server::service_account_keys()?;
         write(&layout.dir.join("sa.key"), private_key)?;
         write(&layout.dir.join("sa.pub"), public_key)?;
         write(
@@ -646,12 +646,11 @@ impl Node {
 
     /// An admin client of the node's API server (for the calling runtime).
     pub async fn client(&self) -> Result<kube::Client, String> {
-        devplug_cluster::from_kubeconfig(&self.layout.kubeconfig()).await
+        crate::api_server::client(&self.layout.kubeconfig()).await
     }
 
     async fn wait_api_ready(&self) -> Result<(), String> {
-        devplug_cluster::testenv::wait_ready_async(&self.layout.kubeconfig(), &self.layout.ca())
-            .await
+        crate::api_server::wait_ready_async(&self.layout.kubeconfig(), &self.layout.ca()).await
     }
 
     /// Waits until the Node is Ready and carries no not-ready taint.

@@ -32,7 +32,7 @@
 //!   issue's "removed on shutdown of the driver"); dropping the publisher only stops it, leaving
 //!   the slices for the next instance to adopt.
 
-use crate::dra::names;
+use crate::names;
 use devplug::attributes::{AttributeValue, DeviceAttributes, MAX_PER_DEVICE};
 use devplug::{Device, DeviceList};
 use futures_util::future::join_all;

@@ -8,7 +8,7 @@
 //!
 //! ```no_run
 //! # fn main() -> std::io::Result<()> {
-//! use devplug_backends::fake_sysfs::{AmdNode, FakeSysfs};
+//! use devplug_testkit::fake_sysfs::{AmdNode, FakeSysfs};
 //! let tmp = std::env::temp_dir().join("fake-mi300x");
 //! let tree = FakeSysfs::new(&tmp)?;
 //! let node = AmdNode::mi300x(); // 8 GPUs, XGMI, CPX + NPS4: 64 partitions

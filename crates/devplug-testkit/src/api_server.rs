@@ -120,9 +120,68 @@ pub fn assets_or_skip(test: &str) -> Option<PathBuf> {
     None
 }
 
-/// A kube client for the kubeconfig at `path` (no context switching, no env).
+/// A kube client for the kubeconfig at `path`: its current context, nothing from the
+/// environment.
 pub async fn client(path: &Path) -> Result<kube::Client, String> {
-    crate::from_kubeconfig(path).await
+    let file = kube::config::Kubeconfig::read_from(path).map_err(|e| e.to_string())?;
+    kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|config| kube::Client::try_from(config).map_err(|e| e.to_string()))
+}
+
+/// The admin client of this test binary's [`ApiServer::shared`], or `None` (after the loud
+/// `SKIPPED` message) without `KUBEBUILDER_ASSETS`.
+pub async fn admin(test: &str) -> Option<kube::Client> {
+    let server = ApiServer::shared(test)?;
+    match client(&server.kubeconfig).await {
+        Ok(client) => Some(client),
+        Err(err) => panic!("{test}: the admin client: {err}"),
+    }
+}
+
+/// Creates a Node named `<prefix>-<random>` with cpu and memory in its status, as a kubelet
+/// would have reported; returns its name. Panics on an API error (a test helper).
+pub async fn new_node(nodes: &kube::Api<k8s_openapi::api::core::v1::Node>, prefix: &str) -> String {
+    use kube::api::{Patch, PatchParams, PostParams};
+    let name = format!("{prefix}-{:08x}", rand_u32());
+    let node = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name},
+    }));
+    let created = match node {
+        Ok(node) => nodes.create(&PostParams::default(), &node).await,
+        Err(err) => panic!("a Node from JSON: {err}"),
+    };
+    if let Err(err) = created {
+        panic!("create Node {name}: {err}");
+    }
+    let status = serde_json::json!({"status": {
+        "capacity": {"cpu": "4", "memory": "8Gi"},
+        "allocatable": {"cpu": "4", "memory": "8Gi"},
+    }});
+    if let Err(err) = nodes
+        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+    {
+        panic!("patch the status of Node {name}: {err}");
+    }
+    name
+}
+
+/// A random number for unique names (no `rand` dependency: the std hasher's random keys and
+/// the clock).
+pub fn rand_u32() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    h.finish() as u32
 }
 
 fn kubeconfig_text(url: &str, ca: &Path, token: &str) -> String {

@@ -9,9 +9,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
 use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, DeviceList, Health};
-use devplug_cluster::dra::kubelet::{KubeletDirs, Registered};
-use devplug_cluster::dra::{DraDriver, DraDriverSettings};
-use devplug_cluster::testenv::{self, ApiServer};
+use devplug_dra::kubelet::{KubeletDirs, Registered};
+use devplug_dra::{DraDriver, DraDriverSettings};
+use devplug_testkit::api_server::{self, ApiServer};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -85,7 +85,7 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
         return;
     };
     server.start_scheduler().unwrap();
-    let client = testenv::client(&server.kubeconfig).await.unwrap();
+    let client = api_server::client(&server.kubeconfig).await.unwrap();
 
     // The node, schedulable: the not-ready taint added at admission removed, as a node
     // controller would once the kubelet reports Ready.
@@ -259,7 +259,7 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
     assert_eq!(names, allocated);
     let cdi_ids: Vec<&String> = prepared.iter().flat_map(|d| &d.cdi_device_ids).collect();
     assert_eq!(cdi_ids, [&format!("{DRIVER}/claim={uid}-npus")]);
-    let spec_path = devplug_cluster::dra::prepare::spec_path(&settings.cdi_dir, DRIVER, &uid);
+    let spec_path = devplug_dra::prepare::spec_path(&settings.cdi_dir, DRIVER, &uid);
     let spec: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&spec_path).unwrap()).unwrap();
     let env = spec["devices"][0]["containerEdits"]["env"][0]

@@ -5,9 +5,9 @@
 
 use devplug::backend::BoxFuture;
 use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList};
-use devplug_cluster::dra::claims::{AllocatedDevice, ClaimRef, ClaimSource};
-use devplug_cluster::dra::kubelet::{KubeletDirs, KubeletSide, Registered};
-use devplug_cluster::dra::prepare::{PrepareFiles, Preparer};
+use devplug_dra::claims::{AllocatedDevice, ClaimRef, ClaimSource};
+use devplug_dra::kubelet::{KubeletDirs, KubeletSide, Registered};
+use devplug_dra::prepare::{PrepareFiles, Preparer};
 use kubelet_sim::{DraClaim, DraService, Kubelet, SimConfig};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -112,7 +112,7 @@ async fn the_kubelet_registers_the_driver_and_prepares_claims_across_a_restart()
     );
     let err = results["uid-9"].as_ref().unwrap_err();
     assert!(format!("{err:?}").contains("no claim uid-9"), "{err:?}");
-    let spec_path = devplug_cluster::dra::prepare::spec_path(&files.cdi_dir, DRIVER, "uid-1");
+    let spec_path = devplug_dra::prepare::spec_path(&files.cdi_dir, DRIVER, "uid-1");
     let spec: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&spec_path).unwrap()).unwrap();
     assert_eq!(spec["kind"], format!("{DRIVER}/claim"));

@@ -7,12 +7,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
-mod common;
-
-use common::{admin, new_node};
 use devplug::attributes::AttributeValue;
 use devplug::{Device, DeviceList, Health};
-use devplug_cluster::dra::slices::{SlicePublisher, MAX_DEVICES_PER_SLICE};
+use devplug_dra::slices::{SlicePublisher, MAX_DEVICES_PER_SLICE};
+use devplug_testkit::api_server::{admin, new_node};
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
@@ -623,11 +621,11 @@ async fn the_rbac_rules_are_enough() {
         .create_subresource("token", name, &pp, &request)
         .await
         .unwrap();
-    let server = devplug_cluster::testenv::ApiServer::shared("rbac").unwrap();
+    let server = devplug_testkit::api_server::ApiServer::shared("rbac").unwrap();
     let config = server
         .kubeconfig_for_token("dra-slices", &issued.status.unwrap().token)
         .unwrap();
-    let driver = devplug_cluster::testenv::client(&config).await.unwrap();
+    let driver = devplug_testkit::api_server::client(&config).await.unwrap();
 
     // Everything the publisher does, as that account: publish 200 devices, change them
     // (replace), shrink them (delete), repair, shut down.
