@@ -251,6 +251,22 @@ fn advertised(resources: &[ResourceConfig]) -> BTreeMap<String, u64> {
         .collect()
 }
 
+/// The resources of a config that are served as device plugins, by name.
+fn device_plugin_resources(resources: &[ResourceConfig]) -> BTreeMap<String, ResourceConfig> {
+    resources
+        .iter()
+        .filter(|r| r.serves_device_plugin())
+        .map(|r| (r.name.clone(), r.clone()))
+        .collect()
+}
+
+/// A resource's backend, or what is wrong with its config (`<key>.<problem>`).
+fn build(resource: &ResourceConfig) -> Result<Arc<dyn devplug::Backend>, String> {
+    resource
+        .build()
+        .map_err(|(key, err)| format!("{key}.{err}"))
+}
+
 fn settings_of(resource: &ResourceConfig) -> ResourceSettings {
     ResourceSettings {
         health_hold_down: resource
@@ -269,15 +285,20 @@ impl Runner {
     async fn start(&mut self, config: &Config) -> anyhow::Result<()> {
         self.advertise(advertised(&config.resources)).await?;
         let mut built = BTreeMap::new();
-        for resource in config.resources.iter().filter(|r| r.serves_device_plugin()) {
-            let backend = resource
-                .build()
-                .map_err(|(key, err)| anyhow::anyhow!("{}: {key}.{err}", resource.name))?;
-            self.host
-                .add_with(&resource.name, backend.clone(), settings_of(resource))
-                .with_context(|| format!("cannot serve {}", resource.name))?;
-            self.current.insert(resource.name.clone(), resource.clone());
-            built.insert(resource.name.clone(), backend);
+        let applied = self
+            .host
+            .apply(
+                &mut self.current,
+                device_plugin_resources(&config.resources),
+                |name, resource| {
+                    let backend = build(resource)?;
+                    built.insert(name.to_owned(), backend.clone());
+                    Ok::<_, String>((backend, settings_of(resource)))
+                },
+            )
+            .await;
+        if let Some(failure) = applied.failed.into_iter().next() {
+            return Err(failure.into());
         }
         self.apply_dra(&config.resources, &built).await
     }
@@ -419,59 +440,26 @@ impl Runner {
             tracing::error!(error = %format!("{err:#}"), "cannot apply the config's dra: resources");
             report.failed.push("dra".to_owned());
         }
-        let wanted: BTreeMap<String, ResourceConfig> = config
-            .resources
+        let applied = self
+            .host
+            .apply(
+                &mut self.current,
+                device_plugin_resources(&config.resources),
+                |_, resource| Ok::<_, String>((build(resource)?, settings_of(resource))),
+            )
+            .await;
+        for failure in &applied.failed {
+            tracing::error!(resource = %failure.resource(), error = %failure, "cannot apply the new config for this resource; it keeps its previous config");
+            report.failed.push(failure.resource().to_owned());
+        }
+        report.added = applied.added;
+        report.changed = applied
+            .changed
             .into_iter()
-            .filter(ResourceConfig::serves_device_plugin)
-            .map(|r| (r.name.clone(), r))
+            .map(|(name, how)| format!("{name} ({how:?})"))
             .collect();
-
-        let removed: Vec<String> = self
-            .current
-            .keys()
-            .filter(|name| !wanted.contains_key(*name))
-            .cloned()
-            .collect();
-        for name in removed {
-            self.host.remove(&name).await;
-            self.current.remove(&name);
-            report.removed.push(name);
-        }
-        for (name, resource) in wanted {
-            let previous = self.current.get(&name);
-            if previous == Some(&resource) {
-                report.unchanged += 1;
-                continue;
-            }
-            let backend = match resource.build() {
-                Ok(backend) => backend,
-                Err((key, err)) => {
-                    tracing::error!(resource = %name, error = %format!("{key}.{err}"), "cannot start the new backend; this resource keeps its previous config");
-                    report.failed.push(name);
-                    continue;
-                }
-            };
-            let outcome = if previous.is_some() {
-                self.host
-                    .update(&name, backend, settings_of(&resource))
-                    .await
-                    .map(|how| format!("{name} ({how:?})"))
-            } else {
-                self.host
-                    .add_with(&name, backend, settings_of(&resource))
-                    .map(|_| name.clone())
-            };
-            match outcome {
-                Ok(done) if previous.is_some() => report.changed.push(done),
-                Ok(done) => report.added.push(done),
-                Err(err) => {
-                    tracing::error!(resource = %name, %err, "cannot apply the new config for this resource");
-                    report.failed.push(name);
-                    continue;
-                }
-            }
-            self.current.insert(name, resource);
-        }
+        report.removed = applied.removed;
+        report.unchanged = applied.unchanged.len();
         let counter = if report.failed.is_empty() {
             &self.reloads.reloads
         } else {

@@ -144,3 +144,53 @@ async fn the_kubelet_registers_the_driver_and_prepares_claims_across_a_restart()
     assert!(side.stop().await.is_empty());
     kubelet.stop().await;
 }
+
+#[tokio::test]
+async fn a_deleted_registration_socket_comes_back_and_registers_again() {
+    let root = tempfile::tempdir().unwrap();
+    let device_plugins = root.path().join("device-plugins");
+    std::fs::create_dir_all(&device_plugins).unwrap();
+    let dirs = KubeletDirs::beside(&device_plugins);
+    let config = SimConfig {
+        watcher_reconcile: Duration::from_millis(50),
+        ..SimConfig::default()
+    }
+    .with_watcher_beside(&device_plugins);
+    let kubelet = Kubelet::start_with(&device_plugins, config).await.unwrap();
+    let files = PrepareFiles {
+        cdi_dir: root.path().join("cdi"),
+        checkpoint: dirs.driver_dir(DRIVER).join("checkpoint.json"),
+    };
+    let side = KubeletSide::start(preparer(&files), &dirs).unwrap();
+    let mut registered = side.registered();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        registered.wait_for(|r| *r == Registered::Yes),
+    )
+    .await
+    .expect("registered within 10 s")
+    .unwrap();
+
+    // An operator or a script deletes the registration socket: it is created again at once and
+    // the kubelet's plugin watcher registers the driver through the new one.
+    let registration = dirs.registration(DRIVER);
+    std::fs::remove_file(&registration).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), registered.changed())
+        .await
+        .expect("the driver notices within 10 s")
+        .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        registered.wait_for(|r| *r == Registered::Yes),
+    )
+    .await
+    .expect("registered again within 10 s")
+    .unwrap();
+    assert!(registration.exists());
+    let claim = DraClaim::new("ns", "claim-1", "uid-1");
+    let results = kubelet.dra_prepare(DRIVER, &[claim]).await.unwrap();
+    assert!(results["uid-1"].is_ok(), "{results:?}");
+    assert!(side.stop().await.is_empty());
+    assert!(!registration.exists(), "stop removes the registration socket");
+    kubelet.stop().await;
+}

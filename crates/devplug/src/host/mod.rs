@@ -1,12 +1,16 @@
 //! The plugin host: runs one or many resources, each on its own socket in the kubelet's
 //! device-plugins folder, and keeps each registered across kubelet restarts.
 //!
+//! - `apply`: a new set of resources applied to a running host ([`Host::apply`], a config
+//!   reload), keeping unchanged resources' sockets and streams.
 //! - `dir_watch`: inotify on the folder (kubelet.sock created, sockets deleted), following the
 //!   folder itself when it is missing or removed and created again.
 //! - `backoff`: retry delays that start fast (a Go kubelet binds before it listens).
 //! - `feed`: the backend's list through the health hold-down to the kubelet; backend swaps.
 //! - `socket`: socket names, owner-only binding, stale-file cleanup.
 //! - `registration`: the `Register` call on kubelet.sock.
+//! - `registration_socket`: a registration socket kept offered in the plugin watcher's folder
+//!   ([`RegistrationSocket`]), for the watcher route and for DRA drivers.
 //! - `resource`: one resource's serve-and-register loop.
 //! - `service`: the `DevicePlugin` gRPC service (ListAndWatch, Allocate, ...).
 //! - `events`: device health transitions and registration changes as [`HostEvent`]s.
@@ -16,12 +20,14 @@
 //! - `watcher`: one resource registered through the kubelet's plugin watcher instead
 //!   (`plugins_registry/`), chosen per resource with [`Registration`].
 
+mod apply;
 mod backoff;
 mod dir_watch;
 mod events;
 mod feed;
 mod metrics;
 mod registration;
+mod registration_socket;
 mod resource;
 mod service;
 mod socket;
@@ -29,8 +35,11 @@ mod status;
 mod watchdog;
 mod watcher;
 
+pub use apply::{Applied, ApplyFailure};
 pub use events::HostEvent;
 pub use metrics::{MetricsSnapshot, ALLOCATE_BUCKETS};
+pub use registration_socket::{Registered, RegistrationSocket};
+pub use socket::bind_socket;
 pub use status::ResourceStatus;
 pub use watcher::{RefusedRetry, WatcherDirs, RELINK_WAIT};
 

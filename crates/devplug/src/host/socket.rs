@@ -109,6 +109,13 @@ pub(crate) fn bind_owner_only(path: &Path) -> io::Result<(UnixListener, FileIden
     Ok((UnixListener::from_std(listener)?, identity))
 }
 
+/// Binds a Unix socket at `path` as devplug binds all of its sockets: owner-only, under a
+/// dot-name (which the kubelet's plugin watcher ignores) renamed into place, replacing a stale
+/// file there. For sockets outside the host, such as a DRA driver's `dra.sock`.
+pub fn bind_socket(path: &Path) -> io::Result<UnixListener> {
+    bind_owner_only(path).map(|(listener, _)| listener)
+}
+
 /// Removes the socket at `path` only if it is still the file we bound. An error means our
 /// socket is still there.
 pub(crate) fn remove_if_ours(path: &Path, identity: FileIdentity) -> io::Result<()> {

@@ -5,16 +5,13 @@
 //! - the DevicePlugin socket, in a folder of ours *outside* `device-plugins/` (a restarting
 //!   kubelet deletes every socket there, and would then dial a dead path when it re-reads the
 //!   registration socket);
-//! - the registration socket, in `plugins_registry/`, serving `pluginregistration.Registration`:
-//!   `GetInfo` answered from memory (the kubelet gives it 1 s) and `NotifyRegistrationStatus`.
-//!   It is bound under a dot-name and renamed into place (`socket::bind_owner_only`), so the
-//!   watcher, which ignores dot-names, only ever sees a socket that is already served.
+//! - the registration socket, in `plugins_registry/`, kept offered by a
+//!   [`RegistrationSocket`](super::RegistrationSocket) (the building block the DRA driver uses
+//!   too): bound under a dot-name and renamed into place, created again when deleted, offered
+//!   again after a delay when the kubelet refused it.
 //!
 //! The kubelet registers us by itself: at its start (a walk of the folder) and when our socket
-//! appears. What we do:
-//! - `Notify(false)`: the kubelet never retries a failed `RegisterPlugin` (kubernetes#133725), so
-//!   after a delay we delete the registration socket and create it again;
-//! - the registration socket deleted (an operator, a script): created again at once;
+//! appears. What this task adds:
 //! - our DevicePlugin socket deleted: both sockets are created again;
 //! - the kubelet closed our stream and no new stream came within [`RELINK_WAIT`] (a kubelet that
 //!   restarts comes back through its own walk well within that): the registration socket is
@@ -22,15 +19,13 @@
 
 use super::backoff::Backoff;
 use super::dir_watch::{DirEvent, FolderState};
+use super::registration_socket::{Offering, RegistrationEvent, RegistrationSocket};
 use super::resource::{bind_error, far_future, serve_plugin, Served};
 use super::socket;
 use super::status::StatusCell;
 use super::ResourceShared;
 use devplug_proto::constants::{PLUGIN_TYPE_DEVICE_PLUGIN, VERSION};
-use devplug_proto::pluginregistration::{
-    self as pr, registration_server::RegistrationServer, InfoRequest, PluginInfo,
-    RegistrationStatus, RegistrationStatusResponse,
-};
+use devplug_proto::pluginregistration::PluginInfo;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -89,43 +84,6 @@ impl Default for RefusedRetry {
     }
 }
 
-/// What `NotifyRegistrationStatus` said, tagged with the registration socket it came through.
-struct Note {
-    generation: u64,
-    registered: bool,
-    error: String,
-}
-
-/// The `pluginregistration.Registration` service of one registration socket.
-struct RegistrationService {
-    info: PluginInfo,
-    generation: u64,
-    notes: mpsc::UnboundedSender<Note>,
-}
-
-#[tonic::async_trait]
-impl pr::registration_server::Registration for RegistrationService {
-    async fn get_info(
-        &self,
-        _: tonic::Request<InfoRequest>,
-    ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
-        Ok(tonic::Response::new(self.info.clone()))
-    }
-
-    async fn notify_registration_status(
-        &self,
-        request: tonic::Request<RegistrationStatus>,
-    ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
-        let status = request.into_inner();
-        let _ = self.notes.send(Note {
-            generation: self.generation,
-            registered: status.plugin_registered,
-            error: status.error,
-        });
-        Ok(tonic::Response::new(RegistrationStatusResponse {}))
-    }
-}
-
 /// Everything one watcher-route resource task needs.
 pub(crate) struct WatcherTask {
     pub(crate) shared: Arc<ResourceShared>,
@@ -144,21 +102,15 @@ impl WatcherTask {
         let resource = self.shared.resource.clone();
         let plugin_path = self.dirs.sockets.join(&self.socket_name);
         let registration_path = self.dirs.registry.join(&self.socket_name);
-        let (notes_tx, mut notes) = mpsc::unbounded_channel();
+        let (reports_tx, mut reports) = mpsc::unbounded_channel();
         let mut lost_streams = self.status.lost_streams();
         let mut relinks = self.status.relinks();
 
         let mut plugin: Option<Served> = None;
-        let mut registration: Option<Served> = None;
-        let mut generation: u64 = 0;
-        // The registration socket generation the kubelet last accepted.
-        let mut accepted: Option<u64> = None;
+        let mut registration: Option<RegistrationSocket> = None;
         let mut bind_backoff = Backoff::new(BIND_FIRST, BIND_MAX);
-        let mut refused_backoff = Backoff::new(self.refused_retry.first, self.refused_retry.max);
         let mut bind_at: Option<Instant> = None;
-        let mut offer_at: Option<Instant> = None;
         let mut relink_check: Option<Instant> = None;
-        let mut folder_logged = false;
         let mut cleaned = false;
 
         loop {
@@ -204,44 +156,30 @@ impl WatcherTask {
                 }
             }
 
-            // 2. The registration socket must be there (unless a refusal delay runs).
-            let offer_due = offer_at.is_none_or(|at| at <= Instant::now());
-            if plugin.is_some() && !registration.as_ref().is_some_and(Served::is_linked) {
-                if let Some(old) = registration.take() {
-                    tracing::info!(resource = %resource, path = %old.path.display(), "our registration socket was removed; creating it again");
-                    let _ = old.stop().await;
-                    self.status.update(|s| s.registered = false);
-                }
-                if !folder_present {
-                    if !folder_logged {
-                        folder_logged = true;
-                        tracing::info!(resource = %resource, dir = %self.dirs.registry.display(), "waiting for the kubelet's plugin-watcher folder");
-                    }
-                } else if offer_due && bind_due {
-                    folder_logged = false;
-                    generation += 1;
-                    self.status.next_attempt();
-                    match self.offer(&plugin_path, &registration_path, generation, &notes_tx) {
-                        Ok(served) => {
-                            offer_at = None;
-                            bind_backoff.reset();
-                            tracing::info!(resource = %resource, path = %registration_path.display(), "registration socket ready for the kubelet's plugin watcher");
-                            registration = Some(served);
-                        }
-                        Err(err) => {
-                            let delay = bind_backoff.next_delay();
-                            tracing::error!(resource = %resource, path = %registration_path.display(), error = %bind_error(&err), retry_in = ?delay, "cannot bind the registration socket");
-                            bind_at = Some(Instant::now() + delay);
-                        }
-                    }
-                }
+            // 2. Once the plugin socket is served, the registration socket is kept offered.
+            if plugin.is_some() && registration.is_none() {
+                let status = self.status.clone();
+                registration = Some(RegistrationSocket::start_with(
+                    Offering {
+                        info: PluginInfo {
+                            r#type: PLUGIN_TYPE_DEVICE_PLUGIN.to_owned(),
+                            name: resource.to_string(),
+                            endpoint: plugin_path.display().to_string(),
+                            supported_versions: vec![VERSION.to_owned()],
+                        },
+                        path: registration_path.clone(),
+                        refused_retry: self.refused_retry,
+                        events: self.events.resubscribe(),
+                        folder: self.folder.clone(),
+                        on_offer: Some(Arc::new(move || status.next_attempt())),
+                        report: Some(reports_tx.clone()),
+                    },
+                    self.stop.child_token(),
+                ));
             }
 
             // 3. Sleep until something happens.
-            let wake_at = [bind_at, offer_at, relink_check]
-                .into_iter()
-                .flatten()
-                .min();
+            let wake_at = [bind_at, relink_check].into_iter().flatten().min();
             tokio::select! {
                 _ = self.stop.cancelled() => break,
                 _ = sleep_until(wake_at.unwrap_or_else(far_future)), if wake_at.is_some() => {
@@ -249,53 +187,23 @@ impl WatcherTask {
                     if bind_at.is_some_and(|at| at <= now) {
                         bind_at = None;
                     }
-                    if offer_at.is_some_and(|at| at <= now) {
-                        offer_at = None;
-                    }
                     if relink_check.is_some_and(|at| at <= now) {
                         relink_check = None;
                         let streams = self.status.subscribe().borrow().streams;
                         if streams == 0 {
-                            if let Some(old) = registration.take() {
+                            if let Some(socket) = &registration {
                                 tracing::info!(resource = %resource, "the kubelet did not come back for our devices; offering the registration socket again");
-                                let _ = old.stop().await;
+                                socket.reoffer();
                             }
                         }
                     }
                 }
-                note = notes.recv() => {
-                    let Some(note) = note else { break };
-                    if note.generation != generation {
-                        continue;
-                    }
-                    if note.registered {
-                        if accepted == Some(generation) {
-                            // Registered again through the same socket: a new kubelet found it.
-                            self.status.counters.kubelet_restarted();
-                        }
-                        accepted = Some(generation);
-                        refused_backoff.reset();
+                report = reports.recv() => {
+                    let Some(report) = report else { break };
+                    if matches!(report, RegistrationEvent::Registered { .. }) {
                         relink_check = None;
-                        self.status.counters.registered();
-                        tracing::info!(resource = %resource, "registered with the kubelet through the plugin watcher");
-                        self.status.update(|s| {
-                            s.registered = true;
-                            s.registrations += 1;
-                            s.last_error = None;
-                        });
-                    } else {
-                        let delay = refused_backoff.next_delay();
-                        tracing::warn!(resource = %resource, error = %note.error, retry_in = ?delay, "the kubelet refused the registration; offering it again after a delay");
-                        self.status.counters.registration_failed();
-                        self.status.update(|s| {
-                            s.registered = false;
-                            s.last_error = Some(format!("the kubelet refused the registration: {}", note.error));
-                        });
-                        if let Some(old) = registration.take() {
-                            let _ = old.stop().await;
-                        }
-                        offer_at = Some(Instant::now() + delay);
                     }
+                    self.on_registration(report);
                 }
                 changed = lost_streams.changed() => {
                     let attempt = *lost_streams.borrow_and_update();
@@ -307,9 +215,9 @@ impl WatcherTask {
                 }
                 changed = relinks.changed() => {
                     if changed.is_ok() {
-                        if let Some(old) = registration.take() {
+                        if let Some(socket) = &registration {
                             tracing::warn!(resource = %resource, "the kubelet's allocatable is short of our healthy devices; offering the registration socket again");
-                            let _ = old.stop().await;
+                            socket.reoffer();
                             self.status.update(|s| s.registered = false);
                         }
                     }
@@ -334,8 +242,8 @@ impl WatcherTask {
 
         // The registration socket first: the kubelet deregisters us, then the endpoint goes.
         let mut left = None;
-        if let Some(served) = registration.take() {
-            left = served.stop().await;
+        if let Some(socket) = registration.take() {
+            left = socket.stop().await;
         }
         if let Some(served) = plugin.take() {
             left = served.stop().await.or(left);
@@ -348,30 +256,34 @@ impl WatcherTask {
         left
     }
 
-    /// Binds and serves the registration socket, generation `generation`.
-    fn offer(
-        &self,
-        plugin_path: &Path,
-        registration_path: &Path,
-        generation: u64,
-        notes: &mpsc::UnboundedSender<Note>,
-    ) -> std::io::Result<Served> {
-        let service = RegistrationService {
-            info: PluginInfo {
-                r#type: PLUGIN_TYPE_DEVICE_PLUGIN.to_owned(),
-                name: self.shared.resource.to_string(),
-                endpoint: plugin_path.display().to_string(),
-                supported_versions: vec![VERSION.to_owned()],
-            },
-            generation,
-            notes: notes.clone(),
-        };
-        Served::start(
-            registration_path,
-            tonic::transport::Server::builder().add_service(RegistrationServer::new(service)),
-            self.stop.child_token(),
-            format!("the registration socket of {}", self.shared.resource),
-        )
+    /// The registration socket's news, into this resource's status and counters.
+    fn on_registration(&self, report: RegistrationEvent) {
+        let resource = &self.shared.resource;
+        match report {
+            RegistrationEvent::Offered | RegistrationEvent::Withdrawn => {
+                self.status.update(|s| s.registered = false);
+            }
+            RegistrationEvent::Registered { again } => {
+                if again {
+                    // Registered again through the same socket: a new kubelet found it.
+                    self.status.counters.kubelet_restarted();
+                }
+                self.status.counters.registered();
+                tracing::info!(resource = %resource, "registered with the kubelet through the plugin watcher");
+                self.status.update(|s| {
+                    s.registered = true;
+                    s.registrations += 1;
+                    s.last_error = None;
+                });
+            }
+            RegistrationEvent::Refused { error } => {
+                self.status.counters.registration_failed();
+                self.status.update(|s| {
+                    s.registered = false;
+                    s.last_error = Some(format!("the kubelet refused the registration: {error}"));
+                });
+            }
+        }
     }
 }
 

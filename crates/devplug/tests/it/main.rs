@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
 mod allocation;
+mod apply;
 mod faults;
 mod lifecycle;
 mod old_kubelet;
