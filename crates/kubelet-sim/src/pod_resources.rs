@@ -12,8 +12,8 @@
 //! Pods are named `namespace/name` in [`Kubelet::allocate`](crate::Kubelet::allocate); a name
 //! without `/` is in namespace `default`.
 
+use crate::device_manager::Shared;
 use crate::state::{NodeState, SimDevice};
-use crate::Shared;
 use devplug_proto::constants::{POD_RESOURCES_BURST, POD_RESOURCES_QPS};
 use devplug_proto::podresources::{
     pod_resources_lister_server::PodResourcesLister, AllocatableResourcesRequest,

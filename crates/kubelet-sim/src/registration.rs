@@ -10,8 +10,9 @@
 //! new registration replaced keeps streaming, and its lists still update the resource, as the
 //! kubelet's name-keyed update callback does.
 
+use crate::config::ClientKeying;
+use crate::device_manager::Shared;
 use crate::state::{Endpoint, RegistrationRecord, ResourceState, SimDevice};
-use crate::{ClientKeying, Shared};
 use devplug_proto::constants::{DIAL_TIMEOUT_SECS, HEALTHY, VERSION};
 use devplug_proto::v1beta1::{self as pb, device_plugin_client::DevicePluginClient};
 use devplug_proto::{resource_name, uds};

@@ -6,7 +6,7 @@
 //! NVML's events cannot be watched, every GPU reads "health unknown" (Unhealthy), never a
 //! silent Healthy.
 
-use super::lib::RecoveryAction;
+use super::seam::RecoveryAction;
 use devplug::Health;
 use std::collections::{BTreeMap, BTreeSet};
 

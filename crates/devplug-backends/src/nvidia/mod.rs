@@ -1,6 +1,7 @@
 //! The `nvidia` backend: NVIDIA GPUs through NVML, a drop-in for NVIDIA's device plugin.
 //!
-//! - `lib`: the seam, a small trait over owned data ([`GpuDriver`], [`GpuSession`]).
+//! - `seam`: a small trait over owned data between the backend and NVML ([`GpuDriver`],
+//!   [`GpuSession`]).
 //! - `nvml`: its real implementation with `nvml-wrapper`, loaded at run time.
 //! - `view`: one resource's GPUs, replica ids, CDI spec and pair matrix.
 //! - `health`: one state per physical GPU, recovering on a positive signal.
@@ -19,19 +20,19 @@
 
 mod driver_files;
 mod health;
-pub mod lib;
 mod mig_ids;
 mod nvml;
+pub mod seam;
 pub mod settings;
 mod view;
 mod worker;
 
 pub use driver_files::{DriverFile, DriverFiles, CONTAINER_BIN_DIR, CONTAINER_LIB_DIR};
 pub use health::xid_description;
-pub use lib::{
+pub use nvml::{sysfs_bus_id, NvmlDriver};
+pub use seam::{
     mig_profile, DriverInfo, GpuDriver, GpuInfo, GpuSession, MigInfo, PcieLevel, Snapshot,
 };
-pub use nvml::{sysfs_bus_id, NvmlDriver};
 pub use settings::{ListStrategy, MigStrategy, NvidiaSettings, DEFAULT_IGNORED_XIDS};
 pub use view::{parse_mig_minors, CDI_KIND, MIG_MINORS, NVLINK_SCORE};
 

@@ -6,11 +6,11 @@
 //! session ends. `register_events` frees the event set on any error (nvml-wrapper's contract),
 //! so a failed registration rebuilds the whole set.
 
-use super::lib::{
+use super::mig_ids::instance_ids;
+use super::seam::{
     mig_profile, DriverInfo, GpuDriver, GpuInfo, GpuSession, MigInfo, PcieLevel, RawEvent,
     RecoveryAction, SessionEnd, Snapshot, WaitError,
 };
-use super::mig_ids::instance_ids;
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::TopologyLevel;
 use nvml_wrapper::enums::device::SampleValue;

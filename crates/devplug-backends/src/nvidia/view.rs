@@ -5,7 +5,7 @@
 //! level, scored as go-gpuallocator scores them; MIG devices only have NUMA).
 
 use super::driver_files::DriverFiles;
-use super::lib::{GpuInfo, MigInfo, Snapshot};
+use super::seam::{GpuInfo, MigInfo, Snapshot};
 use super::settings::{MigStrategy, NvidiaSettings};
 use crate::cdi::Spec;
 use crate::dra_attributes::Attributes;
@@ -404,7 +404,7 @@ impl View {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nvidia::lib::PcieLevel;
+    use crate::nvidia::seam::PcieLevel;
     use crate::nvidia::settings::ReplicaOverride;
     use std::path::PathBuf;
 

@@ -8,7 +8,7 @@
 
 use super::driver_files::{root_of, DriverFiles};
 use super::health::{Change, HealthBook};
-use super::lib::{DriverInfo, GpuDriver, GpuSession, RawEvent, SessionEnd, WaitError};
+use super::seam::{DriverInfo, GpuDriver, GpuSession, RawEvent, SessionEnd, WaitError};
 use super::settings::{MigStrategy, NvidiaSettings};
 use super::view::View;
 use crate::cdi::CdiWriter;
@@ -182,7 +182,7 @@ pub(crate) fn run(
 /// The MIG layout of a snapshot: per GPU, its MIG mode and MIG device UUIDs.
 type Layout = Vec<(String, bool, Vec<String>)>;
 
-fn layout(snapshot: &super::lib::Snapshot) -> Layout {
+fn layout(snapshot: &super::seam::Snapshot) -> Layout {
     snapshot
         .gpus
         .iter()
@@ -194,7 +194,7 @@ fn layout(snapshot: &super::lib::Snapshot) -> Layout {
 }
 
 /// What one discovery found: the installed view, the GPUs to watch, the MIG layout.
-type Found = (Arc<View>, Vec<super::lib::GpuInfo>, Layout);
+type Found = (Arc<View>, Vec<super::seam::GpuInfo>, Layout);
 
 /// Discovers the GPUs, installs the view (CDI spec first) and says whether it is ready;
 /// returns the view, the GPUs to watch (each once, also when it has several MIG devices) and
@@ -226,7 +226,7 @@ fn discover(
     shared.install(view, settings);
     shared.set_not_ready(problem);
     let view = shared.view();
-    let mut infos: Vec<super::lib::GpuInfo> = Vec::new();
+    let mut infos: Vec<super::seam::GpuInfo> = Vec::new();
     for g in &view.gpus {
         if !infos.iter().any(|i| i.uuid == g.info.uuid) {
             infos.push(g.info.clone());
@@ -463,7 +463,7 @@ fn handle(
             };
             let action = session.recovery_action(index).ok().flatten();
             match action {
-                Some(a) if a != super::lib::RecoveryAction::None => {
+                Some(a) if a != super::seam::RecoveryAction::None => {
                     log(&uuid, book.xid(&uuid, 154, Some(a)))
                 }
                 _ => log(&uuid, book.check(&uuid, action, true)),
@@ -494,7 +494,7 @@ fn log(uuid: &str, change: Change) -> bool {
 mod tests {
     //! The worker on a scripted driver (no NVML): the paths the fake library cannot reach.
     use super::*;
-    use crate::nvidia::lib::{GpuInfo, RecoveryAction, Snapshot};
+    use crate::nvidia::seam::{GpuInfo, RecoveryAction, Snapshot};
     use std::collections::VecDeque;
 
     struct Scripted {

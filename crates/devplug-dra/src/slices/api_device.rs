@@ -1,0 +1,111 @@
+//! One backend device as the API's `Device`: the attributes and capacities that pass the API
+//! server's rules (the others are reported as [`Skipped`]), then [`NUMA_ATTRIBUTE`] from its
+//! first NUMA node when the backend gave none and there is room.
+
+use super::quantity::quantity;
+use super::spec::Skipped;
+use super::validate::{check_attribute, check_capacity};
+use devplug::attributes::{AttributeValue, MAX_PER_DEVICE};
+use devplug::Device;
+use k8s_openapi::api::resource::v1 as api;
+use std::collections::BTreeMap;
+
+/// The attribute added from a device's first NUMA node when the backend gives none.
+pub const NUMA_ATTRIBUTE: &str = "numa";
+
+/// One device as the API has it: attributes and capacities that pass the API server's rules,
+/// then `numa` when the backend gave none and there is room.
+pub(super) fn api_device(device: &Device, name: String, skipped: &mut Vec<Skipped>) -> api::Device {
+    let given = device.dra_attributes();
+    let mut attributes = BTreeMap::new();
+    let mut capacity = BTreeMap::new();
+    let mut room = MAX_PER_DEVICE;
+    let mut skip = |attribute: &str, reason: String| {
+        skipped.push(Skipped {
+            device: device.id.clone(),
+            attribute: Some(attribute.to_owned()),
+            reason,
+        });
+    };
+    for (key, value) in &given.attributes {
+        match check_attribute(key, value) {
+            Err(reason) => skip(key, reason),
+            Ok(()) if room == 0 => skip(key, too_many()),
+            Ok(()) => {
+                room = room.saturating_sub(1);
+                attributes.insert(key.clone(), api_attribute(value));
+            }
+        }
+    }
+    for (key, &value) in &given.capacity {
+        match check_capacity(key, value) {
+            Err(reason) => skip(key, reason),
+            Ok(()) if room == 0 => skip(key, too_many()),
+            Ok(()) => {
+                room = room.saturating_sub(1);
+                capacity.insert(
+                    key.clone(),
+                    api::DeviceCapacity {
+                        value: quantity(value),
+                        ..Default::default()
+                    },
+                );
+            }
+        }
+    }
+    if !given.attributes.contains_key(NUMA_ATTRIBUTE) && room > 0 {
+        if let Some(&numa) = device.numa_nodes.first() {
+            attributes.insert(
+                NUMA_ATTRIBUTE.to_owned(),
+                api::DeviceAttribute {
+                    int: Some(numa),
+                    ..Default::default()
+                },
+            );
+        }
+    }
+    api::Device {
+        name,
+        attributes: (!attributes.is_empty()).then_some(attributes),
+        capacity: (!capacity.is_empty()).then_some(capacity),
+        ..Default::default()
+    }
+}
+
+fn too_many() -> String {
+    format!("more than {MAX_PER_DEVICE} attributes and capacities")
+}
+
+fn api_attribute(value: &AttributeValue) -> api::DeviceAttribute {
+    let mut out = api::DeviceAttribute::default();
+    match value {
+        AttributeValue::Int(v) => out.int = Some(*v),
+        AttributeValue::Bool(v) => out.bool = Some(*v),
+        AttributeValue::String(v) => out.string = Some(v.clone()),
+        AttributeValue::Version(v) => out.version = Some(v.clone()),
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::slices::slice_specs;
+    use devplug::DeviceList;
+
+    #[test]
+    fn too_many_attributes_keep_the_first_32() {
+        let mut device = Device::new("d").with_numa_nodes([0]);
+        for i in 0..40 {
+            device = device.with_attribute(format!("a{i:02}"), AttributeValue::Bool(true));
+        }
+        let out = slice_specs("d.example.com", "n", 1, &DeviceList::new([device]));
+        let attrs = out.specs[0].devices.as_ref().unwrap()[0]
+            .attributes
+            .as_ref()
+            .unwrap();
+        assert_eq!(attrs.len(), MAX_PER_DEVICE);
+        assert!(!attrs.contains_key("numa"), "no room left");
+        assert_eq!(out.skipped.len(), 8);
+    }
+}

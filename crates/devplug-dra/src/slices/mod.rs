@@ -1,0 +1,62 @@
+//! The ResourceSlice publisher: one backend's device list published as
+//! `resource.k8s.io/v1` ResourceSlices for one (driver, node).
+//!
+//! - **One pool** per driver and node, named after the node; `spec.nodeName` is the node. The
+//!   devices are split over as many slices as needed, at most [`MAX_DEVICES_PER_SLICE`] each
+//!   (the v1 API's limit), every slice carrying the pool's `resourceSliceCount`.
+//! - **Generation**: the pool's generation is bumped whenever its content changes, and every
+//!   slice is then written with the new one (consumers use only the newest generation, and
+//!   count its slices to know the pool is complete). Repairing a slice that someone deleted or
+//!   edited, while the content is unchanged, writes it at the same generation.
+//! - **Names** come from `generateName: <node>-<driver>-`. At start, the slices of this driver
+//!   and node (field selectors `spec.nodeName`, `spec.driver`) are adopted: reused when they
+//!   fit, left as they are when they already say exactly what we would write (a restart with
+//!   the same devices writes nothing), deleted when extra. A restarted devplug never leaves
+//!   duplicates.
+//! - **Owner**: each slice is owned by the Node (so the garbage collector removes them with
+//!   it). Until the Node exists, nothing is published: the Node is watched, not polled.
+//! - **Devices**: healthy ones only. An unhealthy device is taken out of the pool, which every
+//!   cluster understands; device taints (`NoSchedule` on a published device) would keep it
+//!   visible, but they are alpha behind the `DRADeviceTaints` gate, so not used yet. Each
+//!   device is named by [`names::device_name`](crate::names::device_name), carries the
+//!   backend's attributes and capacities (an invalid one is left out with one WARN naming the
+//!   device and the attribute), and a `numa` int attribute from its first NUMA node when the
+//!   backend gave no `numa` of its own. The backend id is not published: the name is a pure
+//!   function of it, and backends publish what users select on (`uuid`, `path`…) as
+//!   attributes.
+//! - **Event-driven**: the backend's `watch` channel (a burst is coalesced: the newest list is
+//!   published, lists are never queued), a watch on our own slices (a slice deleted or edited by
+//!   someone is repaired at once) and a watch on the Node (its UID for the owner reference).
+//! - **Errors**: an API error is retried after 1 s, doubling to 60 s; a conflict (409) re-reads
+//!   the slices and tries again at once. Nothing panics.
+//! - **Shutdown**: [`SlicePublisher::shutdown`] deletes this driver's slices of the node (the
+//!   issue's "removed on shutdown of the driver"); dropping the publisher only stops it, leaving
+//!   the slices for the next instance to adopt.
+//!
+//! The module, one idea a file:
+//!
+//! - `spec`: what the slices of a device list are ([`slice_specs`]): one pool, healthy devices
+//!   only, [`MAX_DEVICES_PER_SLICE`] a slice.
+//! - `api_device`: one backend device as the API's `Device`: its attributes, capacities and
+//!   `numa`.
+//! - `validate`: the API server's rules for what we write: the driver name, each attribute and
+//!   capacity.
+//! - `quantity`: capacities as quantities, in the canonical form the API server writes back.
+//! - `compare`: slices read from the API server made comparable with ours (resource versions,
+//!   the canonical form of a spec).
+//! - `publisher`: [`SlicePublisher`], its counters and errors, and [`delete_slices`].
+//! - `reconcile`: the publisher's task: the event loop over the device list, the Node and our
+//!   slices, and the writes (adopt, replace, create, delete) with their retries.
+
+mod api_device;
+mod compare;
+mod publisher;
+mod quantity;
+mod reconcile;
+mod spec;
+mod validate;
+
+pub use api_device::NUMA_ATTRIBUTE;
+pub use publisher::{delete_slices, Published, SliceCounters, SliceError, SlicePublisher};
+pub use spec::{slice_specs, Skipped, SliceSpecs, MAX_DEVICES_PER_SLICE};
+pub use validate::{check_driver_name, MAX_DRIVER_NAME_LEN};

@@ -1,0 +1,198 @@
+//! The publisher's handle: [`SlicePublisher`] starts the task (`reconcile`), shows what it
+//! confirmed ([`Published`], [`SliceCounters`]) and, at shutdown, deletes the slices it
+//! published ([`delete_slices`] does the same for a driver that is gone).
+
+use super::reconcile::Run;
+use super::validate::check_driver_name;
+use devplug::DeviceList;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::api::{DeleteParams, ListParams};
+use kube::Api;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// Counters of a [`SlicePublisher`], for metrics and benchmarks.
+#[derive(Debug, Default)]
+pub struct SliceCounters {
+    /// Pool states written to the API server (each one or more slice writes).
+    pub publishes: AtomicU64,
+    /// Slices created, replaced or deleted.
+    pub writes: AtomicU64,
+    /// API errors (each followed by a retry).
+    pub errors: AtomicU64,
+    /// Microseconds from noticing a new device list to its last slice written, for the most
+    /// recent list that needed writes.
+    pub last_publish_latency_us: AtomicU64,
+}
+
+/// What the API server holds, as last confirmed by the publisher.
+#[derive(Debug, Clone)]
+pub struct Published {
+    /// The backend's device list the slices show.
+    pub list: DeviceList,
+    /// The pool generation.
+    pub generation: i64,
+    /// How many slices the pool has.
+    pub slices: usize,
+    /// How many devices were published (healthy ones, less any skipped).
+    pub devices: usize,
+}
+
+/// Why a publisher could not start or clean up.
+#[derive(Debug, thiserror::Error)]
+pub enum SliceError {
+    /// The driver name is not one the API server takes.
+    #[error("DRA driver name {name:?}: {reason}")]
+    DriverName {
+        /// The name given.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// An API call failed.
+    #[error("ResourceSlices of driver {driver} on node {node}: {source}")]
+    Api {
+        /// The driver.
+        driver: String,
+        /// The node.
+        node: String,
+        /// The API error.
+        source: kube::Error,
+    },
+}
+
+/// The field selector of the slices of `driver` on `node`.
+pub(super) fn selector(driver: &str, node: &str) -> String {
+    format!("spec.nodeName={node},spec.driver={driver}")
+}
+
+/// Deletes every ResourceSlice of `driver` on `node`; returns how many it deleted. One already
+/// gone counts as deleted by someone else, not as an error. Needs `list` and `delete` on
+/// `resourceslices`.
+pub async fn delete_slices(
+    client: kube::Client,
+    driver: &str,
+    node: &str,
+) -> Result<usize, SliceError> {
+    delete_all(&Api::all(client), driver, node).await
+}
+
+async fn delete_all(
+    api: &Api<ResourceSlice>,
+    driver: &str,
+    node: &str,
+) -> Result<usize, SliceError> {
+    let err = |source| SliceError::Api {
+        driver: driver.to_owned(),
+        node: node.to_owned(),
+        source,
+    };
+    let listed = api
+        .list(&ListParams::default().fields(&selector(driver, node)))
+        .await
+        .map_err(err)?;
+    let mut deleted = 0usize;
+    for slice in listed.items {
+        let Some(name) = slice.metadata.name else {
+            continue;
+        };
+        match api.delete(&name, &DeleteParams::default()).await {
+            Ok(_) => deleted = deleted.saturating_add(1),
+            Err(kube::Error::Api(status)) if status.is_not_found() => {}
+            Err(e) => return Err(err(e)),
+        }
+    }
+    Ok(deleted)
+}
+
+/// Publishes one backend's devices as the ResourceSlices of (driver, node) until stopped.
+#[derive(Debug)]
+pub struct SlicePublisher {
+    api: Api<ResourceSlice>,
+    driver: String,
+    node: String,
+    counters: Arc<SliceCounters>,
+    published: watch::Receiver<Option<Published>>,
+    stop: CancellationToken,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl SlicePublisher {
+    /// Starts publishing `devices` for `driver` on `node`. Stops when `stop` is cancelled or
+    /// the publisher is dropped (the slices stay, for the next instance to adopt), or through
+    /// [`SlicePublisher::shutdown`] (the slices are deleted). Refuses a driver name the API
+    /// server would refuse.
+    pub fn spawn(
+        client: kube::Client,
+        driver: &str,
+        node: &str,
+        devices: watch::Receiver<DeviceList>,
+        stop: &CancellationToken,
+    ) -> Result<SlicePublisher, SliceError> {
+        check_driver_name(driver)?;
+        let stop = stop.child_token();
+        let counters = Arc::new(SliceCounters::default());
+        let (published_tx, published) = watch::channel(None);
+        let run = Run::new(
+            Api::all(client.clone()),
+            driver,
+            node,
+            counters.clone(),
+            published_tx,
+        );
+        let task = tokio::spawn(run.run(client.clone(), devices, stop.clone()));
+        Ok(SlicePublisher {
+            api: Api::all(client),
+            driver: driver.to_owned(),
+            node: node.to_owned(),
+            counters,
+            published,
+            stop,
+            task: Some(task),
+        })
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> &SliceCounters {
+        &self.counters
+    }
+
+    /// What the API server holds, as last confirmed (`None` until the first publish).
+    pub fn published(&self) -> watch::Receiver<Option<Published>> {
+        self.published.clone()
+    }
+
+    /// Waits until the slices show `list` (compared by content), e.g. the list a test or a
+    /// benchmark just sent; `None` if the publisher stopped first.
+    pub async fn wait_published(&self, list: &DeviceList) -> Option<Published> {
+        let mut rx = self.published.clone();
+        let result = rx
+            .wait_for(|p| p.as_ref().is_some_and(|p| p.list == *list))
+            .await
+            .ok()?
+            .clone();
+        result
+    }
+
+    /// Stops publishing and deletes this driver's slices of the node; returns how many were
+    /// deleted.
+    pub async fn shutdown(mut self) -> Result<usize, SliceError> {
+        self.stop.cancel();
+        if let Some(task) = self.task.take() {
+            if let Err(err) = task.await {
+                tracing::warn!(driver = %self.driver, node = %self.node, %err, "the slice publisher task failed");
+            }
+        }
+        let deleted = delete_all(&self.api, &self.driver, &self.node).await?;
+        tracing::info!(driver = %self.driver, node = %self.node, deleted, "ResourceSlices removed");
+        Ok(deleted)
+    }
+}
+
+impl Drop for SlicePublisher {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}

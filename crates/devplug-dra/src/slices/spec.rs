@@ -1,0 +1,230 @@
+//! What the slices of a device list are: one pool named after the node, healthy devices only,
+//! each named by [`names::device_name`], [`MAX_DEVICES_PER_SLICE`] a slice. Pure functions:
+//! the publisher uses them, tests and tools can too.
+
+use super::api_device::api_device;
+use crate::names;
+use devplug::DeviceList;
+use k8s_openapi::api::resource::v1 as api;
+use std::collections::BTreeMap;
+
+/// The most devices one ResourceSlice may hold in `resource.k8s.io/v1` (`ResourceSliceSpec.
+/// devices`: "Must not have more than 128 entries"; 64 when devices use taints or counters,
+/// which we do not).
+pub const MAX_DEVICES_PER_SLICE: usize = 128;
+
+/// A device or attribute left out of the pool, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Skipped {
+    /// The backend id of the device.
+    pub device: String,
+    /// The attribute or capacity left out; `None` when the whole device was.
+    pub attribute: Option<String>,
+    /// Why.
+    pub reason: String,
+}
+
+/// The slices one device list becomes (see [`slice_specs`]).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SliceSpecs {
+    /// The specs, in order; at least one (an empty pool is one slice with no devices).
+    pub specs: Vec<api::ResourceSliceSpec>,
+    /// What was left out, for one WARN each.
+    pub skipped: Vec<Skipped>,
+}
+
+/// The pool content of a device list: the devices of each slice, and what was left out.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub(super) struct PoolContent {
+    pub(super) slices: Vec<Vec<api::Device>>,
+    pub(super) skipped: Vec<Skipped>,
+}
+
+/// The ResourceSlice specs for `list`, published by `driver` on `node` at pool `generation`:
+/// healthy devices only, in the backend's order, [`MAX_DEVICES_PER_SLICE`] a slice. A pure
+/// function: the publisher uses it, tests and tools can too.
+pub fn slice_specs(driver: &str, node: &str, generation: i64, list: &DeviceList) -> SliceSpecs {
+    let content = pool_content(list);
+    let count = content.slices.len();
+    SliceSpecs {
+        specs: content
+            .slices
+            .iter()
+            .map(|devices| spec(driver, node, generation, count, devices))
+            .collect(),
+        skipped: content.skipped,
+    }
+}
+
+pub(super) fn spec(
+    driver: &str,
+    node: &str,
+    generation: i64,
+    count: usize,
+    devices: &[api::Device],
+) -> api::ResourceSliceSpec {
+    api::ResourceSliceSpec {
+        driver: driver.to_owned(),
+        node_name: Some(node.to_owned()),
+        pool: api::ResourcePool {
+            name: node.to_owned(),
+            generation,
+            resource_slice_count: i64::try_from(count).unwrap_or(i64::MAX),
+        },
+        // The API server leaves an empty list out; so do we, or every comparison would differ.
+        devices: (!devices.is_empty()).then(|| devices.to_vec()),
+        ..Default::default()
+    }
+}
+
+pub(super) fn pool_content(list: &DeviceList) -> PoolContent {
+    let mut skipped = Vec::new();
+    let mut names_taken: BTreeMap<String, &str> = BTreeMap::new();
+    let mut devices = Vec::with_capacity(list.healthy_count());
+    for device in list.devices() {
+        if !device.health.is_healthy() {
+            continue;
+        }
+        let name = names::device_name(&device.id);
+        if let Some(first) = names_taken.get(&name) {
+            skipped.push(Skipped {
+                device: device.id.clone(),
+                attribute: None,
+                reason: format!("its slice name {name:?} is also the name of device {first:?}"),
+            });
+            continue;
+        }
+        names_taken.insert(name.clone(), &device.id);
+        devices.push(api_device(device, name, &mut skipped));
+    }
+    let mut slices: Vec<Vec<api::Device>> = Vec::new();
+    let mut rest = devices.into_iter().peekable();
+    while rest.peek().is_some() {
+        slices.push(rest.by_ref().take(MAX_DEVICES_PER_SLICE).collect());
+    }
+    if slices.is_empty() {
+        slices.push(Vec::new());
+    }
+    PoolContent { slices, skipped }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use devplug::attributes::AttributeValue;
+    use devplug::{Device, Health};
+
+    fn attr<'a>(
+        spec: &'a api::ResourceSliceSpec,
+        device: usize,
+        name: &str,
+    ) -> &'a api::DeviceAttribute {
+        &spec.devices.as_ref().unwrap()[device]
+            .attributes
+            .as_ref()
+            .unwrap()[name]
+    }
+
+    #[test]
+    fn specs_split_name_and_describe_devices() {
+        let mut devices: Vec<Device> = (0..300)
+            .map(|i| Device::new(format!("npu-{i}")).with_numa_nodes([i64::from(i % 2)]))
+            .collect();
+        devices[0] = Device::new("GPU-a")
+            .with_numa_nodes([1])
+            .with_attribute("model", AttributeValue::String("x1".into()))
+            .with_attribute("bad-name", AttributeValue::Int(1))
+            .with_attribute(
+                "driverVersion",
+                AttributeValue::Version("1.2.3-rc.1".into()),
+            )
+            .with_attribute("firmware", AttributeValue::Version("1.02.3".into()))
+            .with_attribute("long", AttributeValue::String("x".repeat(65)))
+            .with_capacity("memory", 16 << 30)
+            .with_capacity("huge", u64::MAX);
+        devices[1] = Device::new("npu-1")
+            .with_numa_nodes([0])
+            .with_attribute("numa", AttributeValue::Int(7));
+        devices[2] = devices[2].clone().with_health(Health::unhealthy("gone"));
+        let list = DeviceList::new(devices);
+        let out = slice_specs("npu.example.com", "node-a", 4, &list);
+
+        // 299 healthy devices: 128 + 128 + 43, each slice knowing the count.
+        let sizes: Vec<usize> = out
+            .specs
+            .iter()
+            .map(|s| s.devices.as_ref().unwrap().len())
+            .collect();
+        assert_eq!(sizes, [128, 128, 43]);
+        for spec in &out.specs {
+            assert_eq!(spec.driver, "npu.example.com");
+            assert_eq!(spec.node_name.as_deref(), Some("node-a"));
+            assert_eq!(spec.pool.name, "node-a");
+            assert_eq!(spec.pool.generation, 4);
+            assert_eq!(spec.pool.resource_slice_count, 3);
+        }
+        let first = &out.specs[0];
+        let names: Vec<&str> = first
+            .devices
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|d| d.name.as_str())
+            .collect();
+        assert_eq!(
+            names[..3],
+            ["gpu-a-a414910b", "npu-1", "npu-3"],
+            "unhealthy npu-2 left out"
+        );
+        assert_eq!(attr(first, 0, "model").string.as_deref(), Some("x1"));
+        assert_eq!(
+            attr(first, 0, "driverVersion").version.as_deref(),
+            Some("1.2.3-rc.1")
+        );
+        assert_eq!(
+            attr(first, 0, "numa").int,
+            Some(1),
+            "numa from the first NUMA node"
+        );
+        assert_eq!(
+            attr(first, 1, "numa").int,
+            Some(7),
+            "the backend's numa wins"
+        );
+        assert_eq!(attr(first, 2, "numa").int, Some(1));
+        let d0 = &first.devices.as_ref().unwrap()[0];
+        assert_eq!(
+            d0.capacity.as_ref().unwrap()["memory"].value.0,
+            "17179869184"
+        );
+        assert!(!d0.capacity.as_ref().unwrap().contains_key("huge"));
+        let attrs = d0.attributes.as_ref().unwrap();
+        for bad in ["bad-name", "firmware", "long"] {
+            assert!(!attrs.contains_key(bad), "{bad}");
+        }
+        let mut skipped: Vec<&str> = out
+            .skipped
+            .iter()
+            .map(|s| s.attribute.as_deref().unwrap())
+            .collect();
+        skipped.sort_unstable();
+        assert_eq!(skipped, ["bad-name", "firmware", "huge", "long"]);
+        assert!(out.skipped.iter().all(|s| s.device == "GPU-a"));
+    }
+
+    #[test]
+    fn an_empty_pool_is_one_empty_slice_and_clashing_names_keep_the_first() {
+        let out = slice_specs("d.example.com", "n", 1, &DeviceList::default());
+        assert_eq!(out.specs.len(), 1);
+        assert!(out.specs[0].devices.is_none());
+        assert_eq!(out.specs[0].pool.resource_slice_count, 1);
+
+        // "gpu-a-a414910b" is already a label, and the name of "GPU-a" too.
+        let list = DeviceList::new([Device::new("gpu-a-a414910b"), Device::new("GPU-a")]);
+        let out = slice_specs("d.example.com", "n", 1, &list);
+        assert_eq!(out.specs[0].devices.as_ref().unwrap().len(), 1);
+        assert_eq!(out.skipped.len(), 1);
+        assert_eq!(out.skipped[0].device, "GPU-a");
+        assert!(out.skipped[0].attribute.is_none());
+    }
+}
