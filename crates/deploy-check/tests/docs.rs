@@ -213,3 +213,89 @@ fn the_readme_links_every_page_in_docs() {
         "README.md's \"Where to go next\" does not link {missing:?}"
     );
 }
+
+/// The rows of the README's "Layout" table: (path column, what column).
+fn layout_rows(readme: &str) -> Vec<(String, String)> {
+    let Some(start) = readme.find("## Layout") else {
+        return Vec::new();
+    };
+    readme[start..]
+        .lines()
+        .skip(1)
+        .skip_while(|line| !line.starts_with('|'))
+        .take_while(|line| line.starts_with('|'))
+        .skip(2) // header and separator
+        .filter_map(|line| {
+            let mut cells = line.trim_matches('|').splitn(2, '|');
+            Some((
+                cells.next()?.trim().to_owned(),
+                cells.next()?.trim().to_owned(),
+            ))
+        })
+        .collect()
+}
+
+/// The backquoted words of `text`.
+fn code_spans(text: &str) -> Vec<&str> {
+    text.split('`').skip(1).step_by(2).collect()
+}
+
+/// Whether a file or folder named `name` is somewhere under `dir`.
+fn found_under(dir: &Path, name: &str) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    entries.flatten().any(|entry| {
+        let path = entry.path();
+        entry.file_name().to_string_lossy() == name || (path.is_dir() && found_under(&path, name))
+    })
+}
+
+#[test]
+fn the_readme_layout_table_matches_the_tree() {
+    let root = repo_root();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let rows = layout_rows(&readme);
+    assert!(rows.len() > 10, "the Layout table was not found: {rows:?}");
+    let mut problems = Vec::new();
+    for (paths, what) in &rows {
+        for path in code_spans(paths) {
+            let path = path.trim_end_matches('/');
+            if !root.join(path).exists() {
+                problems.push(format!("{path}: no such path"));
+            }
+        }
+        // In a crate's row, every file or folder named in the description is in that crate.
+        let crate_path = code_spans(paths)
+            .into_iter()
+            .find(|p| p.starts_with("crates/"));
+        let Some(crate_path) = crate_path else {
+            continue;
+        };
+        let crate_dir = root.join(crate_path);
+        for name in code_spans(what) {
+            let name = name.trim_end_matches('/');
+            let is_file_name = (name.ends_with(".rs") || name.ends_with(".yaml"))
+                && !name.contains(' ')
+                && !name.contains('/');
+            if is_file_name && !found_under(&crate_dir, name) {
+                problems.push(format!(
+                    "{crate_path}: names {name}, which it does not have"
+                ));
+            }
+        }
+    }
+    // Every crate of the workspace has its row.
+    let listed: Vec<&str> = rows.iter().flat_map(|(p, _)| code_spans(p)).collect();
+    for entry in std::fs::read_dir(root.join("crates")).unwrap().flatten() {
+        let name = format!("crates/{}", entry.file_name().to_string_lossy());
+        if !listed.contains(&name.as_str()) {
+            problems.push(format!("{name}: no row in the README's Layout table"));
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "README layout vs the tree:\n{}",
+        problems.join("\n")
+    );
+}

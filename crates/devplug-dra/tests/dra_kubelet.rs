@@ -191,6 +191,9 @@ async fn a_deleted_registration_socket_comes_back_and_registers_again() {
     let results = kubelet.dra_prepare(DRIVER, &[claim]).await.unwrap();
     assert!(results["uid-1"].is_ok(), "{results:?}");
     assert!(side.stop().await.is_empty());
-    assert!(!registration.exists(), "stop removes the registration socket");
+    assert!(
+        !registration.exists(),
+        "stop removes the registration socket"
+    );
     kubelet.stop().await;
 }
