@@ -51,6 +51,34 @@ pub(crate) struct FolderWatch {
     pub(crate) state: watch::Receiver<FolderState>,
 }
 
+/// What a folder follower said next, to a loop that only needs to wake up on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FolderNews {
+    /// The folder's state changed (it came back, or went).
+    State,
+    /// Something changed inside the folder, or events were lost: check again.
+    Inside,
+    /// The follower ended: only at shutdown.
+    Ended,
+}
+
+/// Waits for the next news of a folder follower. Cancel-safe, like the receivers it reads.
+pub(crate) async fn next_news(
+    folder: &mut watch::Receiver<FolderState>,
+    events: &mut broadcast::Receiver<DirEvent>,
+) -> FolderNews {
+    tokio::select! {
+        changed = folder.changed() => match changed {
+            Ok(()) => FolderNews::State,
+            Err(_) => FolderNews::Ended,
+        },
+        event = events.recv() => match event {
+            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => FolderNews::Inside,
+            Err(broadcast::error::RecvError::Closed) => FolderNews::Ended,
+        },
+    }
+}
+
 /// The events of interest on the folder itself.
 fn folder_mask() -> WatchMask {
     WatchMask::CREATE

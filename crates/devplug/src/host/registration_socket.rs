@@ -16,7 +16,7 @@
 //!   lost it (the device plugin route's stream that did not come back).
 
 use super::backoff::Backoff;
-use super::dir_watch::{self, DirEvent, FolderState};
+use super::dir_watch::{self, next_news, DirEvent, FolderNews, FolderState};
 use super::resource::{bind_error, far_future, Served};
 use super::watcher::RefusedRetry;
 use devplug_proto::pluginregistration::{
@@ -256,17 +256,14 @@ impl Offering {
                         registered.send_replace(Registered::Waiting);
                     }
                 }
-                changed = self.folder.changed() => {
-                    if changed.is_err() {
-                        stop.cancelled().await;
-                        break;
+                news = next_news(&mut self.folder, &mut self.events) => match news {
+                    // The folder came or went: bind at once when it is there.
+                    FolderNews::State => {
+                        bind_at = None;
+                        bind_backoff.reset();
                     }
-                    bind_at = None;
-                    bind_backoff.reset();
-                }
-                event = self.events.recv() => match event {
-                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
-                    Err(broadcast::error::RecvError::Closed) => {
+                    FolderNews::Inside => {}
+                    FolderNews::Ended => {
                         stop.cancelled().await;
                         break;
                     }

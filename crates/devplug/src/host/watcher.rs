@@ -18,7 +18,7 @@
 //!   created again, which the watcher sees as a new plugin.
 
 use super::backoff::Backoff;
-use super::dir_watch::{DirEvent, FolderState};
+use super::dir_watch::{next_news, DirEvent, FolderNews, FolderState};
 use super::registration_socket::{Offering, RegistrationEvent, RegistrationSocket};
 use super::resource::{bind_error, far_future, serve_plugin, Served};
 use super::socket;
@@ -222,17 +222,14 @@ impl WatcherTask {
                         }
                     }
                 }
-                changed = self.folder.changed() => {
-                    if changed.is_err() {
-                        self.stop.cancelled().await;
-                        break;
+                news = next_news(&mut self.folder, &mut self.events) => match news {
+                    // The folder came or went: bind at once when it is there.
+                    FolderNews::State => {
+                        bind_at = None;
+                        bind_backoff.reset();
                     }
-                    bind_at = None;
-                    bind_backoff.reset();
-                }
-                event = self.events.recv() => match event {
-                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
-                    Err(broadcast::error::RecvError::Closed) => {
+                    FolderNews::Inside => {}
+                    FolderNews::Ended => {
                         self.stop.cancelled().await;
                         break;
                     }
