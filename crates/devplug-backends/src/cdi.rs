@@ -235,6 +235,13 @@ pub fn valid_device_name(name: &str) -> bool {
 /// synced, then renamed over `path`, so a reader sees the old file or the new one, never half
 /// of one. Returns the (device, inode) of the new file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<(u64, u64)> {
+    write_atomic_mode(path, bytes, 0o644)
+}
+
+/// [`write_atomic`] with the file's permission bits (`0o600` for a file only its owner may
+/// read); the folder is made if missing, with the usual permissions.
+pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
     let name = path
@@ -243,7 +250,14 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<(u64, u64)> {
         .unwrap_or_default();
     let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
     let result = (|| {
-        let mut file = std::fs::File::create(&tmp)?;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&tmp)?;
+        // The mode given at creation is narrowed by the umask; a stale temp file keeps its own.
+        file.set_permissions(std::fs::Permissions::from_mode(mode))?;
         file.write_all(bytes)?;
         file.sync_all()?;
         let meta = file.metadata()?;

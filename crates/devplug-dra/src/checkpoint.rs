@@ -40,6 +40,10 @@ pub struct PreparedClaim {
     pub devices: Vec<PreparedDevice>,
     /// The CDI spec file written for it.
     pub cdi_spec: PathBuf,
+    /// That file's content, so a spec lost with `/var/run/cdi` (a tmpfs, emptied by a reboot)
+    /// can be written again from here. Absent in checkpoints of older versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cdi_spec_json: Option<String>,
 }
 
 /// Every prepared claim of one driver, by claim UID.
@@ -121,16 +125,43 @@ impl Checkpoint {
         Ok(checkpoint)
     }
 
-    /// Writes the checkpoint to `path` atomically.
+    /// Writes the checkpoint to `path` atomically, readable by its owner only (0600), in a
+    /// folder only its owner can enter (0700): it names every pod's claims on the node.
     pub fn save(&self, path: &Path) -> std::io::Result<()> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
         let text = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
-        devplug_backends::cdi::write_atomic(path, &text).map(|_| ())
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        }
+        devplug_backends::cdi::write_atomic_mode(path, &text, 0o600).map(|_| ())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_checkpoint_and_its_folder_are_its_owners_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("npu.example.com");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = dir.join("checkpoint.json");
+        Checkpoint::new("npu.example.com").save(&path).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&path), 0o600);
+        assert_eq!(mode(&dir), 0o700);
+        // A file left world-readable by an older devplug is narrowed at the next save.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        Checkpoint::new("npu.example.com").save(&path).unwrap();
+        assert_eq!(mode(&path), 0o600);
+    }
 
     #[test]
     fn round_trip_and_refusals() {
@@ -155,6 +186,7 @@ mod tests {
                     share_id: None,
                 }],
                 cdi_spec: "/var/run/cdi/x.json".into(),
+                cdi_spec_json: Some("{}".into()),
             },
         );
         checkpoint.save(&path).unwrap();

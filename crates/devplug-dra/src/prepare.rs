@@ -64,6 +64,11 @@ impl Preparer {
     ) -> Result<Preparer, CheckpointError> {
         let checkpoint = Checkpoint::load(&files.checkpoint, driver)?;
         remove_stale_specs(&files.cdi_dir, driver, &checkpoint);
+        for (uid, claim) in &checkpoint.claims {
+            if let Err(err) = restore_spec(driver, uid, claim) {
+                tracing::error!(%driver, claim = %uid, error = %err, "a prepared claim's CDI spec is missing");
+            }
+        }
         Ok(Preparer {
             driver: driver.to_owned(),
             pool: pool.to_owned(),
@@ -107,6 +112,7 @@ impl Preparer {
         claim: &ClaimRef,
     ) -> Result<Vec<PreparedDevice>, String> {
         if let Some(done) = state.claims.get(&claim.uid) {
+            restore_spec(&self.driver, &claim.uid, done)?;
             return Ok(done.devices.clone());
         }
         let allocated = tokio::time::timeout(CLAIM_READ_TIMEOUT, self.claims.allocation(claim))
@@ -123,7 +129,8 @@ impl Preparer {
                 .map_err(|e| format!("preparing the devices failed: {}", e.0))?;
         }
         let spec_path = self.spec_path(&claim.uid);
-        devplug_backends::cdi::write_atomic(&spec_path, spec.to_json().as_bytes())
+        let spec_json = spec.to_json();
+        devplug_backends::cdi::write_atomic(&spec_path, spec_json.as_bytes())
             .map_err(|e| format!("cannot write the CDI spec {}: {e}", spec_path.display()))?;
         state.claims.insert(
             claim.uid.clone(),
@@ -132,6 +139,7 @@ impl Preparer {
                 name: claim.name.clone(),
                 devices: devices.clone(),
                 cdi_spec: spec_path.clone(),
+                cdi_spec_json: Some(spec_json),
             },
         );
         if let Err(err) = state.save(&self.files.checkpoint) {
@@ -266,6 +274,36 @@ impl Preparer {
     fn spec_path(&self, uid: &str) -> PathBuf {
         spec_path(&self.files.cdi_dir, &self.driver, uid)
     }
+}
+
+/// Writes a prepared claim's CDI spec again from the checkpoint when its file is gone: the
+/// checkpoint is on persistent disk, `/var/run/cdi` usually on a tmpfs that a reboot empties
+/// (and a failed unprepare can leave the claim without its file), and a container whose CDI
+/// device has no spec cannot start. `Ok(false)`: the file is there.
+pub fn restore_spec(driver: &str, uid: &str, claim: &PreparedClaim) -> Result<bool, String> {
+    if claim.cdi_spec.exists() {
+        return Ok(false);
+    }
+    let Some(json) = &claim.cdi_spec_json else {
+        return Err(format!(
+            "the CDI spec {} of prepared claim {}/{} is missing, and this checkpoint (from an older \
+             devplug) does not hold its content: delete the claim's pods so the kubelet \
+             unprepares and prepares it again",
+            claim.cdi_spec.display(),
+            claim.namespace,
+            claim.name
+        ));
+    };
+    devplug_backends::cdi::write_atomic(&claim.cdi_spec, json.as_bytes()).map_err(|e| {
+        format!(
+            "the CDI spec {} of prepared claim {}/{} is missing and cannot be written again: {e}",
+            claim.cdi_spec.display(),
+            claim.namespace,
+            claim.name
+        )
+    })?;
+    tracing::warn!(%driver, claim = %uid, spec = %claim.cdi_spec.display(), "the CDI spec of a prepared claim was missing (a reboot, or a failed unprepare); written again from the checkpoint");
+    Ok(true)
 }
 
 /// Removes this driver's claim specs that no claim of the checkpoint owns: left by a claim
@@ -492,6 +530,7 @@ mod tests {
                 name: "c".into(),
                 devices: Vec::new(),
                 cdi_spec: kept.clone(),
+                cdi_spec_json: None,
             },
         );
         assert_eq!(remove_stale_specs(&cdi, driver, &checkpoint), 1);

@@ -3,6 +3,8 @@
 //! disk, unprepared, and a restarted driver answering from its checkpoint. Claims come from a
 //! fixed table here (the API server path is tested in `dra_e2e.rs`).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
 use devplug::backend::BoxFuture;
 use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList};
 use devplug_dra::claims::{AllocatedDevice, ClaimRef, ClaimSource};
@@ -68,8 +70,8 @@ fn preparer(files: &PrepareFiles) -> Arc<Preparer> {
     )
 }
 
-#[tokio::test]
-async fn the_kubelet_registers_the_driver_and_prepares_claims_across_a_restart() {
+/// A simulated kubelet with its plugin watcher, the driver's folders and its files.
+async fn node() -> (tempfile::TempDir, Kubelet, KubeletDirs, PrepareFiles) {
     let root = tempfile::tempdir().unwrap();
     let device_plugins = root.path().join("device-plugins");
     std::fs::create_dir_all(&device_plugins).unwrap();
@@ -84,15 +86,25 @@ async fn the_kubelet_registers_the_driver_and_prepares_claims_across_a_restart()
         cdi_dir: root.path().join("cdi"),
         checkpoint: dirs.driver_dir(DRIVER).join("checkpoint.json"),
     };
-    let side = KubeletSide::start(preparer(&files), &dirs).unwrap();
-    let mut registered = side.registered();
-    tokio::time::timeout(
+    (root, kubelet, dirs, files)
+}
+
+/// Waits up to 10 s for the kubelet to have registered the driver.
+async fn wait_registered(registered: &mut watch::Receiver<Registered>, what: &str) {
+    let waited = tokio::time::timeout(
         Duration::from_secs(10),
         registered.wait_for(|r| *r == Registered::Yes),
     )
-    .await
-    .expect("registered within 10 s")
-    .unwrap();
+    .await;
+    assert!(matches!(waited, Ok(Ok(_))), "{what} within 10 s");
+}
+
+#[tokio::test]
+async fn the_kubelet_registers_the_driver_and_prepares_claims_across_a_restart() {
+    let (_root, kubelet, dirs, files) = node().await;
+    let side = KubeletSide::start(preparer(&files), &dirs).unwrap();
+    let mut registered = side.registered();
+    wait_registered(&mut registered, "registered").await;
     let service = kubelet.read(|node| node.dra_driver(DRIVER).first().map(|r| r.service));
     assert_eq!(service, Some(DraService::V1));
 
@@ -126,13 +138,7 @@ async fn the_kubelet_registers_the_driver_and_prepares_claims_across_a_restart()
     assert!(side.stop().await.is_empty());
     let side = KubeletSide::start(preparer(&files), &dirs).unwrap();
     let mut registered = side.registered();
-    tokio::time::timeout(
-        Duration::from_secs(10),
-        registered.wait_for(|r| *r == Registered::Yes),
-    )
-    .await
-    .expect("registered again within 10 s")
-    .unwrap();
+    wait_registered(&mut registered, "registered again").await;
     let again = kubelet
         .dra_prepare(DRIVER, std::slice::from_ref(&claim))
         .await
@@ -147,29 +153,10 @@ async fn the_kubelet_registers_the_driver_and_prepares_claims_across_a_restart()
 
 #[tokio::test]
 async fn a_deleted_registration_socket_comes_back_and_registers_again() {
-    let root = tempfile::tempdir().unwrap();
-    let device_plugins = root.path().join("device-plugins");
-    std::fs::create_dir_all(&device_plugins).unwrap();
-    let dirs = KubeletDirs::beside(&device_plugins);
-    let config = SimConfig {
-        watcher_reconcile: Duration::from_millis(50),
-        ..SimConfig::default()
-    }
-    .with_watcher_beside(&device_plugins);
-    let kubelet = Kubelet::start_with(&device_plugins, config).await.unwrap();
-    let files = PrepareFiles {
-        cdi_dir: root.path().join("cdi"),
-        checkpoint: dirs.driver_dir(DRIVER).join("checkpoint.json"),
-    };
+    let (_root, kubelet, dirs, files) = node().await;
     let side = KubeletSide::start(preparer(&files), &dirs).unwrap();
     let mut registered = side.registered();
-    tokio::time::timeout(
-        Duration::from_secs(10),
-        registered.wait_for(|r| *r == Registered::Yes),
-    )
-    .await
-    .expect("registered within 10 s")
-    .unwrap();
+    wait_registered(&mut registered, "registered").await;
 
     // An operator or a script deletes the registration socket: it is created again at once and
     // the kubelet's plugin watcher registers the driver through the new one.
@@ -179,13 +166,7 @@ async fn a_deleted_registration_socket_comes_back_and_registers_again() {
         .await
         .expect("the driver notices within 10 s")
         .unwrap();
-    tokio::time::timeout(
-        Duration::from_secs(10),
-        registered.wait_for(|r| *r == Registered::Yes),
-    )
-    .await
-    .expect("registered again within 10 s")
-    .unwrap();
+    wait_registered(&mut registered, "registered again").await;
     assert!(registration.exists());
     let claim = DraClaim::new("ns", "claim-1", "uid-1");
     let results = kubelet.dra_prepare(DRIVER, &[claim]).await.unwrap();
@@ -195,5 +176,41 @@ async fn a_deleted_registration_socket_comes_back_and_registers_again() {
         !registration.exists(),
         "stop removes the registration socket"
     );
+    kubelet.stop().await;
+}
+
+#[tokio::test]
+async fn a_lost_cdi_folder_is_written_again_from_the_checkpoint() {
+    let (_root, kubelet, dirs, files) = node().await;
+    let side = KubeletSide::start(preparer(&files), &dirs).unwrap();
+    let mut registered = side.registered();
+    wait_registered(&mut registered, "registered").await;
+    let claim = DraClaim::new("ns", "claim-1", "uid-1");
+    let first = kubelet
+        .dra_prepare(DRIVER, std::slice::from_ref(&claim))
+        .await
+        .unwrap();
+    let spec_path = devplug_dra::prepare::spec_path(&files.cdi_dir, DRIVER, "uid-1");
+    let spec = std::fs::read_to_string(&spec_path).unwrap();
+
+    // /var/run/cdi is a tmpfs: a reboot (or a failed unprepare) loses the spec, and the kubelet
+    // prepares the claim again. The answer is the checkpoint's, and the spec is there again.
+    std::fs::remove_dir_all(&files.cdi_dir).unwrap();
+    let again = kubelet
+        .dra_prepare(DRIVER, std::slice::from_ref(&claim))
+        .await
+        .unwrap();
+    assert_eq!(
+        again["uid-1"].as_ref().unwrap(),
+        first["uid-1"].as_ref().unwrap()
+    );
+    assert_eq!(std::fs::read_to_string(&spec_path).unwrap(), spec);
+
+    // A restart with the folder gone: written again at start, before any call.
+    assert!(side.stop().await.is_empty());
+    std::fs::remove_dir_all(&files.cdi_dir).unwrap();
+    let side = KubeletSide::start(preparer(&files), &dirs).unwrap();
+    assert_eq!(std::fs::read_to_string(&spec_path).unwrap(), spec);
+    assert!(side.stop().await.is_empty());
     kubelet.stop().await;
 }
