@@ -27,6 +27,9 @@ pub struct PreparedDevice {
     /// The share of a consumable-capacity device, as allocated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub share_id: Option<String>,
+    /// Allocated with admin access (the device may be in other claims too).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub admin_access: bool,
 }
 
 /// One prepared claim.
@@ -184,6 +187,7 @@ mod tests {
                     id: "npu-1".into(),
                     cdi_device_ids: vec!["npu.example.com/claim=u1-npus".into()],
                     share_id: None,
+                    admin_access: false,
                 }],
                 cdi_spec: "/var/run/cdi/x.json".into(),
                 cdi_spec_json: Some("{}".into()),

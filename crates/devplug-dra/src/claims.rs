@@ -36,6 +36,9 @@ pub struct AllocatedDevice {
     pub device: String,
     /// The share of a device with consumable capacity, if any.
     pub share_id: Option<String>,
+    /// Allocated with admin access (monitoring, maintenance): such a claim may have a device
+    /// that other claims have too.
+    pub admin_access: bool,
 }
 
 /// Where the prepare path learns a claim's allocation.
@@ -112,6 +115,7 @@ pub fn our_devices(
             pool: r.pool.clone(),
             device: r.device.clone(),
             share_id: r.share_id.clone(),
+            admin_access: r.admin_access.unwrap_or(false),
         })
         .collect();
     if ours.is_empty() {

@@ -14,7 +14,10 @@
 //! claim gets both requests' edits; an environment variable both set ends with the later one.
 //!
 //! Repeats are answered from the checkpoint; unpreparing a claim we do not know is a success.
-//! Calls are serialized per driver (the checkpoint is one file).
+//! The claims of a call are read from the API server first, all at once and under one deadline
+//! for the call, with nothing locked: a slow or hung API server makes only that call slow, and
+//! an unprepare, which needs no API server, never waits for it. The rest (the backend, the CDI
+//! spec, the checkpoint) is serialized per driver, as the checkpoint is one file.
 
 use super::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, PreparedDevice};
 use super::claims::{AllocatedDevice, ClaimRef, ClaimSource};
@@ -27,9 +30,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Mutex;
 
-/// How long one claim's read from the API server may take (the kubelet gives the whole call
-/// 45 s).
-const CLAIM_READ_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long the claim reads of one call may take together (the kubelet gives the whole call
+/// 45 s; the rest of a prepare is local and quick).
+pub const CLAIM_READ_DEADLINE: Duration = Duration::from_secs(30);
 
 /// Per-claim results of a call, by claim UID.
 pub type ClaimResults<T> = BTreeMap<String, Result<T, String>>;
@@ -51,6 +54,7 @@ pub struct Preparer {
     claims: Arc<dyn ClaimSource>,
     files: PrepareFiles,
     state: Mutex<Checkpoint>,
+    read_deadline: Duration,
 }
 
 impl Preparer {
@@ -76,7 +80,15 @@ impl Preparer {
             claims,
             files,
             state: Mutex::new(checkpoint),
+            read_deadline: CLAIM_READ_DEADLINE,
         })
+    }
+
+    /// The same preparer with another deadline for the claim reads of one call (default
+    /// [`CLAIM_READ_DEADLINE`]).
+    pub fn with_read_deadline(mut self, deadline: Duration) -> Preparer {
+        self.read_deadline = deadline;
+        self
     }
 
     /// The driver's name.
@@ -91,13 +103,43 @@ impl Preparer {
 
     /// Prepares every claim; one result per distinct claim UID.
     pub async fn prepare(&self, claims: &[ClaimRef]) -> ClaimResults<Vec<PreparedDevice>> {
+        let mut distinct: Vec<&ClaimRef> = Vec::new();
+        for claim in claims {
+            if !distinct.iter().any(|c| c.uid == claim.uid) {
+                distinct.push(claim);
+            }
+        }
+        // The allocations of the claims not prepared yet, read with nothing locked.
+        let known: Vec<bool> = {
+            let state = self.state.lock().await;
+            distinct
+                .iter()
+                .map(|c| state.claims.contains_key(&c.uid))
+                .collect()
+        };
+        // One deadline for the call: each read ends by it, and a read that ends keeps its result.
+        let deadline = tokio::time::Instant::now() + self.read_deadline;
+        let reads = distinct
+            .iter()
+            .zip(&known)
+            .map(|(claim, known)| async move {
+                if *known {
+                    return None;
+                }
+                let read = tokio::time::timeout_at(deadline, self.claims.allocation(claim)).await;
+                Some(read.unwrap_or_else(|_| {
+                    Err(format!(
+                        "reading ResourceClaim {claim} from the API server took over {:?}",
+                        self.read_deadline
+                    ))
+                }))
+            });
+        let read = futures_util::future::join_all(reads).await;
+
         let mut results = BTreeMap::new();
         let mut state = self.state.lock().await;
-        for claim in claims {
-            if results.contains_key(&claim.uid) {
-                continue;
-            }
-            let result = self.prepare_one(&mut state, claim).await;
+        for (claim, allocation) in distinct.into_iter().zip(read) {
+            let result = self.prepare_one(&mut state, claim, allocation).await;
             if let Err(err) = &result {
                 tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot prepare the claim");
             }
@@ -106,20 +148,31 @@ impl Preparer {
         results
     }
 
+    /// Prepares one claim, given its allocation as read (`None`: it was prepared already when
+    /// the call began).
     async fn prepare_one(
         &self,
         state: &mut Checkpoint,
         claim: &ClaimRef,
+        allocation: Option<Result<Vec<AllocatedDevice>, String>>,
     ) -> Result<Vec<PreparedDevice>, String> {
         if let Some(done) = state.claims.get(&claim.uid) {
             restore_spec(&self.driver, &claim.uid, done)?;
             return Ok(done.devices.clone());
         }
-        let allocated = tokio::time::timeout(CLAIM_READ_TIMEOUT, self.claims.allocation(claim))
-            .await
-            .map_err(|_| {
-                format!("reading ResourceClaim {claim} took over {CLAIM_READ_TIMEOUT:?}")
-            })??;
+        let allocated = match allocation {
+            Some(read) => read?,
+            // Unprepared by a call that ran while this one read: read it now.
+            None => tokio::time::timeout(self.read_deadline, self.claims.allocation(claim))
+                .await
+                .map_err(|_| {
+                    format!(
+                        "reading ResourceClaim {claim} from the API server took over {:?}",
+                        self.read_deadline
+                    )
+                })??,
+        };
+        refuse_taken_devices(state, &allocated)?;
         let (spec, devices) = self.plan(claim, &allocated)?;
         if self.backend.options().pre_start_required {
             let ids: Vec<String> = devices.iter().map(|d| d.id.clone()).collect();
@@ -202,6 +255,7 @@ impl Preparer {
                     id: device.id.clone(),
                     cdi_device_ids: Vec::new(),
                     share_id: result.share_id.clone(),
+                    admin_access: result.admin_access,
                 }),
             }
         }
@@ -274,6 +328,37 @@ impl Preparer {
     fn spec_path(&self, uid: &str) -> PathBuf {
         spec_path(&self.files.cdi_dir, &self.driver, uid)
     }
+}
+
+/// Refuses an allocation that gives a claim a device another prepared claim has, unless one of
+/// the two has it as a share (consumable capacity) or with admin access: a device that is not
+/// shareable goes to one claim at a time, and two claims holding it means the scheduler worked
+/// from a stale view (an allocation left by a claim deleted while it ran, another driver
+/// publishing our devices). The first claim keeps it; the second gets this error.
+fn refuse_taken_devices(state: &Checkpoint, allocated: &[AllocatedDevice]) -> Result<(), String> {
+    for wanted in allocated
+        .iter()
+        .filter(|d| d.share_id.is_none() && !d.admin_access)
+    {
+        let holder = state.claims.values().find(|prepared| {
+            prepared.devices.iter().any(|held| {
+                held.pool == wanted.pool
+                    && held.device == wanted.device
+                    && held.share_id.is_none()
+                    && !held.admin_access
+            })
+        });
+        if let Some(holder) = holder {
+            return Err(format!(
+                "device {} is already prepared for ResourceClaim {}/{} and cannot be shared: \
+                 the scheduler allocated it to two claims (a stale allocation, or another \
+                 driver publishing this node's devices); this claim waits until the other is \
+                 unprepared",
+                wanted.device, holder.namespace, holder.name
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Writes a prepared claim's CDI spec again from the checkpoint when its file is gone: the
@@ -414,12 +499,139 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn a_device_that_is_not_shareable_is_prepared_for_one_claim_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tx, _) = watch::channel(DeviceList::new([Device::new("npu-0")]));
+        let shared = |share: &str| AllocatedDevice {
+            share_id: Some(share.into()),
+            ..allocated("a", "npu-0")
+        };
+        let admin = AllocatedDevice {
+            admin_access: true,
+            ..allocated("a", "npu-0")
+        };
+        let claims = Fixed(HashMap::from([
+            ("first".to_owned(), vec![allocated("a", "npu-0")]),
+            ("second".to_owned(), vec![allocated("a", "npu-0")]),
+            ("monitor".to_owned(), vec![admin]),
+            ("share-1".to_owned(), vec![shared("s1")]),
+            ("share-2".to_owned(), vec![shared("s2")]),
+        ]));
+        let preparer = Preparer::new(
+            "npu.example.com",
+            "node-a",
+            Arc::new(Npus(tx)),
+            Arc::new(claims),
+            PrepareFiles {
+                cdi_dir: dir.path().join("cdi"),
+                checkpoint: dir.path().join("checkpoint.json"),
+            },
+        )
+        .unwrap();
+        assert!(preparer.prepare(&[claim("first")]).await["first"].is_ok());
+        let second = preparer.prepare(&[claim("second")]).await;
+        let err = second["second"].as_ref().unwrap_err();
+        assert!(
+            err.contains("already prepared for ResourceClaim ns/claim-first"),
+            "{err}"
+        );
+        // Admin access may look at a device in use; shares of one device go together.
+        assert!(preparer.prepare(&[claim("monitor")]).await["monitor"].is_ok());
+        assert!(preparer.unprepare(&[claim("first")]).await["first"].is_ok());
+        let shares = preparer
+            .prepare(&[claim("share-1"), claim("share-2")])
+            .await;
+        assert!(shares.values().all(Result::is_ok), "{shares:?}");
+        // Once the shares are gone, the whole device can go to the second claim.
+        preparer
+            .unprepare(&[claim("share-1"), claim("share-2")])
+            .await;
+        assert!(preparer.prepare(&[claim("second")]).await["second"].is_ok());
+    }
+
+    /// An API server that never answers for claims whose UID starts with `hung`.
+    struct HungFor(Fixed);
+
+    impl ClaimSource for HungFor {
+        fn allocation<'a>(
+            &'a self,
+            claim: &'a ClaimRef,
+        ) -> BoxFuture<'a, Result<Vec<AllocatedDevice>, String>> {
+            if claim.uid.starts_with("hung") {
+                Box::pin(std::future::pending())
+            } else {
+                self.0.allocation(claim)
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_hung_api_server_slows_only_its_own_call_and_never_an_unprepare() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tx, _) = watch::channel(DeviceList::new([
+            Device::new("npu-0"),
+            Device::new("npu-1"),
+        ]));
+        let claims = HungFor(Fixed(HashMap::from([
+            ("u1".to_owned(), vec![allocated("a", "npu-0")]),
+            ("u2".to_owned(), vec![allocated("a", "npu-1")]),
+        ])));
+        let files = PrepareFiles {
+            cdi_dir: dir.path().join("cdi"),
+            checkpoint: dir.path().join("checkpoint.json"),
+        };
+        let deadline = Duration::from_millis(400);
+        let preparer = Arc::new(
+            Preparer::new(
+                "npu.example.com",
+                "node-a",
+                Arc::new(Npus(tx)),
+                Arc::new(claims),
+                files,
+            )
+            .unwrap()
+            .with_read_deadline(deadline),
+        );
+        assert!(preparer.prepare(&[claim("u1")]).await["u1"].is_ok());
+
+        // Two hung claims and a good one in one call: one deadline for all, not one each, and
+        // the good claim is prepared.
+        let started = std::time::Instant::now();
+        let results = preparer
+            .prepare(&[claim("hung-1"), claim("hung-2"), claim("u2")])
+            .await;
+        let took = started.elapsed();
+        assert!(took < deadline * 2, "{took:?}");
+        for hung in ["hung-1", "hung-2"] {
+            let err = results[hung].as_ref().unwrap_err();
+            assert!(err.contains("took over 400ms"), "{err}");
+        }
+        assert!(results["u2"].is_ok(), "{results:?}");
+
+        // While a call waits on the API server, an unprepare (which needs none) and a repeated
+        // prepare (answered from the checkpoint) go through at once.
+        let waiting = {
+            let preparer = preparer.clone();
+            tokio::spawn(async move { preparer.prepare(&[claim("hung-3")]).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let started = std::time::Instant::now();
+        assert!(preparer.prepare(&[claim("u1")]).await["u1"].is_ok());
+        assert!(preparer.unprepare(&[claim("u1")]).await["u1"].is_ok());
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(200), "{took:?}");
+        assert!(!waiting.is_finished(), "the hung call still waits");
+        assert!(waiting.await.unwrap()["hung-3"].is_err());
+    }
+
     fn allocated(request: &str, device: &str) -> AllocatedDevice {
         AllocatedDevice {
             request: request.into(),
             pool: "node-a".into(),
             device: device.into(),
             share_id: None,
+            admin_access: false,
         }
     }
 
