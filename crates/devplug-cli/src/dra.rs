@@ -8,7 +8,7 @@ use anyhow::Context;
 use devplug::Backend;
 use devplug_dra::kubelet::KubeletDirs;
 use devplug_dra::runtime::{node_cdi_support, CdiSupport};
-use devplug_dra::{DraDriver, DraDriverSettings};
+use devplug_dra::{DraDriver, DraDriverSettings, DraStartError};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -89,21 +89,26 @@ impl DraDrivers {
                 continue;
             }
             match self.start(resource, shared.get(name).cloned()).await {
-                Ok(driver) => {
+                Ok(Some(driver)) => {
                     self.running
                         .insert(name.to_owned(), (resource.clone(), driver));
                 }
+                // Refused alone, and said in `/readyz`: the other resources go on.
+                Ok(None) => {}
                 Err(err) => failed.push((name.to_owned(), err)),
             }
         }
         failed
     }
 
+    /// Starts one driver. `Ok(None)`: this driver alone cannot start, for a reason in `/readyz`
+    /// and the log that takes an operator (a checkpoint it cannot use: the claims it lists may
+    /// still be in use, so neither guessing nor starting empty is safe).
     async fn start(
         &mut self,
         resource: &ResourceConfig,
         backend: Option<Arc<dyn Backend>>,
-    ) -> anyhow::Result<DraDriver> {
+    ) -> anyhow::Result<Option<DraDriver>> {
         let Some(dra) = &resource.dra else {
             anyhow::bail!("{} has no dra: settings", resource.name);
         };
@@ -117,6 +122,12 @@ impl DraDrivers {
                 .build()
                 .map_err(|(key, err)| anyhow::anyhow!("{}: {key}.{err}", resource.name))?,
         };
+        // A problem from an earlier attempt is said again below if it still holds.
+        self.setup
+            .problems
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&format!("DRA driver {}", dra.driver));
         let client = match &self.client {
             Some(client) => client.clone(),
             None => {
@@ -132,16 +143,26 @@ impl DraDrivers {
             dirs: self.setup.dirs.clone(),
             cdi_dir: self.setup.cdi_dir.clone(),
         };
-        let driver = DraDriver::start(settings, backend, client)
-            .await
-            .with_context(|| {
-                format!(
+        let driver = match DraDriver::start(settings, backend, client).await {
+            Ok(driver) => driver,
+            Err(DraStartError::Checkpoint(err)) => {
+                tracing::error!(resource = %resource.name, driver = %dra.driver, error = %err, "this DRA driver cannot start; the other resources run");
+                self.setup
+                    .problems
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(format!("DRA driver {}", dra.driver), err.to_string());
+                return Ok(None);
+            }
+            Err(err) => {
+                return Err(anyhow::Error::new(err).context(format!(
                     "cannot start DRA driver {} for {}",
                     dra.driver, resource.name
-                )
-            })?;
+                )))
+            }
+        };
         tracing::info!(resource = %resource.name, driver = %dra.driver, "serving as a DRA driver");
-        Ok(driver)
+        Ok(Some(driver))
     }
 
     /// Says, at ERROR and in `/readyz`, when this node's runtime cannot apply the CDI specs

@@ -375,3 +375,74 @@ async fn a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz() {
         "{log}"
     );
 }
+
+/// A DRA driver whose checkpoint cannot be used (corrupt, or another driver's) is refused
+/// alone: `/readyz` names it and says what to do, while the config's other resource registers
+/// with the kubelet and serves.
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
+)]
+#[tokio::test]
+async fn a_corrupt_dra_checkpoint_refuses_only_its_driver() {
+    let Some(server) = ApiServer::shared("a_corrupt_dra_checkpoint_refuses_only_its_driver") else {
+        return;
+    };
+    let client = api_server::client(&server.kubeconfig).await.unwrap();
+    let nodes: Api<Node> = Api::all(client.clone());
+    node(&nodes, "cli-corrupt-checkpoint").await;
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = dir.path().join("device-plugins");
+    std::fs::create_dir_all(&plugins).unwrap();
+    let kubelet = Kubelet::start(&plugins).await.unwrap();
+    let driver_dir = dir.path().join("plugins").join("npu.corrupt.example.com");
+    std::fs::create_dir_all(&driver_dir).unwrap();
+    std::fs::write(driver_dir.join("checkpoint.json"), "{ not json").unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.corrupt.example.com }\n  - name: example.com/dp\n    virtual: { count: 3 }\n",
+    )
+    .unwrap();
+    let port = support::free_port();
+    let cdi = dir.path().join("cdi");
+    let devplug = Devplug::run_with(
+        &config,
+        &plugins,
+        &[
+            "--node-name",
+            "cli-corrupt-checkpoint",
+            "--kubeconfig",
+            server.kubeconfig.to_str().unwrap(),
+            "--cdi-dir",
+            cdi.to_str().unwrap(),
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+        ],
+    );
+    let want = "DRA driver npu.corrupt.example.com: the DRA checkpoint";
+    let mut last = (0, String::new());
+    for _ in 0..200 {
+        if let Some(answer) = support::http_get(port, "/readyz").await {
+            last = answer;
+            if last.1.contains(want) {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(last.0, 503, "{}", last.1);
+    assert!(last.1.contains(want), "{}", last.1);
+    assert!(last.1.contains("cannot be used"), "{}", last.1);
+    // The other resource is served all the same.
+    let served = kubelet
+        .wait_for(Duration::from_secs(10), |n| {
+            (n.capacity("example.com/dp") == (3, 3)).then_some(())
+        })
+        .await;
+    assert!(served.is_ok(), "{}", last.1);
+    let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
+    assert!(status.success(), "{log}");
+    assert!(log.contains("this DRA driver cannot start"), "{log}");
+    kubelet.stop().await;
+}
