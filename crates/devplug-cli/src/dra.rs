@@ -25,6 +25,30 @@ pub struct DraSetup {
     pub kubeconfig: Option<PathBuf>,
     /// Where `/readyz` learns of a runtime that cannot apply CDI, by driver.
     pub problems: crate::endpoints::Problems,
+    /// Where `/readyz` and `/metrics` find the running drivers.
+    pub drivers: crate::endpoints::Drivers,
+}
+
+impl crate::endpoints::DriverView for devplug_dra::DraHealth {
+    fn not_ready(&self) -> Option<String> {
+        devplug_dra::DraHealth::not_ready(self)
+    }
+
+    fn counters(&self) -> crate::endpoints::DriverCounters {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = &self.counters;
+        crate::endpoints::DriverCounters {
+            publishes: c.publishes.load(Relaxed),
+            errors: c.errors.load(Relaxed),
+            consecutive_failures: c.consecutive_failures.load(Relaxed),
+            last_success_unix: c.last_success_unix.load(Relaxed),
+            resyncs: c.resyncs.load(Relaxed),
+            registered: u64::from(matches!(
+                *self.registered.borrow(),
+                devplug_dra::kubelet::Registered::Yes
+            )),
+        }
+    }
 }
 
 /// The running drivers, by resource name.
@@ -73,6 +97,11 @@ impl DraDrivers {
             if let Some((config, driver)) = self.running.remove(&name) {
                 if let Some(dra) = &config.dra {
                     self.setup
+                        .drivers
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&dra.driver);
+                    self.setup
                         .problems
                         .write()
                         .unwrap_or_else(|e| e.into_inner())
@@ -90,6 +119,12 @@ impl DraDrivers {
             }
             match self.start(resource, shared.get(name).cloned()).await {
                 Ok(Some(driver)) => {
+                    let health = driver.health();
+                    self.setup
+                        .drivers
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(health.driver.clone(), Box::new(health));
                     self.running
                         .insert(name.to_owned(), (resource.clone(), driver));
                 }

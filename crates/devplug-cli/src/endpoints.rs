@@ -1,7 +1,8 @@
 //! The optional HTTP listener of `devplug run` (`--metrics-addr`): `/metrics` in the Prometheus
 //! text format, `/healthz` (the process is working: it answers and can follow the kubelet
 //! folder) and `/readyz` (every configured resource is registered with the kubelet, its
-//! ListAndWatch stream is open and its device list can be sent).
+//! ListAndWatch stream is open and its device list can be sent; every DRA driver has its
+//! ResourceSlices published and current and is registered with the kubelet).
 
 use crate::http::{self, Response};
 use devplug::{Host, MetricsSnapshot, ALLOCATE_BUCKETS};
@@ -30,10 +31,41 @@ pub struct Endpoints {
     /// Problems outside the host that keep the process from doing its job, by what they are
     /// about (a DRA driver on a runtime that cannot apply CDI): `/readyz` names them.
     pub problems: Problems,
+    /// The running DRA drivers, by driver name: their readiness and counters.
+    pub drivers: Drivers,
 }
 
 /// Problems outside the host, by subject, shared with whoever finds them.
 pub type Problems = Arc<std::sync::RwLock<std::collections::BTreeMap<String, String>>>;
+
+/// Components beside the host with a readiness and counters of their own (DRA drivers), by
+/// name, kept by whoever starts and stops them.
+pub type Drivers = Arc<std::sync::RwLock<std::collections::BTreeMap<String, Box<dyn DriverView>>>>;
+
+/// What the endpoints read of a DRA driver.
+pub trait DriverView: Send + Sync {
+    /// Why it is not ready, or `None`.
+    fn not_ready(&self) -> Option<String>;
+    /// Its counters now.
+    fn counters(&self) -> DriverCounters;
+}
+
+/// A DRA driver's counters, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DriverCounters {
+    /// Pool states written to the API server.
+    pub publishes: u64,
+    /// API errors while publishing or watching.
+    pub errors: u64,
+    /// Publish attempts that failed since the last one that worked.
+    pub consecutive_failures: u64,
+    /// When the API server last confirmed the slices (Unix seconds; 0: never).
+    pub last_success_unix: u64,
+    /// Slices and Node read afresh after a watch failed or a slice was gone.
+    pub resyncs: u64,
+    /// 1 while the kubelet has the driver registered.
+    pub registered: u64,
+}
 
 /// Binds `addr` and serves until `stop`. Binding errors are returned at once.
 pub async fn serve(
@@ -65,13 +97,28 @@ fn healthy(endpoints: &Endpoints) -> Response {
 }
 
 fn ready(endpoints: &Endpoints) -> Response {
-    let problems: Vec<String> = endpoints
+    let mut problems: Vec<String> = endpoints
         .problems
         .read()
         .unwrap_or_else(|e| e.into_inner())
         .iter()
         .map(|(subject, problem)| format!("{subject}: {problem}"))
         .collect();
+    for (driver, view) in endpoints
+        .drivers
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+    {
+        let subject = format!("DRA driver {driver}");
+        if let Some(why) = view.not_ready() {
+            // A known problem of the driver (its runtime) is said once, with this added.
+            match problems.iter_mut().find(|p| p.starts_with(&subject)) {
+                Some(known) => known.push_str(&format!("; {why}")),
+                None => problems.push(format!("{subject}: {why}")),
+            }
+        }
+    }
     if endpoints.host.is_ready() && problems.is_empty() {
         return Response::text(200, "ready\n");
     }
@@ -98,11 +145,79 @@ fn ready(endpoints: &Endpoints) -> Response {
 }
 
 fn metrics(endpoints: &Endpoints) -> Response {
+    let drivers: Vec<(String, DriverCounters)> = endpoints
+        .drivers
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(name, view)| (name.clone(), view.counters()))
+        .collect();
+    let mut body = render(&endpoints.host.metrics(), &endpoints.reloads);
+    body.push_str(&render_drivers(&drivers));
     Response {
         status: 200,
         content_type: "text/plain; version=0.0.4; charset=utf-8",
-        body: render(&endpoints.host.metrics(), &endpoints.reloads),
+        body,
     }
+}
+
+/// The Prometheus text exposition of the DRA drivers' counters (nothing without drivers).
+pub fn render_drivers(drivers: &[(String, DriverCounters)]) -> String {
+    let mut out = String::new();
+    if drivers.is_empty() {
+        return out;
+    }
+    type Read = fn(&DriverCounters) -> u64;
+    let families: [(&str, &str, &str, Read); 6] = [
+        (
+            "devplug_dra_registered",
+            "gauge",
+            "1 while the kubelet has the DRA driver registered.",
+            |c| c.registered,
+        ),
+        (
+            "devplug_dra_slice_publishes_total",
+            "counter",
+            "ResourceSlice pool states written to the API server.",
+            |c| c.publishes,
+        ),
+        (
+            "devplug_dra_slice_errors_total",
+            "counter",
+            "API errors while publishing or watching ResourceSlices.",
+            |c| c.errors,
+        ),
+        (
+            "devplug_dra_slice_consecutive_failures",
+            "gauge",
+            "Publish attempts that failed since the last one that worked (0: the slices are current as far as the driver knows).",
+            |c| c.consecutive_failures,
+        ),
+        (
+            "devplug_dra_slice_last_success_timestamp_seconds",
+            "gauge",
+            "When the API server last confirmed the driver's ResourceSlices (Unix time; 0: never).",
+            |c| c.last_success_unix,
+        ),
+        (
+            "devplug_dra_slice_resyncs_total",
+            "counter",
+            "Times the driver read its ResourceSlices and Node afresh (a watch failed, or a slice it knew was gone).",
+            |c| c.resyncs,
+        ),
+    ];
+    for (metric, kind, help, read) in families {
+        let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} {kind}");
+        for (name, counters) in drivers {
+            let _ = writeln!(
+                out,
+                "{metric}{{driver=\"{}\"}} {}",
+                escape(name),
+                read(counters)
+            );
+        }
+    }
+    out
 }
 
 /// The Prometheus text exposition of every resource's metrics.

@@ -87,6 +87,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot watch config file {}", args.config.display()))?;
     warn_if_no_kubelet_folder(&args.kubelet_dir);
     let problems = endpoints::Problems::default();
+    let drivers = endpoints::Drivers::default();
     let mut runner = Runner {
         host: Arc::new(Host::new(&args.kubelet_dir)?.with_watcher_dirs(watcher_dirs(&args))),
         current: BTreeMap::new(),
@@ -105,6 +106,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 node: args.node_name.clone(),
                 kubeconfig: args.kubeconfig.clone(),
                 problems: problems.clone(),
+                drivers: drivers.clone(),
             }),
         },
     };
@@ -125,6 +127,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             host: runner.host.clone(),
             reloads: runner.reloads.clone(),
             problems: runner.problems.clone(),
+            drivers,
         };
         endpoints::serve(addr, endpoints, stop_http.clone())
             .await

@@ -234,6 +234,7 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
     )
     .unwrap();
     let cdi = dir.path().join("cdi");
+    let port = support::free_port();
     // A spec of this driver's left by a claim unprepared while devplug was down, and one of
     // another program's: the first goes at start, the second stays.
     std::fs::create_dir_all(&cdi).unwrap();
@@ -259,6 +260,8 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
             server.kubeconfig.to_str().unwrap(),
             "--cdi-dir",
             cdi.to_str().unwrap(),
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
         ],
     );
     let slices: Api<ResourceSlice> = Api::all(client);
@@ -292,6 +295,27 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
         0,
         "a dra: resource without device_plugin: true is not a device plugin"
     );
+    // Ready once the slices are published and the kubelet registered the driver; its
+    // counters in /metrics.
+    let mut ready = (0, String::new());
+    for _ in 0..200 {
+        if let Some(answer) = support::http_get(port, "/readyz").await {
+            ready = answer;
+            if ready.0 == 200 {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(ready.0, 200, "{}", ready.1);
+    let (_, metrics) = support::http_get(port, "/metrics").await.unwrap();
+    for line in [
+        "devplug_dra_registered{driver=\"npu.cli.example.com\"} 1",
+        "devplug_dra_slice_consecutive_failures{driver=\"npu.cli.example.com\"} 0",
+        "devplug_dra_slice_publishes_total{driver=\"npu.cli.example.com\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
     let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
     assert!(status.success(), "{log}");
     assert!(

@@ -108,6 +108,16 @@ impl DraDriver {
         self.preparer.prepared().await
     }
 
+    /// What probes and metrics read of this driver.
+    pub fn health(&self) -> crate::DraHealth {
+        crate::DraHealth {
+            driver: self.preparer.driver().to_owned(),
+            counters: self.slices.shared_counters(),
+            published: self.slices.published(),
+            registered: self.kubelet.registered(),
+        }
+    }
+
     /// The slice publisher (counters, published generation).
     pub fn slices(&self) -> &SlicePublisher {
         &self.slices

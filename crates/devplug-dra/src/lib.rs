@@ -12,10 +12,12 @@
 //! - [`kubelet`]: the driver's sockets and its plugin-watcher registration.
 //! - [`slices`]: the node's devices as ResourceSlices, event-driven, removed at shutdown.
 //! - [`runtime`]: whether the node's container runtime applies CDI specs at all.
+//! - [`health`]: a running driver's readiness and counters, for probes and metrics.
 
 pub mod checkpoint;
 pub mod claims;
 mod driver;
+pub mod health;
 pub mod kubelet;
 pub mod names;
 pub mod prepare;
@@ -24,3 +26,4 @@ mod service;
 pub mod slices;
 
 pub use driver::{DraDriver, DraDriverSettings, DraStartError};
+pub use health::DraHealth;

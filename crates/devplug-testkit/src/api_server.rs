@@ -275,7 +275,7 @@ fn start(assets: &Path) -> Result<ApiServer, String> {
     let mut tries = 0;
     loop {
         tries += 1;
-        let (server, mut children) = spawn_api_server(assets, &dir)?;
+        let (server, mut children, _) = spawn_api_server(assets, &dir)?;
         let mut reaper = reap_at_exit(Some(&dir), &children.each_ref().map(Child::id))?;
         match wait_ready(&server, &mut children, &dir) {
             // The reaper is not waited for: it outlives us on purpose.
@@ -354,7 +354,27 @@ fn with_logs(err: String, dir: &Path) -> String {
 /// and writes the admin kubeconfig; does not wait for them to be ready. Returns the server and
 /// the two processes (etcd first). Everything that can fail before etcd starts is done first;
 /// a failure after that stops what was started.
-fn spawn_api_server(assets: &Path, dir: &Path) -> Result<(ApiServer, [Child; 2]), String> {
+/// etcd's command line: its data in `dir/etcd`, on loopback.
+fn etcd_args(dir: &Path, client_port: u16, peer_port: u16) -> Vec<String> {
+    vec![
+        format!("--data-dir={}", dir.join("etcd").display()),
+        format!("--listen-client-urls=http://127.0.0.1:{client_port}"),
+        format!("--listen-peer-urls=http://127.0.0.1:{peer_port}"),
+        "--unsafe-no-fsync".into(),
+    ]
+}
+
+/// The command lines of a control plane's etcd and kube-apiserver, to start them again.
+#[derive(Debug, Clone)]
+struct Commands {
+    etcd: Vec<String>,
+    apiserver: Vec<String>,
+}
+
+fn spawn_api_server(
+    assets: &Path,
+    dir: &Path,
+) -> Result<(ApiServer, [Child; 2], Commands), String> {
     let apiserver_bin = assets.join("kube-apiserver");
     let etcd_bin = assets.join("etcd");
     for b in [&apiserver_bin, &etcd_bin] {
@@ -384,34 +404,27 @@ fn spawn_api_server(assets: &Path, dir: &Path) -> Result<(ApiServer, [Child; 2])
     let kubeconfig = dir.join("kubeconfig");
     std::fs::write(&kubeconfig, kubeconfig_text(&url, &ca, ADMIN_TOKEN))
         .map_err(|e| fail("kubeconfig", e))?;
-    let etcd = spawn(
-        &etcd_bin,
-        &[
-            format!("--data-dir={}", dir.join("etcd").display()),
-            format!("--listen-client-urls=http://127.0.0.1:{etcd_port}"),
-            format!("--listen-peer-urls=http://127.0.0.1:{peer_port}"),
-            "--unsafe-no-fsync".into(),
-        ],
-        &dir.join("etcd.log"),
-    )?;
+    let etcd_command = etcd_args(dir, etcd_port, peer_port);
+    let etcd = spawn(&etcd_bin, &etcd_command, &dir.join("etcd.log"))?;
+    let apiserver_command: Vec<String> = vec![
+        "--bind-address=127.0.0.1".into(),
+        "--advertise-address=127.0.0.1".into(),
+        format!("--secure-port={api_port}"),
+        format!("--cert-dir={}", cert_dir.display()),
+        format!("--etcd-servers=http://127.0.0.1:{etcd_port}"),
+        "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
+        format!("--service-account-key-file={}", public.display()),
+        format!("--service-account-signing-key-file={}", key.display()),
+        format!("--token-auth-file={}", tokens.display()),
+        "--authorization-mode=RBAC".into(),
+        "--service-cluster-ip-range=10.96.0.0/24".into(),
+        "--allow-privileged=true".into(),
+        "--endpoint-reconciler-type=none".into(),
+        "--disable-admission-plugins=ServiceAccount".into(),
+    ];
     let apiserver = spawn(
         &apiserver_bin,
-        &[
-            "--bind-address=127.0.0.1".into(),
-            "--advertise-address=127.0.0.1".into(),
-            format!("--secure-port={api_port}"),
-            format!("--cert-dir={}", cert_dir.display()),
-            format!("--etcd-servers=http://127.0.0.1:{etcd_port}"),
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
-            format!("--service-account-key-file={}", public.display()),
-            format!("--service-account-signing-key-file={}", key.display()),
-            format!("--token-auth-file={}", tokens.display()),
-            "--authorization-mode=RBAC".into(),
-            "--service-cluster-ip-range=10.96.0.0/24".into(),
-            "--allow-privileged=true".into(),
-            "--endpoint-reconciler-type=none".into(),
-            "--disable-admission-plugins=ServiceAccount".into(),
-        ],
+        &apiserver_command,
         &dir.join("kube-apiserver.log"),
     );
     let apiserver = match apiserver {
@@ -427,7 +440,11 @@ fn spawn_api_server(assets: &Path, dir: &Path) -> Result<(ApiServer, [Child; 2])
         kubeconfig,
         dir: dir.to_owned(),
     };
-    Ok((server, [etcd, apiserver]))
+    let commands = Commands {
+        etcd: etcd_command,
+        apiserver: apiserver_command,
+    };
+    Ok((server, [etcd, apiserver], commands))
 }
 
 /// A process that waits for this process to exit, then stops `pids` (TERM, then KILL after 5 s)
@@ -496,6 +513,8 @@ pub struct ControlPlane {
     /// Stopped in this order: the scheduler (when started), the API server, etcd.
     processes: Vec<Child>,
     reaper: Option<Child>,
+    /// The command lines, to start etcd and the API server again.
+    commands: Commands,
 }
 
 impl ControlPlane {
@@ -506,12 +525,13 @@ impl ControlPlane {
         let mut tries = 0;
         loop {
             tries += 1;
-            let (server, [etcd, apiserver]) = spawn_api_server(assets, dir)?;
+            let (server, [etcd, apiserver], commands) = spawn_api_server(assets, dir)?;
             let mut plane = ControlPlane {
                 server,
                 assets: assets.to_owned(),
                 processes: vec![apiserver, etcd],
                 reaper: None,
+                commands,
             };
             plane.rearm_reaper()?;
             match ready_or_exit(&plane.server, &mut plane.processes, dir).await {
@@ -537,6 +557,64 @@ impl ControlPlane {
         let child = spawn_scheduler(&self.server, &self.assets)?;
         self.processes.insert(0, child);
         self.rearm_reaper()
+    }
+
+    /// Stops the API server (etcd keeps running), as an outage or an upgrade of the control
+    /// plane does; [`ControlPlane::start_api_server`] brings it back on the same address.
+    /// Only for a control plane without a scheduler.
+    pub fn stop_api_server(&mut self) -> Result<(), String> {
+        if self.processes.len() != 2 {
+            return Err("stop_api_server: only etcd and the API server may be running".to_owned());
+        }
+        self.disarm_reaper();
+        let mut apiserver = self.processes.remove(0);
+        stop_all(std::slice::from_mut(&mut apiserver));
+        self.rearm_reaper()
+    }
+
+    /// Starts the API server stopped by [`ControlPlane::stop_api_server`] again and waits until
+    /// it is ready.
+    pub async fn start_api_server(&mut self) -> Result<(), String> {
+        if self.processes.len() != 1 {
+            return Err("start_api_server: the API server is not stopped".to_owned());
+        }
+        let apiserver = spawn(
+            &self.assets.join("kube-apiserver"),
+            &self.commands.apiserver,
+            &self.server.dir.join("kube-apiserver-restarted.log"),
+        )?;
+        self.processes.insert(0, apiserver);
+        self.rearm_reaper()?;
+        wait_ready_async(&self.server.kubeconfig, &self.server.ca).await
+    }
+
+    /// Restores the cluster from nothing, as an operator restores or rebuilds a cluster's
+    /// etcd: the API server and etcd stop, etcd's data is wiped, and both start again on the
+    /// same addresses (every object is gone and resource versions start again; clients keep
+    /// their connections' addresses and credentials). Waits until the API server is ready.
+    /// Only for a control plane without a scheduler.
+    pub async fn restore_empty(&mut self) -> Result<(), String> {
+        if self.processes.len() != 2 {
+            return Err("restore_empty: only etcd and the API server may be running".to_owned());
+        }
+        self.stop_processes();
+        let data = self.server.dir.join("etcd");
+        std::fs::remove_dir_all(&data)
+            .map_err(|e| fail(&format!("remove {}", data.display()), e))?;
+        let etcd = spawn(
+            &self.assets.join("etcd"),
+            &self.commands.etcd,
+            &self.server.dir.join("etcd-restored.log"),
+        )?;
+        self.processes.push(etcd);
+        let apiserver = spawn(
+            &self.assets.join("kube-apiserver"),
+            &self.commands.apiserver,
+            &self.server.dir.join("kube-apiserver-restored.log"),
+        )?;
+        self.processes.insert(0, apiserver);
+        self.rearm_reaper()?;
+        wait_ready_async(&self.server.kubeconfig, &self.server.ca).await
     }
 
     /// Replaces the reaper by one that knows every process now running.

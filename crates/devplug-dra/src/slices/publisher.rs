@@ -25,6 +25,14 @@ pub struct SliceCounters {
     /// Microseconds from noticing a new device list to its last slice written, for the most
     /// recent list that needed writes.
     pub last_publish_latency_us: AtomicU64,
+    /// Resyncs: our slices and Node read afresh because a slice we knew of was gone.
+    pub resyncs: AtomicU64,
+    /// Publish attempts that failed since the last one that worked (0: the slices are right
+    /// as far as we know).
+    pub consecutive_failures: AtomicU64,
+    /// When the API server last confirmed our slices, in seconds since the Unix epoch (0:
+    /// never).
+    pub last_success_unix: AtomicU64,
 }
 
 /// What the API server holds, as last confirmed by the publisher.
@@ -157,6 +165,11 @@ impl SlicePublisher {
     /// The counters.
     pub fn counters(&self) -> &SliceCounters {
         &self.counters
+    }
+
+    /// The counters, shared (for a view that outlives this borrow).
+    pub fn shared_counters(&self) -> Arc<SliceCounters> {
+        self.counters.clone()
     }
 
     /// What the API server holds, as last confirmed (`None` until the first publish).

@@ -3,6 +3,14 @@
 //! plans and makes the writes that bring the API server to the newest list (slices already
 //! right adopted, others replaced, missing ones created, extra ones deleted), retrying API
 //! errors with a backoff and conflicts at once.
+//!
+//! The cache can be wrong in a way no watch reports: after the cluster's etcd is restored or
+//! rebuilt, a watch resumed at a resource version the new etcd has not reached delivers
+//! nothing, and the Node may be a new object with a new UID. So a write that finds its slice
+//! gone (404), and a Node whose UID changed, lead to a resync: our slices listed afresh, the
+//! Node read, both watches started again from that list, and a full publish at once. A watch
+//! that fails (the API server gone, restarted, restored) is treated the same way as soon as
+//! the API server answers a read again.
 
 use super::compare::{is_newer, normalized};
 use super::publisher::{selector, Published, SliceCounters};
@@ -29,8 +37,13 @@ use tokio_util::sync::CancellationToken;
 const RETRY_FIRST: Duration = Duration::from_secs(1);
 /// Longest delay between retries.
 const RETRY_MAX: Duration = Duration::from_secs(60);
-/// Conflicts (409) retried at once, after a fresh read, before backing off.
+/// Conflicts (409) and vanished slices (404) retried at once, after a fresh read, before
+/// backing off.
 const CONFLICT_RETRIES: u32 = 5;
+/// While a watch is failing, how often to ask the API server whether it answers again: once it
+/// does, both watches start again from fresh lists (a watch that resumes at a resource version
+/// a restored etcd has not reached would deliver nothing) and the slices are published at once.
+const RECOVERY_PROBE: Duration = Duration::from_millis(500);
 /// Warnings remembered so each is logged once; past this the memory is cleared.
 const MAX_WARNED: usize = 10_000;
 
@@ -68,6 +81,8 @@ pub(super) struct Run {
     warned: HashSet<(String, String)>,
     /// When the newest list was noticed, until it is published.
     changed_at: Option<Instant>,
+    /// Set by a resync: the watches are to be started again from a fresh list.
+    restart_watches: bool,
 }
 
 impl Run {
@@ -97,6 +112,7 @@ impl Run {
             generation_content: None,
             warned: HashSet::new(),
             changed_at: None,
+            restart_watches: false,
         }
     }
 
@@ -109,20 +125,36 @@ impl Run {
         let nodes: Api<Node> = Api::all(client);
         let node_config =
             watcher::Config::default().fields(&format!("metadata.name={}", self.node));
-        let mut node_events = watcher(nodes, node_config).default_backoff().boxed();
+        let node_watch = || {
+            watcher(nodes.clone(), node_config.clone())
+                .default_backoff()
+                .boxed()
+        };
         let slice_config = watcher::Config::default().fields(&selector(&self.driver, &self.node));
-        let mut slice_events = watcher(self.api.clone(), slice_config)
-            .default_backoff()
-            .boxed();
+        let slices = self.api.clone();
+        let slice_watch = || {
+            watcher(slices.clone(), slice_config.clone())
+                .default_backoff()
+                .boxed()
+        };
+        let mut node_events = node_watch();
+        let mut slice_events = slice_watch();
         let first = devices.borrow_and_update().clone();
         self.set_list(first);
         let mut devices_open = true;
         let mut node_listed = false;
         let mut node_found_in_list = false;
+        // Lists each watch made since it was (re)created: a second one means it restarted.
+        let mut node_lists = 0u32;
+        let mut slice_lists = 0u32;
         let mut retry_at: Option<Instant> = None;
         let mut delay = RETRY_FIRST;
         let mut dirty = true;
+        // Set while a watch is failing: when to ask the API server again.
+        let mut probe_at: Option<Instant> = None;
         loop {
+            let probe_due =
+                probe_at.unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400));
             let due = retry_at.unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400));
             tokio::select! {
                 () = stop.cancelled() => return,
@@ -141,9 +173,24 @@ impl Run {
                     Some(Ok(event)) => {
                         let before = self.node_uid.clone();
                         match event {
-                            watcher::Event::Init => node_found_in_list = false,
+                            watcher::Event::Init => {
+                                node_found_in_list = false;
+                                node_lists = node_lists.saturating_add(1);
+                                if node_lists > 1 {
+                                    tracing::info!(node = %self.node, driver = %self.driver, "the Node's watch started again; reading our slices and the Node afresh");
+                                    self.restart_watches = true;
+                                }
+                            }
                             watcher::Event::InitApply(n) | watcher::Event::Apply(n) => {
                                 node_found_in_list = true;
+                                if let (Some(old), Some(new)) = (&self.node_uid, &n.metadata.uid) {
+                                    if old != new {
+                                        // A new Node object: the cluster, or the Node, was made
+                                        // again; what we know of our slices may be stale too.
+                                        tracing::info!(node = %self.node, "our Node is a new object (its UID changed); reading our slices afresh");
+                                        self.restart_watches = true;
+                                    }
+                                }
                                 self.node_uid = n.metadata.uid;
                             }
                             watcher::Event::InitDone => {
@@ -165,16 +212,27 @@ impl Run {
                         dirty |= before != self.node_uid;
                     }
                     Some(Err(err)) => {
-                        tracing::warn!(node = %self.node, %err, "watching our Node failed; the watch retries");
+                        tracing::warn!(node = %self.node, %err, "watching our Node failed; reading everything afresh once the API server answers");
                         self.counters.errors.fetch_add(1, Relaxed);
+                        probe_at.get_or_insert_with(|| Instant::now() + RECOVERY_PROBE);
                     }
                     None => return,
                 },
                 event = slice_events.next() => match event {
-                    Some(Ok(event)) => dirty |= self.slice_event(event),
+                    Some(Ok(watcher::Event::Init)) if slice_lists > 0 => {
+                        tracing::info!(node = %self.node, driver = %self.driver, "the watch of our slices started again; reading our slices and the Node afresh");
+                        self.restart_watches = true;
+                    }
+                    Some(Ok(event)) => {
+                        if matches!(event, watcher::Event::Init) {
+                            slice_lists = slice_lists.saturating_add(1);
+                        }
+                        dirty |= self.slice_event(event);
+                    }
                     Some(Err(err)) => {
-                        tracing::warn!(driver = %self.driver, node = %self.node, %err, "watching our ResourceSlices failed; the watch retries");
+                        tracing::warn!(driver = %self.driver, node = %self.node, %err, "watching our ResourceSlices failed; reading everything afresh once the API server answers");
                         self.counters.errors.fetch_add(1, Relaxed);
+                        probe_at.get_or_insert_with(|| Instant::now() + RECOVERY_PROBE);
                     }
                     None => return,
                 },
@@ -182,8 +240,43 @@ impl Run {
                     retry_at = None;
                     dirty = true;
                 }
+                () = tokio::time::sleep_until(probe_due), if probe_at.is_some() => {
+                    let answered = tokio::select! {
+                        () = stop.cancelled() => return,
+                        read = tokio::time::timeout(RECOVERY_PROBE, self.reread_node()) => matches!(read, Ok(Ok(()))),
+                    };
+                    if answered {
+                        tracing::info!(driver = %self.driver, node = %self.node, "the API server answers again; reading our slices and Node afresh");
+                        probe_at = None;
+                        self.counters.resyncs.fetch_add(1, Relaxed);
+                        self.restart_watches = true;
+                    } else {
+                        probe_at = Some(Instant::now() + RECOVERY_PROBE);
+                    }
+                }
             }
-            if !dirty || retry_at.is_some() || !self.cache_ready || self.node_uid.is_none() {
+            if std::mem::take(&mut self.restart_watches) {
+                // Fresh lists for both: the cache is ready again once the slices are listed.
+                node_events = node_watch();
+                slice_events = slice_watch();
+                self.cache_ready = false;
+                self.relist = None;
+                node_listed = false;
+                node_lists = 0;
+                // Known again from the fresh list (a changed UID is then no news).
+                self.node_uid = None;
+                slice_lists = 0;
+                retry_at = None;
+                delay = RETRY_FIRST;
+                dirty = true;
+                continue;
+            }
+            if !dirty
+                || retry_at.is_some()
+                || !self.cache_ready
+                || !node_listed
+                || self.node_uid.is_none()
+            {
                 continue;
             }
             dirty = false;
@@ -193,6 +286,11 @@ impl Run {
             };
             match result {
                 Ok(()) => {
+                    self.counters.consecutive_failures.store(0, Relaxed);
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_secs());
+                    self.counters.last_success_unix.store(now, Relaxed);
                     if delay > RETRY_FIRST {
                         tracing::info!(driver = %self.driver, node = %self.node, "ResourceSlices published again after errors");
                     }
@@ -201,6 +299,7 @@ impl Run {
                 Err(err) => {
                     tracing::warn!(driver = %self.driver, node = %self.node, %err, retry_in = ?delay, "cannot publish ResourceSlices; retrying");
                     self.counters.errors.fetch_add(1, Relaxed);
+                    self.counters.consecutive_failures.fetch_add(1, Relaxed);
                     retry_at = Some(Instant::now() + delay);
                     delay = delay.saturating_mul(2).min(RETRY_MAX);
                 }
@@ -294,7 +393,8 @@ impl Run {
         }
     }
 
-    /// Brings the API server to the newest list; conflicts re-read and retry at once.
+    /// Brings the API server to the newest list; conflicts re-read and retry at once, and a
+    /// slice that vanished under us resyncs (slices and Node read afresh, watches restarted).
     async fn reconcile(&mut self) -> Result<(), kube::Error> {
         let mut conflicts = 0u32;
         loop {
@@ -307,9 +407,32 @@ impl Run {
                     tracing::debug!(driver = %self.driver, node = %self.node, reason = %status.message, "conflict; reading our slices again");
                     self.reread().await?;
                 }
+                Err(kube::Error::Api(status))
+                    if status.is_not_found() && conflicts < CONFLICT_RETRIES =>
+                {
+                    conflicts = conflicts.saturating_add(1);
+                    tracing::warn!(driver = %self.driver, node = %self.node, reason = %status.message, "a slice we know of is gone from the API server (restored or rebuilt etcd?); reading our slices and Node afresh");
+                    self.counters.resyncs.fetch_add(1, Relaxed);
+                    self.restart_watches = true;
+                    self.reread().await?;
+                    self.reread_node().await?;
+                    if self.node_uid.is_none() {
+                        return Ok(());
+                    }
+                }
                 Err(err) => return Err(err),
             }
         }
+    }
+
+    /// Reads our Node afresh: its UID, or `None` when it does not exist.
+    async fn reread_node(&mut self) -> Result<(), kube::Error> {
+        let nodes: Api<Node> = Api::all(self.api.clone().into_client());
+        self.node_uid = nodes
+            .get_opt(&self.node)
+            .await?
+            .and_then(|n| n.metadata.uid);
+        Ok(())
     }
 
     /// Reads our slices afresh (after a conflict: the watch may lag behind).

@@ -1,0 +1,205 @@
+//! The DRA driver's slices when the cluster has a bad day, against a control plane of each
+//! test's own (etcd and kube-apiserver from `KUBEBUILDER_ASSETS`): an API server outage during
+//! which the devices change, and an etcd restored empty (the API server restarted on it, as a
+//! restore does) with the Node created again. Each prints its recovery time as a `figure:`
+//! line; `DEVPLUG_DRA_OUTAGE_S` sets the outage's length (default 3 s).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
+use devplug::{Device, DeviceList};
+use devplug_dra::slices::SlicePublisher;
+use devplug_testkit::api_server::{self, ControlPlane};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::api::{ListParams, PostParams};
+use kube::Api;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+const DRIVER: &str = "npu.example.com";
+const NODE: &str = "etcd-wipe-node";
+
+async fn create_node(nodes: &Api<Node>) -> String {
+    let node: Node = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+    }))
+    .unwrap();
+    let created = nodes.create(&PostParams::default(), &node).await.unwrap();
+    created.metadata.uid.unwrap()
+}
+
+/// Our slices' (owner UID, device count), polled: after an etcd wipe a watch of the test's
+/// own would have the same trouble as the one under test.
+async fn ours(api: &Api<ResourceSlice>) -> Option<(String, usize)> {
+    let fields = format!("spec.nodeName={NODE},spec.driver={DRIVER}");
+    let listed = api
+        .list(&ListParams::default().fields(&fields))
+        .await
+        .ok()?;
+    let owner = listed
+        .items
+        .first()?
+        .metadata
+        .owner_references
+        .as_ref()?
+        .first()?
+        .uid
+        .clone();
+    let devices = listed
+        .items
+        .iter()
+        .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+        .sum();
+    Some((owner, devices))
+}
+
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
+)]
+#[tokio::test]
+async fn slices_come_back_after_an_etcd_wipe_and_a_new_node() {
+    let Some(assets) = api_server::assets_or_skip("slices_come_back_after_an_etcd_wipe") else {
+        return;
+    };
+    // The publisher's log, shown when the test fails.
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_max_level(tracing::Level::DEBUG)
+        .try_init();
+    let dir = tempfile::tempdir().unwrap();
+    let mut plane = ControlPlane::start(&assets, dir.path()).await.unwrap();
+    let kubeconfig = plane.server().kubeconfig.clone();
+    let client = api_server::client(&kubeconfig).await.unwrap();
+    let nodes: Api<Node> = Api::all(client.clone());
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let first_uid = create_node(&nodes).await;
+    let list = DeviceList::new((0..3).map(|i| Device::new(format!("npu-{i}"))));
+    let (_tx, rx) = watch::channel(list.clone());
+    let publisher =
+        SlicePublisher::spawn(client.clone(), DRIVER, NODE, rx, &CancellationToken::new()).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), publisher.wait_published(&list))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(ours(&slices).await, Some((first_uid, 3)));
+
+    let wiped = Instant::now();
+    plane.restore_empty().await.unwrap();
+    let restored = wiped.elapsed();
+    // The node's kubelet creates its Node again: a new object.
+    let second_uid = create_node(&nodes).await;
+    let node_back = Instant::now();
+    let deadline = wiped + Duration::from_secs(60);
+    let mut now = ours(&slices).await;
+    while now.as_ref() != Some(&(second_uid.clone(), 3)) {
+        assert!(
+            Instant::now() < deadline,
+            "no slice owned by the new Node 60 s after the etcd wipe: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        now = ours(&slices).await;
+    }
+    println!(
+        "figure: etcd restored empty and the API server restarted ({:.1} s), Node created again → our slices back, owned by it: {:.2} s (resyncs: {})",
+        restored.as_secs_f64(),
+        node_back.elapsed().as_secs_f64(),
+        publisher
+            .counters()
+            .resyncs
+            .load(std::sync::atomic::Ordering::Relaxed)
+    );
+    drop(publisher);
+    plane.stop();
+}
+
+/// Our slices' device names, polled (see [`ours`]).
+async fn device_names(api: &Api<ResourceSlice>) -> Option<Vec<String>> {
+    let fields = format!("spec.nodeName={NODE},spec.driver={DRIVER}");
+    let listed = api
+        .list(&ListParams::default().fields(&fields))
+        .await
+        .ok()?;
+    let mut names: Vec<String> = listed
+        .items
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten().map(|d| d.name.clone()))
+        .collect();
+    names.sort();
+    Some(names)
+}
+
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
+)]
+#[tokio::test]
+async fn a_change_during_an_api_server_outage_is_published_when_it_answers() {
+    let Some(assets) = api_server::assets_or_skip("a_change_during_an_api_server_outage") else {
+        return;
+    };
+    let outage = std::env::var("DEVPLUG_DRA_OUTAGE_S")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(Duration::from_secs(3), Duration::from_secs);
+    let dir = tempfile::tempdir().unwrap();
+    let mut plane = ControlPlane::start(&assets, dir.path()).await.unwrap();
+    let client = api_server::client(&plane.server().kubeconfig)
+        .await
+        .unwrap();
+    let nodes: Api<Node> = Api::all(client.clone());
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    create_node(&nodes).await;
+    let list = DeviceList::new((0..3).map(|i| Device::new(format!("npu-{i}"))));
+    let (tx, rx) = watch::channel(list.clone());
+    let publisher =
+        SlicePublisher::spawn(client.clone(), DRIVER, NODE, rx, &CancellationToken::new()).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), publisher.wait_published(&list))
+        .await
+        .unwrap()
+        .unwrap();
+
+    plane.stop_api_server().unwrap();
+    // A device leaves while the API server is away: the publish fails and is retried.
+    tx.send_replace(DeviceList::new(
+        (0..2).map(|i| Device::new(format!("npu-{i}"))),
+    ));
+    tokio::time::sleep(outage).await;
+    let failures = || {
+        publisher
+            .counters()
+            .consecutive_failures
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    assert!(
+        failures() > 0,
+        "the failed publish is counted (probes read it)"
+    );
+    plane.start_api_server().await.unwrap();
+    let back = Instant::now();
+    let want = Some(vec!["npu-0".to_owned(), "npu-1".to_owned()]);
+    let mut now = device_names(&slices).await;
+    while now != want {
+        assert!(
+            back.elapsed() < Duration::from_secs(60),
+            "the change is not published 60 s after the API server came back: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        now = device_names(&slices).await;
+    }
+    for _ in 0..100 {
+        if failures() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(failures(), 0, "a publish that worked clears the count");
+    println!(
+        "figure: API server outage of {:.0} s with a device change → slices right {:.2} s after the API server was ready again",
+        outage.as_secs_f64(),
+        back.elapsed().as_secs_f64()
+    );
+    drop(publisher);
+    plane.stop();
+}
