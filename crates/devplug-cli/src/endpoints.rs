@@ -119,7 +119,14 @@ fn ready(endpoints: &Endpoints) -> Response {
             }
         }
     }
-    if endpoints.host.is_ready() && problems.is_empty() {
+    // A config of DRA drivers only has no device plugin to wait for.
+    let drivers_only = endpoints.host.resources().is_empty()
+        && !endpoints
+            .drivers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty();
+    if (endpoints.host.is_ready() || drivers_only) && problems.is_empty() {
         return Response::text(200, "ready\n");
     }
     let mut waiting: Vec<String> = endpoints

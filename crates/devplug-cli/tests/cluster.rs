@@ -33,6 +33,21 @@ async fn node(nodes: &Api<Node>, name: &str) {
         .unwrap();
 }
 
+/// `/readyz` on `port` until `done` says so (10 s at most); the last answer.
+async fn readyz_until(port: u16, done: impl Fn(&(u16, String)) -> bool) -> (u16, String) {
+    let mut last = (0, String::new());
+    for _ in 0..200 {
+        if let Some(answer) = support::http_get(port, "/readyz").await {
+            last = answer;
+            if done(&last) {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    last
+}
+
 fn devplug(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(BIN).args(args).output().unwrap();
     (
@@ -297,16 +312,7 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
     );
     // Ready once the slices are published and the kubelet registered the driver; its
     // counters in /metrics.
-    let mut ready = (0, String::new());
-    for _ in 0..200 {
-        if let Some(answer) = support::http_get(port, "/readyz").await {
-            ready = answer;
-            if ready.0 == 200 {
-                break;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let ready = readyz_until(port, |(status, _)| *status == 200).await;
     assert_eq!(ready.0, 200, "{}", ready.1);
     let (_, metrics) = support::http_get(port, "/metrics").await.unwrap();
     for line in [
@@ -380,16 +386,7 @@ async fn a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz() {
     );
     let want = "DRA driver npu.old.example.com: the container runtime is containerd://1.6.20, \
                 which cannot apply CDI specs";
-    let mut last = (0, String::new());
-    for _ in 0..200 {
-        if let Some(answer) = support::http_get(port, "/readyz").await {
-            last = answer;
-            if last.1.contains(want) {
-                break;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let last = readyz_until(port, |(_, text)| text.contains(want)).await;
     assert_eq!(last.0, 503, "{}", last.1);
     assert!(last.1.contains(want), "{}", last.1);
     let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
@@ -445,16 +442,7 @@ async fn a_corrupt_dra_checkpoint_refuses_only_its_driver() {
         ],
     );
     let want = "DRA driver npu.corrupt.example.com: the DRA checkpoint";
-    let mut last = (0, String::new());
-    for _ in 0..200 {
-        if let Some(answer) = support::http_get(port, "/readyz").await {
-            last = answer;
-            if last.1.contains(want) {
-                break;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let last = readyz_until(port, |(_, text)| text.contains(want)).await;
     assert_eq!(last.0, 503, "{}", last.1);
     assert!(last.1.contains(want), "{}", last.1);
     assert!(last.1.contains("cannot be used"), "{}", last.1);
@@ -468,5 +456,56 @@ async fn a_corrupt_dra_checkpoint_refuses_only_its_driver() {
     let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
     assert!(status.success(), "{log}");
     assert!(log.contains("this DRA driver cannot start"), "{log}");
+    kubelet.stop().await;
+}
+
+/// A config of DRA resources only (the chart's `dra` example) becomes ready once the driver's
+/// slices are published and the kubelet registered it: there is no device plugin to wait for.
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
+)]
+#[tokio::test]
+async fn a_dra_only_config_becomes_ready() {
+    let Some(server) = ApiServer::shared("a_dra_only_config_becomes_ready") else {
+        return;
+    };
+    let client = api_server::client(&server.kubeconfig).await.unwrap();
+    let nodes: Api<Node> = Api::all(client.clone());
+    node(&nodes, "cli-dra-only").await;
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = dir.path().join("device-plugins");
+    let config = kubelet_sim::SimConfig {
+        watcher_reconcile: Duration::from_millis(50),
+        ..kubelet_sim::SimConfig::default()
+    }
+    .with_watcher_beside(&plugins);
+    let kubelet = Kubelet::start_with(&plugins, config).await.unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.only.example.com }\n",
+    )
+    .unwrap();
+    let port = support::free_port();
+    let cdi = dir.path().join("cdi");
+    let devplug = Devplug::run_with(
+        &config,
+        &plugins,
+        &[
+            "--node-name",
+            "cli-dra-only",
+            "--kubeconfig",
+            server.kubeconfig.to_str().unwrap(),
+            "--cdi-dir",
+            cdi.to_str().unwrap(),
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+        ],
+    );
+    let ready = readyz_until(port, |(status, _)| *status == 200).await;
+    assert_eq!(ready.0, 200, "{}", ready.1);
+    let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
+    assert!(status.success(), "{log}");
     kubelet.stop().await;
 }
