@@ -34,6 +34,10 @@ impl crate::endpoints::DriverView for devplug_dra::DraHealth {
         devplug_dra::DraHealth::not_ready(self)
     }
 
+    fn working(&self) -> Result<(), String> {
+        devplug_dra::DraHealth::working(self)
+    }
+
     fn counters(&self) -> crate::endpoints::DriverCounters {
         use std::sync::atomic::Ordering::Relaxed;
         let c = &self.counters;

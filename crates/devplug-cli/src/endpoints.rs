@@ -1,6 +1,6 @@
 //! The optional HTTP listener of `devplug run` (`--metrics-addr`): `/metrics` in the Prometheus
 //! text format, `/healthz` (the process is working: it answers and can follow the kubelet
-//! folder) and `/readyz` (every configured resource is registered with the kubelet, its
+//! folder, and the plugin watcher's where a resource or a DRA driver registers through it) and `/readyz` (every configured resource is registered with the kubelet, its
 //! ListAndWatch stream is open and its device list can be sent; every DRA driver has its
 //! ResourceSlices published and current and is registered with the kubelet).
 
@@ -44,6 +44,8 @@ pub type Drivers = Arc<std::sync::RwLock<std::collections::BTreeMap<String, Box<
 
 /// What the endpoints read of a DRA driver.
 pub trait DriverView: Send + Sync {
+    /// `Err` with the reason when it cannot work until something outside it is fixed.
+    fn working(&self) -> Result<(), String>;
     /// Why it is not ready, or `None`.
     fn not_ready(&self) -> Option<String>;
     /// Its counters now.
@@ -90,7 +92,12 @@ pub async fn serve(
 }
 
 fn healthy(endpoints: &Endpoints) -> Response {
-    match endpoints.host.health() {
+    let drivers = endpoints.drivers.read().unwrap_or_else(|e| e.into_inner());
+    let working = endpoints
+        .host
+        .health()
+        .and_then(|()| drivers.values().try_for_each(|driver| driver.working()));
+    match working {
         Ok(()) => Response::text(200, "ok\n"),
         Err(reason) => Response::text(503, format!("not working: {reason}\n")),
     }

@@ -505,7 +505,29 @@ async fn a_dra_only_config_becomes_ready() {
     );
     let ready = readyz_until(port, |(status, _)| *status == 200).await;
     assert_eq!(ready.0, 200, "{}", ready.1);
+    // The plugin watcher's folder replaced by a file: the kubelet can never find the driver,
+    // and /healthz says so.
+    kubelet.stop().await;
+    let registry = dir.path().join("plugins_registry");
+    std::fs::remove_dir_all(&registry).unwrap();
+    std::fs::write(&registry, "oops").unwrap();
+    let mut health = (0, String::new());
+    for _ in 0..200 {
+        if let Some(answer) = support::http_get(port, "/healthz").await {
+            health = answer;
+            if health.0 == 503 {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(health.0, 503, "{}", health.1);
+    assert!(
+        health.1.contains("DRA driver npu.only.example.com") && health.1.contains("not a folder"),
+        "{}",
+        health.1
+    );
+    std::fs::remove_file(&registry).unwrap();
     let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
     assert!(status.success(), "{log}");
-    kubelet.stop().await;
 }

@@ -115,6 +115,7 @@ impl DraDriver {
             counters: self.slices.shared_counters(),
             published: self.slices.published(),
             registered: self.kubelet.registered(),
+            registry: self.kubelet.folder_health(),
         }
     }
 

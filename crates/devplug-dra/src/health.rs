@@ -19,9 +19,20 @@ pub struct DraHealth {
     pub published: watch::Receiver<Option<Published>>,
     /// What the kubelet last said about the registration.
     pub registered: watch::Receiver<Registered>,
+    /// Whether the plugin watcher's folder, where its registration socket goes, can be followed.
+    pub registry: devplug::FolderHealth,
 }
 
 impl DraHealth {
+    /// `Err` with the reason when the driver cannot do its job until something outside it is
+    /// fixed: the plugin watcher's folder cannot be followed (e.g. its path is a file), so the
+    /// kubelet can never find the driver.
+    pub fn working(&self) -> Result<(), String> {
+        self.registry
+            .check()
+            .map_err(|reason| format!("DRA driver {}: {reason}", self.driver))
+    }
+
     /// Why the driver is not ready, or `None` when it is: its slices are published and, as far
     /// as it knows, current, and the kubelet registered it.
     pub fn not_ready(&self) -> Option<String> {

@@ -119,6 +119,11 @@ impl KubeletSide {
         self.registration.registered()
     }
 
+    /// Whether the plugin watcher's folder can be followed.
+    pub fn folder_health(&self) -> devplug::FolderHealth {
+        self.registration.folder_health()
+    }
+
     /// The `DRAPlugin` socket.
     pub fn endpoint(&self) -> &Path {
         &self.endpoint

@@ -29,10 +29,10 @@ pub use backend::{
 pub use device::{check_id, Device, DeviceList, Health, ListTooLarge, MAX_ID_LEN};
 pub use edits::{ContainerEdits, DeviceNode, Mount};
 pub use host::{
-    bind_socket, Applied, ApplyFailure, Host, HostError, HostEvent, MetricsSnapshot, RefusedRetry,
-    Registered, Registration, RegistrationSocket, ResourceSettings, ResourceStatus, ShutdownReport,
-    Updated, WatcherDirs, ALLOCATE_BUCKETS, DEFAULT_HEALTH_HOLD_DOWN, FIRST_DISCOVERY_WAIT,
-    RELINK_WAIT,
+    bind_socket, Applied, ApplyFailure, FolderHealth, Host, HostError, HostEvent, MetricsSnapshot,
+    RefusedRetry, Registered, Registration, RegistrationSocket, ResourceSettings, ResourceStatus,
+    ShutdownReport, Updated, WatcherDirs, ALLOCATE_BUCKETS, DEFAULT_HEALTH_HOLD_DOWN,
+    FIRST_DISCOVERY_WAIT, RELINK_WAIT,
 };
 pub use signal::shutdown_signal;
 

@@ -38,7 +38,7 @@ mod watcher;
 pub use apply::{Applied, ApplyFailure};
 pub use events::HostEvent;
 pub use metrics::{MetricsSnapshot, ALLOCATE_BUCKETS};
-pub use registration_socket::{Registered, RegistrationSocket};
+pub use registration_socket::{FolderHealth, Registered, RegistrationSocket};
 pub use socket::bind_socket;
 pub use status::ResourceStatus;
 pub use watcher::{RefusedRetry, WatcherDirs, RELINK_WAIT};
@@ -595,10 +595,16 @@ impl Host {
     /// folder (and so would miss kubelet restarts). A missing folder is not an error: the host
     /// waits for it.
     pub fn health(&self) -> Result<(), String> {
-        match &*self.folder.borrow() {
-            FolderState::Broken(reason) => Err(reason.clone()),
-            FolderState::Present | FolderState::Missing { .. } => Ok(()),
+        if let FolderState::Broken(reason) = &*self.folder.borrow() {
+            return Err(reason.clone());
         }
+        // The plugin watcher's folder, once a resource registers through it.
+        if let Some((_, state)) = self.registry.get() {
+            if let FolderState::Broken(reason) = &*state.borrow() {
+                return Err(reason.clone());
+            }
+        }
+        Ok(())
     }
 
     /// Whether the kubelet folder exists right now.

@@ -73,6 +73,7 @@ pub(crate) type OnOffer = Arc<dyn Fn() + Send + Sync>;
 /// One registration socket, kept offered until [`RegistrationSocket::stop`].
 pub struct RegistrationSocket {
     registered: watch::Receiver<Registered>,
+    folder: watch::Receiver<FolderState>,
     reoffer: mpsc::UnboundedSender<()>,
     stop: CancellationToken,
     task: JoinHandle<Option<String>>,
@@ -108,9 +109,11 @@ impl RegistrationSocket {
     pub(crate) fn start_with(offering: Offering, stop: CancellationToken) -> RegistrationSocket {
         let (registered_tx, registered) = watch::channel(Registered::Waiting);
         let (reoffer, reoffers) = mpsc::unbounded_channel();
+        let folder = offering.folder.clone();
         let task = tokio::spawn(offering.run(registered_tx, reoffers, stop.clone()));
         RegistrationSocket {
             registered,
+            folder,
             reoffer,
             stop,
             task,
@@ -122,6 +125,12 @@ impl RegistrationSocket {
         self.registered.clone()
     }
 
+    /// Whether the plugin watcher's folder can be followed, as a handle that outlives this
+    /// borrow (for a health endpoint).
+    pub fn folder_health(&self) -> FolderHealth {
+        FolderHealth(self.folder.clone())
+    }
+
     /// Removes the socket and offers it again now, so the watcher sees a new plugin.
     pub fn reoffer(&self) {
         let _ = self.reoffer.send(());
@@ -131,6 +140,22 @@ impl RegistrationSocket {
     pub async fn stop(self) -> Option<String> {
         self.stop.cancel();
         self.task.await.ok().flatten()
+    }
+}
+
+/// Whether a followed folder can be followed: see [`FolderHealth::check`].
+#[derive(Debug, Clone)]
+pub struct FolderHealth(watch::Receiver<FolderState>);
+
+impl FolderHealth {
+    /// `Err` with the reason while the folder cannot be followed (its path is a file, no
+    /// ancestor can be watched): nothing can be offered in it until that clears. A missing
+    /// folder is waited for, not a failure.
+    pub fn check(&self) -> Result<(), String> {
+        match &*self.0.borrow() {
+            FolderState::Broken(reason) => Err(reason.clone()),
+            FolderState::Present | FolderState::Missing { .. } => Ok(()),
+        }
     }
 }
 

@@ -224,3 +224,28 @@ async fn the_registration_socket_serves_the_watchers_path_authority() {
     }
     host.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_plugin_watcher_folder_replaced_by_a_file_fails_health() {
+    let (root, kubelet, host) = node().await;
+    host.add_with(RESOURCE, Arc::new(TestBackend::new(1)), watcher_settings())
+        .unwrap();
+    wait_capacity(&kubelet, RESOURCE, (1, 1)).await;
+    assert!(host.health().is_ok());
+    kubelet.stop().await;
+
+    let registry = root.path().join("plugins_registry");
+    std::fs::remove_dir_all(&registry).unwrap();
+    std::fs::write(&registry, "oops").unwrap();
+    let broken = async {
+        while host.health().is_ok() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, broken)
+        .await
+        .expect("/healthz fails while the plugin watcher's folder is a file");
+    let reason = host.health().unwrap_err();
+    assert!(reason.contains("not a folder"), "{reason}");
+    host.shutdown().await;
+}
