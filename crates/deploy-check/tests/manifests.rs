@@ -10,6 +10,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
 use deploy_check::{documents, image_transformed, repo_root, strict, yaml_files, CheckError};
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec, ServiceAccount};
@@ -29,6 +32,8 @@ enum Object {
     ClusterRoleBinding(ClusterRoleBinding),
     Role(Role),
     RoleBinding(RoleBinding),
+    Policy(Box<ValidatingAdmissionPolicy>),
+    PolicyBinding(Box<ValidatingAdmissionPolicyBinding>),
 }
 
 fn typed(doc: &Value) -> Result<Object, String> {
@@ -46,6 +51,12 @@ fn typed(doc: &Value) -> Result<Object, String> {
         }
         ("rbac.authorization.k8s.io/v1", "Role") => strict(doc).map(Object::Role),
         ("rbac.authorization.k8s.io/v1", "RoleBinding") => strict(doc).map(Object::RoleBinding),
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy") => {
+            strict(doc).map(|p| Object::Policy(Box::new(p)))
+        }
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding") => {
+            strict(doc).map(|b| Object::PolicyBinding(Box::new(b)))
+        }
         _ => {
             return Err(format!(
                 "no typed check for apiVersion {api:?} kind {kind:?}; add the type to deploy-check"
@@ -667,7 +678,9 @@ fn references(objects: &[Object]) -> Vec<String> {
             Object::ClusterRole(_)
             | Object::ClusterRoleBinding(_)
             | Object::Role(_)
-            | Object::RoleBinding(_) => None,
+            | Object::RoleBinding(_)
+            | Object::Policy(_)
+            | Object::PolicyBinding(_) => None,
         })
         .collect();
     if namespaces.windows(2).any(|w| w[0] != w[1]) {
@@ -981,8 +994,50 @@ fn rbac_references(objects: &[Object]) -> Vec<String> {
             _ => None,
         })
         .collect();
+    let policies: Vec<&ValidatingAdmissionPolicy> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::Policy(p) => Some(&**p),
+            _ => None,
+        })
+        .collect();
+    for policy in &policies {
+        // The policy restricts the release's own account: its match condition names it.
+        let conditions = policy
+            .spec
+            .as_ref()
+            .and_then(|s| s.match_conditions.as_ref())
+            .map(|c| c.iter().map(|c| c.expression.clone()).collect::<Vec<_>>())
+            .unwrap_or_default();
+        let names_ours = accounts.iter().any(|(n, ns)| {
+            let user = format!(
+                "system:serviceaccount:{}:{}",
+                ns.as_deref().unwrap_or(""),
+                n.as_deref().unwrap_or("")
+            );
+            conditions.iter().any(|c| c.contains(&user))
+        });
+        if !names_ours {
+            problems.push(format!(
+                "policy {:?} does not match the release's service account: {conditions:?}",
+                policy.metadata.name
+            ));
+        }
+    }
     for o in objects {
         match o {
+            Object::PolicyBinding(b) => {
+                let policy = b.spec.as_ref().and_then(|s| s.policy_name.as_deref());
+                if !policies
+                    .iter()
+                    .any(|p| p.metadata.name.as_deref() == policy)
+                {
+                    problems.push(format!(
+                        "policy binding {:?} refers to policy {policy:?}, which is not in the release",
+                        b.metadata.name
+                    ));
+                }
+            }
             Object::ClusterRoleBinding(b) => {
                 if b.role_ref.kind != "ClusterRole"
                     || !roles
