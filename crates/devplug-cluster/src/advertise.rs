@@ -2,7 +2,10 @@
 //! kept on the process's own Node. Event-driven: a watch on that one Node; whenever it
 //! changes (the kubelet's status updates, someone's `kubectl patch`), what we advertise is
 //! compared with its status and set again where it differs. A resource that leaves the desired
-//! set is removed once. Nothing is removed at shutdown: a restarting pod must not make capacity
+//! set is removed once. When the watch fails (the API server restarting), the API server is
+//! asked every 0.5 s whether it answers again; once it does, the Node is read and the watch
+//! started afresh, so a change made meanwhile is repaired at once, not after the watch's
+//! backoff. Nothing is removed at shutdown: a restarting pod must not make capacity
 //! flap; use `devplug capacity remove` to take one away for good.
 
 use crate::capacity::{self, extended_resources};
@@ -19,6 +22,8 @@ use tokio_util::sync::CancellationToken;
 /// Retry delay after an API error (doubling to 30 s).
 const RETRY_FIRST: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(30);
+/// While the watch is failing, how often to ask the API server whether it answers again.
+const RECOVERY_PROBE: Duration = Duration::from_millis(500);
 
 /// Counters of an [`Advertiser`], for metrics and tests.
 #[derive(Debug, Default)]
@@ -88,17 +93,22 @@ async fn run(
     stop: CancellationToken,
 ) {
     let config = watcher::Config::default().fields(&format!("metadata.name={node}"));
-    let mut events = watcher(api.clone(), config)
-        .default_backoff()
-        .applied_objects()
-        .boxed();
+    let new_watch = || {
+        watcher(api.clone(), config.clone())
+            .default_backoff()
+            .applied_objects()
+            .boxed()
+    };
+    let mut events = new_watch();
+    let mut probe_at: Option<tokio::time::Instant> = None;
     let mut advertised: BTreeSet<String> = BTreeSet::new();
     let mut last_seen: Option<Node> = None;
     let mut retry_at: Option<tokio::time::Instant> = None;
     let mut delay = RETRY_FIRST;
     loop {
-        let due =
-            retry_at.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(86_400));
+        let far = || tokio::time::Instant::now() + Duration::from_secs(86_400);
+        let due = retry_at.unwrap_or_else(far);
+        let probe_due = probe_at.unwrap_or_else(far);
         tokio::select! {
             _ = stop.cancelled() => return,
             changed = desired.changed() => {
@@ -120,7 +130,8 @@ async fn run(
             event = events.next() => match event {
                 Some(Ok(n)) => last_seen = Some(n),
                 Some(Err(err)) => {
-                    tracing::warn!(%node, %err, "watching our Node failed; the watcher retries");
+                    tracing::warn!(%node, %err, "watching our Node failed; reading it afresh once the API server answers");
+                    probe_at.get_or_insert_with(|| tokio::time::Instant::now() + RECOVERY_PROBE);
                     continue;
                 }
                 None => return,
@@ -128,6 +139,22 @@ async fn run(
             _ = tokio::time::sleep_until(due), if retry_at.is_some() => {
                 retry_at = None;
                 last_seen = api.get_status(&node).await.ok().or(last_seen);
+            }
+            _ = tokio::time::sleep_until(probe_due), if probe_at.is_some() => {
+                match tokio::time::timeout(RECOVERY_PROBE, api.get_status(&node)).await {
+                    Ok(Ok(n)) => {
+                        tracing::info!(%node, "the API server answers again; watching our Node afresh");
+                        last_seen = Some(n);
+                        events = new_watch();
+                        probe_at = None;
+                        retry_at = None;
+                        delay = RETRY_FIRST;
+                    }
+                    _ => {
+                        probe_at = Some(tokio::time::Instant::now() + RECOVERY_PROBE);
+                        continue;
+                    }
+                }
             }
         }
         let Some(current) = &last_seen else { continue };
