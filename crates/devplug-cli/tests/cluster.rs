@@ -33,6 +33,36 @@ async fn node(nodes: &Api<Node>, name: &str) {
         .unwrap();
 }
 
+/// `devplug run` of `config` (YAML) in `dir` as node `node` of `server`, with its CDI folder in
+/// `dir` and metrics on a free port: the process and that port.
+fn run_on_node(
+    server: &ApiServer,
+    dir: &std::path::Path,
+    plugins: &std::path::Path,
+    node: &str,
+    config: &str,
+) -> (Devplug, u16) {
+    let path = dir.join("config.yaml");
+    std::fs::write(&path, config).unwrap();
+    let port = support::free_port();
+    let cdi = dir.join("cdi");
+    let devplug = Devplug::run_with(
+        &path,
+        plugins,
+        &[
+            "--node-name",
+            node,
+            "--kubeconfig",
+            server.kubeconfig.to_str().unwrap(),
+            "--cdi-dir",
+            cdi.to_str().unwrap(),
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+        ],
+    );
+    (devplug, port)
+}
+
 /// `/readyz` on `port` until `done` says so (10 s at most); the last answer.
 async fn readyz_until(port: u16, done: impl Fn(&(u16, String)) -> bool) -> (u16, String) {
     let mut last = (0, String::new());
@@ -362,27 +392,12 @@ async fn a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz() {
     let dir = tempfile::tempdir().unwrap();
     let plugins = dir.path().join("device-plugins");
     std::fs::create_dir_all(&plugins).unwrap();
-    let config = dir.path().join("config.yaml");
-    std::fs::write(
-        &config,
-        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.old.example.com }\n",
-    )
-    .unwrap();
-    let port = support::free_port();
-    let cdi = dir.path().join("cdi");
-    let devplug = Devplug::run_with(
-        &config,
+    let (devplug, port) = run_on_node(
+        server,
+        dir.path(),
         &plugins,
-        &[
-            "--node-name",
-            "cli-old-runtime",
-            "--kubeconfig",
-            server.kubeconfig.to_str().unwrap(),
-            "--cdi-dir",
-            cdi.to_str().unwrap(),
-            "--metrics-addr",
-            &format!("127.0.0.1:{port}"),
-        ],
+        "cli-old-runtime",
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.old.example.com }\n",
     );
     let want = "DRA driver npu.old.example.com: the container runtime is containerd://1.6.20, \
                 which cannot apply CDI specs";
@@ -419,27 +434,12 @@ async fn a_corrupt_dra_checkpoint_refuses_only_its_driver() {
     let driver_dir = dir.path().join("plugins").join("npu.corrupt.example.com");
     std::fs::create_dir_all(&driver_dir).unwrap();
     std::fs::write(driver_dir.join("checkpoint.json"), "{ not json").unwrap();
-    let config = dir.path().join("config.yaml");
-    std::fs::write(
-        &config,
-        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.corrupt.example.com }\n  - name: example.com/dp\n    virtual: { count: 3 }\n",
-    )
-    .unwrap();
-    let port = support::free_port();
-    let cdi = dir.path().join("cdi");
-    let devplug = Devplug::run_with(
-        &config,
+    let (devplug, port) = run_on_node(
+        server,
+        dir.path(),
         &plugins,
-        &[
-            "--node-name",
-            "cli-corrupt-checkpoint",
-            "--kubeconfig",
-            server.kubeconfig.to_str().unwrap(),
-            "--cdi-dir",
-            cdi.to_str().unwrap(),
-            "--metrics-addr",
-            &format!("127.0.0.1:{port}"),
-        ],
+        "cli-corrupt-checkpoint",
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.corrupt.example.com }\n  - name: example.com/dp\n    virtual: { count: 3 }\n",
     );
     let want = "DRA driver npu.corrupt.example.com: the DRA checkpoint";
     let last = readyz_until(port, |(_, text)| text.contains(want)).await;
@@ -481,27 +481,12 @@ async fn a_dra_only_config_becomes_ready() {
     }
     .with_watcher_beside(&plugins);
     let kubelet = Kubelet::start_with(&plugins, config).await.unwrap();
-    let config = dir.path().join("config.yaml");
-    std::fs::write(
-        &config,
-        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.only.example.com }\n",
-    )
-    .unwrap();
-    let port = support::free_port();
-    let cdi = dir.path().join("cdi");
-    let devplug = Devplug::run_with(
-        &config,
+    let (devplug, port) = run_on_node(
+        server,
+        dir.path(),
         &plugins,
-        &[
-            "--node-name",
-            "cli-dra-only",
-            "--kubeconfig",
-            server.kubeconfig.to_str().unwrap(),
-            "--cdi-dir",
-            cdi.to_str().unwrap(),
-            "--metrics-addr",
-            &format!("127.0.0.1:{port}"),
-        ],
+        "cli-dra-only",
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.only.example.com }\n",
     );
     let ready = readyz_until(port, |(status, _)| *status == 200).await;
     assert_eq!(ready.0, 200, "{}", ready.1);

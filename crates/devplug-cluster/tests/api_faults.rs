@@ -7,7 +7,7 @@
 
 use devplug_cluster::advertise::Advertiser;
 use devplug_cluster::capacity::{self, Removed};
-use devplug_testkit::api_server::{self, new_node, ControlPlane};
+use devplug_testkit::api_server::{self, new_node};
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 use std::collections::BTreeMap;
@@ -41,14 +41,11 @@ async fn wait_for(nodes: &Api<Node>, node: &str, want: Option<&str>) -> Duration
 )]
 #[tokio::test]
 async fn advertised_capacity_removed_after_an_api_server_restart_is_repaired_at_once() {
-    let Some(assets) = api_server::assets_or_skip("advertise_after_an_api_server_restart") else {
+    let Some((_dir, mut plane, client)) =
+        api_server::own_control_plane("advertise_after_an_api_server_restart").await
+    else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let mut plane = ControlPlane::start(&assets, dir.path()).await.unwrap();
-    let client = api_server::client(&plane.server().kubeconfig)
-        .await
-        .unwrap();
     let nodes: Api<Node> = Api::all(client.clone());
     let node = new_node(&nodes, "advertise-restart").await;
     let stop = tokio_util::sync::CancellationToken::new();

@@ -8,7 +8,7 @@
 
 use devplug::{Device, DeviceList};
 use devplug_dra::slices::SlicePublisher;
-use devplug_testkit::api_server::{self, ControlPlane};
+use devplug_testkit::api_server;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::{ListParams, PostParams};
@@ -60,7 +60,9 @@ async fn ours(api: &Api<ResourceSlice>) -> Option<(String, usize)> {
 )]
 #[tokio::test]
 async fn slices_come_back_after_an_etcd_wipe_and_a_new_node() {
-    let Some(assets) = api_server::assets_or_skip("slices_come_back_after_an_etcd_wipe") else {
+    let Some((_dir, mut plane, client)) =
+        api_server::own_control_plane("slices_come_back_after_an_etcd_wipe").await
+    else {
         return;
     };
     // The publisher's log, shown when the test fails.
@@ -68,10 +70,6 @@ async fn slices_come_back_after_an_etcd_wipe_and_a_new_node() {
         .with_test_writer()
         .with_max_level(tracing::Level::DEBUG)
         .try_init();
-    let dir = tempfile::tempdir().unwrap();
-    let mut plane = ControlPlane::start(&assets, dir.path()).await.unwrap();
-    let kubeconfig = plane.server().kubeconfig.clone();
-    let client = api_server::client(&kubeconfig).await.unwrap();
     let nodes: Api<Node> = Api::all(client.clone());
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let first_uid = create_node(&nodes).await;
@@ -136,18 +134,15 @@ async fn device_names(api: &Api<ResourceSlice>) -> Option<Vec<String>> {
 )]
 #[tokio::test]
 async fn a_change_during_an_api_server_outage_is_published_when_it_answers() {
-    let Some(assets) = api_server::assets_or_skip("a_change_during_an_api_server_outage") else {
+    let Some((_dir, mut plane, client)) =
+        api_server::own_control_plane("a_change_during_an_api_server_outage").await
+    else {
         return;
     };
     let outage = std::env::var("DEVPLUG_DRA_OUTAGE_S")
         .ok()
         .and_then(|s| s.parse().ok())
         .map_or(Duration::from_secs(3), Duration::from_secs);
-    let dir = tempfile::tempdir().unwrap();
-    let mut plane = ControlPlane::start(&assets, dir.path()).await.unwrap();
-    let client = api_server::client(&plane.server().kubeconfig)
-        .await
-        .unwrap();
     let nodes: Api<Node> = Api::all(client.clone());
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     create_node(&nodes).await;

@@ -170,6 +170,29 @@ pub async fn new_node(nodes: &kube::Api<k8s_openapi::api::core::v1::Node>, prefi
     name
 }
 
+/// A control plane of the test's own, for tests that stop, restart or restore it (the shared
+/// [`ApiServer::shared`] must stay up for the others), in a temp folder, with its admin client.
+/// `None` (after the loud `SKIPPED` message) without `KUBEBUILDER_ASSETS`; a start failure
+/// panics with the logs (a test helper).
+pub async fn own_control_plane(
+    test: &str,
+) -> Option<(tempfile::TempDir, ControlPlane, kube::Client)> {
+    let assets = assets_or_skip(test)?;
+    let dir = match tempfile::tempdir() {
+        Ok(dir) => dir,
+        Err(err) => panic!("{test}: a temp folder: {err}"),
+    };
+    let plane = match ControlPlane::start(&assets, dir.path()).await {
+        Ok(plane) => plane,
+        Err(err) => panic!("{test}: cannot start the control plane: {err}"),
+    };
+    let admin = match client(&plane.server().kubeconfig).await {
+        Ok(admin) => admin,
+        Err(err) => panic!("{test}: the admin client: {err}"),
+    };
+    Some((dir, plane, admin))
+}
+
 /// A random number for unique names (no `rand` dependency: the std hasher's random keys and
 /// the clock).
 pub fn rand_u32() -> u32 {
