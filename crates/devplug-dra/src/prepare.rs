@@ -118,7 +118,10 @@ impl Preparer {
                 .collect()
         };
         // One deadline for the call: each read ends by it, and a read that ends keeps its result.
-        let deadline = tokio::time::Instant::now() + self.read_deadline;
+        let now = tokio::time::Instant::now();
+        let deadline = now
+            .checked_add(self.read_deadline)
+            .unwrap_or_else(|| now + Duration::from_secs(86_400));
         let reads = distinct
             .iter()
             .zip(&known)
