@@ -48,6 +48,14 @@ pub trait ClaimSource: Send + Sync + 'static {
         &'a self,
         claim: &'a ClaimRef,
     ) -> BoxFuture<'a, Result<Vec<AllocatedDevice>, String>>;
+
+    /// Whether `claim` is still there: `Ok(true)` while it exists with this UID and is
+    /// allocated, `Ok(false)` once it is gone (deleted, made again, deallocated), `Err` when
+    /// that cannot be told (the API server did not answer). By default, whether
+    /// [`ClaimSource::allocation`] finds it.
+    fn exists<'a>(&'a self, claim: &'a ClaimRef) -> BoxFuture<'a, Result<bool, String>> {
+        Box::pin(async move { Ok(self.allocation(claim).await.is_ok()) })
+    }
 }
 
 /// Claims read from the API server.
@@ -81,6 +89,21 @@ impl ClaimSource for KubeClaims {
                 .map_err(|e| format!("cannot read ResourceClaim {claim}: {e}"))?
                 .ok_or_else(|| format!("ResourceClaim {claim} does not exist"))?;
             our_devices(&found, claim, &self.driver)
+        })
+    }
+
+    fn exists<'a>(&'a self, claim: &'a ClaimRef) -> BoxFuture<'a, Result<bool, String>> {
+        Box::pin(async move {
+            let api: kube::Api<ResourceClaim> =
+                kube::Api::namespaced(self.client.clone(), &claim.namespace);
+            let found = api
+                .get_opt(&claim.name)
+                .await
+                .map_err(|e| format!("cannot read ResourceClaim {claim}: {e}"))?;
+            Ok(found.is_some_and(|found| {
+                found.metadata.uid.as_deref() == Some(claim.uid.as_str())
+                    && found.status.and_then(|s| s.allocation).is_some()
+            }))
         })
     }
 }

@@ -24,7 +24,7 @@ use super::claims::{AllocatedDevice, ClaimRef, ClaimSource};
 use super::names::device_name;
 use devplug::Backend;
 use devplug_backends::cdi::{qualified_name, Spec};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -138,11 +138,14 @@ impl Preparer {
                 }))
             });
         let read = futures_util::future::join_all(reads).await;
+        let released = self.released_holders(&read, deadline).await;
 
         let mut results = BTreeMap::new();
         let mut state = self.state.lock().await;
         for (claim, allocation) in distinct.into_iter().zip(read) {
-            let result = self.prepare_one(&mut state, claim, allocation).await;
+            let result = self
+                .prepare_one(&mut state, claim, allocation, &released)
+                .await;
             if let Err(err) = &result {
                 tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot prepare the claim");
             }
@@ -151,13 +154,65 @@ impl Preparer {
         results
     }
 
+    /// The prepared claims that hold a device the read allocations want, and that the API
+    /// server no longer has (deleted, or deallocated): the kubelet has yet to unprepare them
+    /// (a force-deleted pod, a kubelet restart; its reconcile runs every minute), and the
+    /// scheduler has given their devices away. Read with nothing locked, by `deadline`; a
+    /// holder that cannot be read counts as still holding.
+    async fn released_holders(
+        &self,
+        read: &[Option<Result<Vec<AllocatedDevice>, String>>],
+        deadline: tokio::time::Instant,
+    ) -> HashSet<String> {
+        let wanted: Vec<&AllocatedDevice> = read
+            .iter()
+            .flatten()
+            .flatten()
+            .flatten()
+            .filter(|d| is_exclusive(d.share_id.as_ref(), d.admin_access))
+            .collect();
+        if wanted.is_empty() {
+            return HashSet::new();
+        }
+        let holders: Vec<ClaimRef> = self
+            .state
+            .lock()
+            .await
+            .claims
+            .iter()
+            .filter(|(_, prepared)| {
+                prepared.devices.iter().any(|held| {
+                    is_exclusive(held.share_id.as_ref(), held.admin_access)
+                        && wanted
+                            .iter()
+                            .any(|w| w.pool == held.pool && w.device == held.device)
+                })
+            })
+            .map(|(uid, prepared)| ClaimRef {
+                namespace: prepared.namespace.clone(),
+                name: prepared.name.clone(),
+                uid: uid.clone(),
+            })
+            .collect();
+        let checks = holders.iter().map(|holder| async move {
+            let exists = tokio::time::timeout_at(deadline, self.claims.exists(holder)).await;
+            matches!(exists, Ok(Ok(false))).then(|| holder.uid.clone())
+        });
+        futures_util::future::join_all(checks)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
     /// Prepares one claim, given its allocation as read (`None`: it was prepared already when
-    /// the call began).
+    /// the call began) and the holders of its devices that the API server no longer has.
     async fn prepare_one(
         &self,
         state: &mut Checkpoint,
         claim: &ClaimRef,
         allocation: Option<Result<Vec<AllocatedDevice>, String>>,
+        released: &HashSet<String>,
     ) -> Result<Vec<PreparedDevice>, String> {
         if let Some(done) = state.claims.get(&claim.uid) {
             restore_spec(&self.driver, &claim.uid, done)?;
@@ -175,7 +230,7 @@ impl Preparer {
                     )
                 })??,
         };
-        refuse_taken_devices(state, &allocated)?;
+        refuse_taken_devices(&self.driver, claim, state, &allocated, released)?;
         let (spec, devices) = self.plan(claim, &allocated)?;
         if self.backend.options().pre_start_required {
             let ids: Vec<String> = devices.iter().map(|d| d.id.clone()).collect();
@@ -333,30 +388,47 @@ impl Preparer {
     }
 }
 
+/// Whether a device given this way goes to one claim at a time: not a share of a device with
+/// consumable capacity, not admin access.
+fn is_exclusive(share_id: Option<&String>, admin_access: bool) -> bool {
+    share_id.is_none() && !admin_access
+}
+
 /// Refuses an allocation that gives a claim a device another prepared claim has, unless one of
 /// the two has it as a share (consumable capacity) or with admin access: a device that is not
-/// shareable goes to one claim at a time, and two claims holding it means the scheduler worked
-/// from a stale view (an allocation left by a claim deleted while it ran, another driver
-/// publishing our devices). The first claim keeps it; the second gets this error.
-fn refuse_taken_devices(state: &Checkpoint, allocated: &[AllocatedDevice]) -> Result<(), String> {
+/// shareable goes to one claim at a time, and two live claims holding it means the scheduler
+/// worked from a stale view (another driver publishing our devices, an allocation made by
+/// hand). The first claim keeps it; the second gets this error. A holder the API server no
+/// longer has (`released`) is not in the way: the scheduler gave its device away when it went,
+/// and the kubelet has yet to unprepare it; that is logged.
+fn refuse_taken_devices(
+    driver: &str,
+    claim: &ClaimRef,
+    state: &Checkpoint,
+    allocated: &[AllocatedDevice],
+    released: &HashSet<String>,
+) -> Result<(), String> {
     for wanted in allocated
         .iter()
-        .filter(|d| d.share_id.is_none() && !d.admin_access)
+        .filter(|d| is_exclusive(d.share_id.as_ref(), d.admin_access))
     {
-        let holder = state.claims.values().find(|prepared| {
+        let holders = state.claims.iter().filter(|(_, prepared)| {
             prepared.devices.iter().any(|held| {
                 held.pool == wanted.pool
                     && held.device == wanted.device
-                    && held.share_id.is_none()
-                    && !held.admin_access
+                    && is_exclusive(held.share_id.as_ref(), held.admin_access)
             })
         });
-        if let Some(holder) = holder {
+        for (uid, holder) in holders {
+            if released.contains(uid) {
+                tracing::warn!(%driver, %claim, device = %wanted.device, holder = %format!("{}/{}", holder.namespace, holder.name), "the device is still prepared for a claim the API server no longer has (the kubelet unprepares it within a minute); preparing the new claim");
+                continue;
+            }
             return Err(format!(
                 "device {} is already prepared for ResourceClaim {}/{} and cannot be shared: \
-                 the scheduler allocated it to two claims (a stale allocation, or another \
-                 driver publishing this node's devices); this claim waits until the other is \
-                 unprepared",
+                 the scheduler allocated it to two claims (another driver publishing this \
+                 node's devices, or an allocation made by hand); this claim waits until the \
+                 other is unprepared",
                 wanted.device, holder.namespace, holder.name
             ));
         }
@@ -521,15 +593,16 @@ mod tests {
             ("share-1".to_owned(), vec![shared("s1")]),
             ("share-2".to_owned(), vec![shared("s2")]),
         ]));
+        let files = PrepareFiles {
+            cdi_dir: dir.path().join("cdi"),
+            checkpoint: dir.path().join("checkpoint.json"),
+        };
         let preparer = Preparer::new(
             "npu.example.com",
             "node-a",
-            Arc::new(Npus(tx)),
+            Arc::new(Npus(tx.clone())),
             Arc::new(claims),
-            PrepareFiles {
-                cdi_dir: dir.path().join("cdi"),
-                checkpoint: dir.path().join("checkpoint.json"),
-            },
+            files.clone(),
         )
         .unwrap();
         assert!(preparer.prepare(&[claim("first")]).await["first"].is_ok());
@@ -551,6 +624,23 @@ mod tests {
             .unprepare(&[claim("share-1"), claim("share-2")])
             .await;
         assert!(preparer.prepare(&[claim("second")]).await["second"].is_ok());
+
+        // The holder is gone from the API server (its pod force-deleted, the kubelet yet to
+        // unprepare it): the scheduler gave its device away, and the new claim is prepared.
+        drop(preparer);
+        let later = Preparer::new(
+            "npu.example.com",
+            "node-a",
+            Arc::new(Npus(tx)),
+            Arc::new(Fixed(HashMap::from([(
+                "third".to_owned(),
+                vec![allocated("a", "npu-0")],
+            )]))),
+            files,
+        )
+        .unwrap();
+        let third = later.prepare(&[claim("third")]).await;
+        assert!(third["third"].is_ok(), "{third:?}");
     }
 
     /// An API server that never answers for claims whose UID starts with `hung`.
