@@ -33,6 +33,19 @@ async fn node(nodes: &Api<Node>, name: &str) {
         .unwrap();
 }
 
+/// The start of each test here: the shared API server (`None` after the loud SKIPPED message
+/// without one), its admin client, and Node `name` created in it, as a kubelet reports it.
+async fn cluster_with_node(
+    test: &str,
+    name: &str,
+) -> Option<(&'static ApiServer, kube::Client, Api<Node>)> {
+    let server = ApiServer::shared(test)?;
+    let client = api_server::client(&server.kubeconfig).await.unwrap();
+    let nodes: Api<Node> = Api::all(client.clone());
+    node(&nodes, name).await;
+    Some((server, client, nodes))
+}
+
 /// `devplug run` of `config` (YAML) in `dir` as node `node` of `server`, with its CDI folder in
 /// `dir` and metrics on a free port: the process and that port.
 fn run_on_node(
@@ -93,12 +106,10 @@ fn devplug(args: &[&str]) -> (bool, String, String) {
 )]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn capacity_set_list_remove() {
-    let Some(server) = ApiServer::shared("capacity_set_list_remove") else {
+    let Some((server, _, _)) = cluster_with_node("capacity_set_list_remove", "cli-capacity").await
+    else {
         return;
     };
-    let client = api_server::client(&server.kubeconfig).await.unwrap();
-    let nodes: Api<Node> = Api::all(client);
-    node(&nodes, "cli-capacity").await;
     let kc = server.kubeconfig.to_str().unwrap().to_owned();
     let run = |args: Vec<&str>| {
         let mut all = vec!["capacity"];
@@ -155,13 +166,14 @@ async fn capacity_set_list_remove() {
 )]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_advertises_on_its_node_and_follows_the_config() {
-    let Some(server) = ApiServer::shared("run_advertises_on_its_node_and_follows_the_config")
+    let Some((server, _, nodes)) = cluster_with_node(
+        "run_advertises_on_its_node_and_follows_the_config",
+        "cli-advertise",
+    )
+    .await
     else {
         return;
     };
-    let client = api_server::client(&server.kubeconfig).await.unwrap();
-    let nodes: Api<Node> = Api::all(client);
-    node(&nodes, "cli-advertise").await;
     let dir = tempfile::tempdir().unwrap();
     let plugins = dir.path().join("device-plugins");
     let _kubelet = Kubelet::start(&plugins).await.unwrap();
@@ -255,14 +267,14 @@ async fn run_advertises_on_its_node_and_follows_the_config() {
 async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
     use k8s_openapi::api::resource::v1::ResourceSlice;
     use kube::api::ListParams;
-    let Some(server) =
-        ApiServer::shared("run_serves_a_dra_driver_and_removes_its_slices_at_shutdown")
+    let Some((server, client, _)) = cluster_with_node(
+        "run_serves_a_dra_driver_and_removes_its_slices_at_shutdown",
+        "cli-dra",
+    )
+    .await
     else {
         return;
     };
-    let client = api_server::client(&server.kubeconfig).await.unwrap();
-    let nodes: Api<Node> = Api::all(client.clone());
-    node(&nodes, "cli-dra").await;
     let dir = tempfile::tempdir().unwrap();
     let plugins = dir.path().join("device-plugins");
     let config = kubelet_sim::SimConfig {
@@ -368,13 +380,14 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
 )]
 #[tokio::test]
 async fn a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz() {
-    let Some(server) = ApiServer::shared("a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz")
+    let Some((server, _, nodes)) = cluster_with_node(
+        "a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz",
+        "cli-old-runtime",
+    )
+    .await
     else {
         return;
     };
-    let client = api_server::client(&server.kubeconfig).await.unwrap();
-    let nodes: Api<Node> = Api::all(client.clone());
-    node(&nodes, "cli-old-runtime").await;
     let info = serde_json::json!({"status": {"nodeInfo": {
         "containerRuntimeVersion": "containerd://1.6.20",
         "machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": "", "osImage": "",
@@ -421,12 +434,14 @@ async fn a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz() {
 )]
 #[tokio::test]
 async fn a_corrupt_dra_checkpoint_refuses_only_its_driver() {
-    let Some(server) = ApiServer::shared("a_corrupt_dra_checkpoint_refuses_only_its_driver") else {
+    let Some((server, _, _)) = cluster_with_node(
+        "a_corrupt_dra_checkpoint_refuses_only_its_driver",
+        "cli-corrupt-checkpoint",
+    )
+    .await
+    else {
         return;
     };
-    let client = api_server::client(&server.kubeconfig).await.unwrap();
-    let nodes: Api<Node> = Api::all(client.clone());
-    node(&nodes, "cli-corrupt-checkpoint").await;
     let dir = tempfile::tempdir().unwrap();
     let plugins = dir.path().join("device-plugins");
     std::fs::create_dir_all(&plugins).unwrap();
@@ -467,12 +482,11 @@ async fn a_corrupt_dra_checkpoint_refuses_only_its_driver() {
 )]
 #[tokio::test]
 async fn a_dra_only_config_becomes_ready() {
-    let Some(server) = ApiServer::shared("a_dra_only_config_becomes_ready") else {
+    let Some((server, _, _)) =
+        cluster_with_node("a_dra_only_config_becomes_ready", "cli-dra-only").await
+    else {
         return;
     };
-    let client = api_server::client(&server.kubeconfig).await.unwrap();
-    let nodes: Api<Node> = Api::all(client.clone());
-    node(&nodes, "cli-dra-only").await;
     let dir = tempfile::tempdir().unwrap();
     let plugins = dir.path().join("device-plugins");
     let config = kubelet_sim::SimConfig {
