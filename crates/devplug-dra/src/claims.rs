@@ -73,6 +73,14 @@ impl KubeClaims {
             driver: driver.into(),
         }
     }
+
+    /// The claim named as `claim` names it, if it exists (whatever its UID).
+    async fn read(&self, claim: &ClaimRef) -> Result<Option<ResourceClaim>, String> {
+        kube::Api::<ResourceClaim>::namespaced(self.client.clone(), &claim.namespace)
+            .get_opt(&claim.name)
+            .await
+            .map_err(|e| format!("cannot read ResourceClaim {claim}: {e}"))
+    }
 }
 
 impl ClaimSource for KubeClaims {
@@ -81,12 +89,9 @@ impl ClaimSource for KubeClaims {
         claim: &'a ClaimRef,
     ) -> BoxFuture<'a, Result<Vec<AllocatedDevice>, String>> {
         Box::pin(async move {
-            let api: kube::Api<ResourceClaim> =
-                kube::Api::namespaced(self.client.clone(), &claim.namespace);
-            let found = api
-                .get_opt(&claim.name)
-                .await
-                .map_err(|e| format!("cannot read ResourceClaim {claim}: {e}"))?
+            let found = self
+                .read(claim)
+                .await?
                 .ok_or_else(|| format!("ResourceClaim {claim} does not exist"))?;
             our_devices(&found, claim, &self.driver)
         })
@@ -94,13 +99,7 @@ impl ClaimSource for KubeClaims {
 
     fn exists<'a>(&'a self, claim: &'a ClaimRef) -> BoxFuture<'a, Result<bool, String>> {
         Box::pin(async move {
-            let api: kube::Api<ResourceClaim> =
-                kube::Api::namespaced(self.client.clone(), &claim.namespace);
-            let found = api
-                .get_opt(&claim.name)
-                .await
-                .map_err(|e| format!("cannot read ResourceClaim {claim}: {e}"))?;
-            Ok(found.is_some_and(|found| {
+            Ok(self.read(claim).await?.is_some_and(|found| {
                 found.metadata.uid.as_deref() == Some(claim.uid.as_str())
                     && found.status.and_then(|s| s.allocation).is_some()
             }))

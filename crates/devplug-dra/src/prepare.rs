@@ -593,10 +593,7 @@ mod tests {
             ("share-1".to_owned(), vec![shared("s1")]),
             ("share-2".to_owned(), vec![shared("s2")]),
         ]));
-        let files = PrepareFiles {
-            cdi_dir: dir.path().join("cdi"),
-            checkpoint: dir.path().join("checkpoint.json"),
-        };
+        let files = files_in(dir.path());
         let preparer = Preparer::new(
             "npu.example.com",
             "node-a",
@@ -670,10 +667,7 @@ mod tests {
             ("u1".to_owned(), vec![allocated("a", "npu-0")]),
             ("u2".to_owned(), vec![allocated("a", "npu-1")]),
         ])));
-        let files = PrepareFiles {
-            cdi_dir: dir.path().join("cdi"),
-            checkpoint: dir.path().join("checkpoint.json"),
-        };
+        let files = files_in(dir.path());
         let deadline = Duration::from_millis(400);
         let preparer = Arc::new(
             Preparer::new(
@@ -728,6 +722,13 @@ mod tests {
         }
     }
 
+    fn files_in(dir: &Path) -> PrepareFiles {
+        PrepareFiles {
+            cdi_dir: dir.join("cdi"),
+            checkpoint: dir.join("checkpoint.json"),
+        }
+    }
+
     fn claim(uid: &str) -> ClaimRef {
         ClaimRef {
             namespace: "ns".into(),
@@ -757,10 +758,7 @@ mod tests {
             ("u2".to_owned(), vec![allocated("a", "npu-2")]),
             ("u3".to_owned(), vec![allocated("a", "npu-9")]),
         ])));
-        let files = PrepareFiles {
-            cdi_dir: dir.path().join("cdi"),
-            checkpoint: dir.path().join("checkpoint.json"),
-        };
+        let files = files_in(dir.path());
         let preparer = Preparer::new(
             "npu.example.com",
             "node-a",
