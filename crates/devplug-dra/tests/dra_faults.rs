@@ -29,16 +29,34 @@ async fn create_node(nodes: &Api<Node>) -> String {
     created.metadata.uid.unwrap()
 }
 
-/// Our slices' (owner UID, device count), polled: after an etcd wipe a watch of the test's
-/// own would have the same trouble as the one under test.
-async fn ours(api: &Api<ResourceSlice>) -> Option<(String, usize)> {
+/// A publisher of three devices for `NODE`, once they are published; and its device list.
+async fn publishing(client: &kube::Client) -> (watch::Sender<DeviceList>, SlicePublisher) {
+    let list = DeviceList::new((0..3).map(|i| Device::new(format!("npu-{i}"))));
+    let (tx, rx) = watch::channel(list.clone());
+    let publisher =
+        SlicePublisher::spawn(client.clone(), DRIVER, NODE, rx, &CancellationToken::new()).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), publisher.wait_published(&list))
+        .await
+        .unwrap()
+        .unwrap();
+    (tx, publisher)
+}
+
+/// Our slices, listed (`None` while the API server does not answer): polled, as after an etcd
+/// wipe a watch of the test's own would have the same trouble as the one under test.
+async fn our_slices(api: &Api<ResourceSlice>) -> Option<Vec<ResourceSlice>> {
     let fields = format!("spec.nodeName={NODE},spec.driver={DRIVER}");
     let listed = api
         .list(&ListParams::default().fields(&fields))
         .await
         .ok()?;
+    Some(listed.items)
+}
+
+/// Our slices' (owner UID, device count).
+async fn ours(api: &Api<ResourceSlice>) -> Option<(String, usize)> {
+    let listed = our_slices(api).await?;
     let owner = listed
-        .items
         .first()?
         .metadata
         .owner_references
@@ -47,7 +65,6 @@ async fn ours(api: &Api<ResourceSlice>) -> Option<(String, usize)> {
         .uid
         .clone();
     let devices = listed
-        .items
         .iter()
         .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
         .sum();
@@ -73,14 +90,7 @@ async fn slices_come_back_after_an_etcd_wipe_and_a_new_node() {
     let nodes: Api<Node> = Api::all(client.clone());
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let first_uid = create_node(&nodes).await;
-    let list = DeviceList::new((0..3).map(|i| Device::new(format!("npu-{i}"))));
-    let (_tx, rx) = watch::channel(list.clone());
-    let publisher =
-        SlicePublisher::spawn(client.clone(), DRIVER, NODE, rx, &CancellationToken::new()).unwrap();
-    tokio::time::timeout(Duration::from_secs(30), publisher.wait_published(&list))
-        .await
-        .unwrap()
-        .unwrap();
+    let (_tx, publisher) = publishing(&client).await;
     assert_eq!(ours(&slices).await, Some((first_uid, 3)));
 
     let wiped = Instant::now();
@@ -112,15 +122,10 @@ async fn slices_come_back_after_an_etcd_wipe_and_a_new_node() {
     plane.stop();
 }
 
-/// Our slices' device names, polled (see [`ours`]).
+/// Our slices' device names, sorted.
 async fn device_names(api: &Api<ResourceSlice>) -> Option<Vec<String>> {
-    let fields = format!("spec.nodeName={NODE},spec.driver={DRIVER}");
-    let listed = api
-        .list(&ListParams::default().fields(&fields))
-        .await
-        .ok()?;
-    let mut names: Vec<String> = listed
-        .items
+    let mut names: Vec<String> = our_slices(api)
+        .await?
         .iter()
         .flat_map(|s| s.spec.devices.iter().flatten().map(|d| d.name.clone()))
         .collect();
@@ -146,14 +151,7 @@ async fn a_change_during_an_api_server_outage_is_published_when_it_answers() {
     let nodes: Api<Node> = Api::all(client.clone());
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     create_node(&nodes).await;
-    let list = DeviceList::new((0..3).map(|i| Device::new(format!("npu-{i}"))));
-    let (tx, rx) = watch::channel(list.clone());
-    let publisher =
-        SlicePublisher::spawn(client.clone(), DRIVER, NODE, rx, &CancellationToken::new()).unwrap();
-    tokio::time::timeout(Duration::from_secs(30), publisher.wait_published(&list))
-        .await
-        .unwrap()
-        .unwrap();
+    let (tx, publisher) = publishing(&client).await;
 
     plane.stop_api_server().unwrap();
     // A device leaves while the API server is away: the publish fails and is retried.
