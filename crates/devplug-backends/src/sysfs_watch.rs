@@ -73,6 +73,31 @@ pub(crate) struct Watched<T> {
 #[derive(Debug, Clone, Default)]
 struct Memory {
     seen: BTreeMap<String, (String, Option<i64>)>,
+    /// How health reasons speak of a physical device.
+    words: Words,
+}
+
+/// How health reasons speak of a physical device that is missing.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Words {
+    /// What it is called (`GPU`, `PCI device`, `NPU`).
+    pub(crate) noun: &'static str,
+    /// The reason when the scan gives none (`is gone from sysfs`).
+    pub(crate) gone: &'static str,
+}
+
+impl Words {
+    /// GPUs found in sysfs.
+    pub(crate) const GPU: Words = Words {
+        noun: "GPU",
+        gone: "is gone from sysfs",
+    };
+}
+
+impl Default for Words {
+    fn default() -> Self {
+        Words::GPU
+    }
 }
 
 impl Memory {
@@ -111,10 +136,13 @@ impl Memory {
             let reason = absent
                 .get(physical)
                 .cloned()
-                .unwrap_or_else(|| "is gone from sysfs".to_owned());
+                .unwrap_or_else(|| self.words.gone.to_owned());
             devices.push(
                 Device::new(id.clone())
-                    .with_health(Health::unhealthy(format!("GPU {physical} {reason}")))
+                    .with_health(Health::unhealthy(format!(
+                        "{} {physical} {reason}",
+                        self.words.noun
+                    )))
                     .with_numa_nodes(*numa),
             );
         }
@@ -126,11 +154,20 @@ impl Memory {
 }
 
 impl<T: Send + Sync + 'static> Watched<T> {
-    /// Scans once, writes the CDI spec, publishes, and starts following changes. Must be
+    /// Scans once, writes the CDI spec, publishes, and starts following changes. `what` names
+    /// the backend in logs, `words` how health reasons speak of a missing device. Must be
     /// called inside a tokio runtime.
-    pub(crate) fn start(scan: ScanFn<T>, cdi: Option<CdiWriter>, what: &'static str) -> Self {
+    pub(crate) fn start(
+        scan: ScanFn<T>,
+        cdi: Option<CdiWriter>,
+        what: &'static str,
+        words: Words,
+    ) -> Self {
         let first = scan();
-        let mut memory = Memory::default();
+        let mut memory = Memory {
+            words,
+            ..Memory::default()
+        };
         let cdi_ready = Arc::new(AtomicBool::new(false));
         let mut cdi = cdi;
         write_spec(&mut cdi, first.spec.as_ref(), &cdi_ready, what);

@@ -121,7 +121,10 @@ impl FakeSysfs {
         )?;
         self.file(&format!("sys/{dir}/numa_node"), &format!("{}\n", dev.numa))?;
         let group = format!("sys/kernel/iommu_groups/{}", dev.iommu_group);
-        std::fs::create_dir_all(self.path(&group))?;
+        self.link(
+            &format!("{group}/devices/{}", dev.address),
+            &format!("../../../../{dir}"),
+        )?;
         self.link(
             &format!("sys/{dir}/iommu_group"),
             &format!("../../../kernel/iommu_groups/{}", dev.iommu_group),

@@ -13,5 +13,6 @@
 //!   does (its image, its Helm chart, its kustomize base) and check what a real container gets.
 
 pub mod api_server;
+pub mod fake_accelerators;
 pub mod fake_sysfs;
 pub mod node;

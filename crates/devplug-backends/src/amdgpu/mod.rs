@@ -19,7 +19,7 @@ pub use settings::AmdgpuSettings;
 use crate::cdi::{qualified_name, CdiWriter};
 use crate::settings::SettingsError;
 use crate::sysfs::dev_node;
-use crate::sysfs_watch::{ScanFn, Watched};
+use crate::sysfs_watch::{ScanFn, Watched, Words};
 use devplug::{AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest};
 use discover::{AmdState, KfdCache, CDI_KIND};
 use std::collections::HashSet;
@@ -53,7 +53,7 @@ impl AmdgpuBackend {
             };
             CdiWriter::new(&settings.cdi_dir, &stem)
         });
-        let watched = Watched::start(scan, cdi, "amdgpu");
+        let watched = Watched::start(scan, cdi, "amdgpu", Words::GPU);
         Ok(AmdgpuBackend { settings, watched })
     }
 }

@@ -231,18 +231,9 @@ fn by_pci(
     for (address, path) in bus_devices(settings, "pci", found) {
         let read = |file: &str| read_trimmed(&path.join(file)).map(|v| normalize_hex(&v));
         let (vendor, device, class) = (read("vendor"), read("device"), read("class"));
-        let wanted = matches.iter().any(|m| {
-            let eq = |want: &Option<String>, have: &Option<String>| {
-                want.as_ref()
-                    .is_none_or(|w| have.as_deref() == Some(normalize_hex(w).as_str()))
-            };
-            let class_ok = m.class.as_ref().is_none_or(|w| {
-                class
-                    .as_deref()
-                    .is_some_and(|c| c.starts_with(&normalize_hex(w)))
-            });
-            eq(&m.vendor, &vendor) && eq(&m.device, &device) && class_ok
-        });
+        let wanted = matches
+            .iter()
+            .any(|m| m.matches(vendor.as_deref(), device.as_deref(), class.as_deref()));
         if wanted {
             let id = |v: &Option<String>| v.as_deref().and_then(parse_hex);
             let ids = Attributes::default()

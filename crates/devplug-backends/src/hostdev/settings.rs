@@ -96,6 +96,46 @@ pub struct PciMatch {
     pub class: Option<String>,
 }
 
+impl PciMatch {
+    /// True when every given field matches a device's ids, as sysfs writes them (`0x10de`,
+    /// class `0x030000`; with or without `0x`, any case): vendor and device exactly, class as a
+    /// prefix.
+    pub fn matches(&self, vendor: Option<&str>, device: Option<&str>, class: Option<&str>) -> bool {
+        let norm = |v: Option<&str>| v.map(normalize_hex);
+        let (vendor, device, class) = (norm(vendor), norm(device), norm(class));
+        let eq = |want: &Option<String>, have: &Option<String>| {
+            want.as_ref()
+                .is_none_or(|w| have.as_deref() == Some(normalize_hex(w).as_str()))
+        };
+        let class_ok = self.class.as_ref().is_none_or(|w| {
+            class
+                .as_deref()
+                .is_some_and(|c| c.starts_with(&normalize_hex(w)))
+        });
+        eq(&self.vendor, &vendor) && eq(&self.device, &device) && class_ok
+    }
+
+    /// Checks the fields (`field` is this match's place in the config, e.g. `pci[0]`).
+    pub(crate) fn validate(&self, field: &str) -> Result<(), SettingsError> {
+        if self.vendor.is_none() && self.device.is_none() && self.class.is_none() {
+            return Err(SettingsError::new(
+                field,
+                "set at least one of vendor, device, class",
+            ));
+        }
+        for (name, value, max) in [
+            ("vendor", &self.vendor, 4),
+            ("device", &self.device, 4),
+            ("class", &self.class, 6),
+        ] {
+            if let Some(value) = value {
+                check_hex(&format!("{field}.{name}"), value, max)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// An extra bind mount.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -216,21 +256,7 @@ impl GroupSettings {
             }
         }
         for (i, pci) in self.pci.iter().enumerate() {
-            if pci.vendor.is_none() && pci.device.is_none() && pci.class.is_none() {
-                return Err(SettingsError::new(
-                    format!("pci[{i}]"),
-                    "set at least one of vendor, device, class",
-                ));
-            }
-            for (field, value, max) in [
-                ("vendor", &pci.vendor, 4),
-                ("device", &pci.device, 4),
-                ("class", &pci.class, 6),
-            ] {
-                if let Some(value) = value {
-                    check_hex(&format!("pci[{i}].{field}"), value, max)?;
-                }
-            }
+            pci.validate(&format!("pci[{i}]"))?;
         }
         if self.permissions.is_empty() || !self.permissions.chars().all(|c| "rwm".contains(c)) {
             return Err(SettingsError::new(

@@ -19,7 +19,7 @@ pub use settings::{IntelDriver, IntelGpuSettings};
 use crate::cdi::{qualified_name, CdiWriter};
 use crate::settings::SettingsError;
 use crate::sysfs::dev_node;
-use crate::sysfs_watch::{ScanFn, Watched};
+use crate::sysfs_watch::{ScanFn, Watched, Words};
 use devplug::{AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest};
 use discover::{cdi_kind, IntelState};
 use std::collections::HashSet;
@@ -45,7 +45,7 @@ impl IntelGpuBackend {
         let cdi = settings
             .cdi
             .then(|| CdiWriter::new(&settings.cdi_dir, &format!("devplug-{kind}")));
-        let watched = Watched::start(scan, cdi, "intel-gpu");
+        let watched = Watched::start(scan, cdi, "intel-gpu", Words::GPU);
         Ok(IntelGpuBackend {
             settings,
             kind,
