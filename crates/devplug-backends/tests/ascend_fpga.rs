@@ -37,13 +37,15 @@ async fn ascend_npus_with_shared_nodes_visible_devices_and_health_from_dev() {
         ..AscendSettings::default()
     };
     let backend: Arc<dyn Backend> = Arc::new(ascend::start(NPU, &settings).unwrap());
-    let (kubelet, host) =
-        support::serve(&tree.path("kubelet"), vec![(NPU, backend.clone())]).await;
+    let (kubelet, host) = support::serve(&tree.path("kubelet"), vec![(NPU, backend.clone())]).await;
     support::counts(&kubelet, NPU, 8, 8).await;
     let attributes = support::dra(&backend.devices().borrow(), "davinci5");
     assert_eq!(attributes["index"], "5");
     assert_eq!(attributes["chip"], "Ascend910");
-    assert_eq!(attributes["resource.kubernetes.io/pciBusID"], "0000:c6:00.0");
+    assert_eq!(
+        attributes["resource.kubernetes.io/pciBusID"],
+        "0000:c6:00.0"
+    );
 
     // Two NPUs, preferred on one NUMA node.
     let two = kubelet.allocate("pod", "train", NPU, 2).await.unwrap();
@@ -132,7 +134,10 @@ async fn fpga_ports_by_afu_and_by_interface() {
     let attributes = support::dra(&afu.devices().borrow(), "dfl-port.0");
     assert_eq!(attributes["afuID"], AFU);
     assert_eq!(attributes["interfaceID"], INTERFACE);
-    assert_eq!(attributes["resource.kubernetes.io/pciBusID"], "0000:5e:00.0");
+    assert_eq!(
+        attributes["resource.kubernetes.io/pciBusID"],
+        "0000:5e:00.0"
+    );
 
     let one = kubelet
         .allocate("pod", "main", "fpga.example.com/nlb0", 1)
@@ -148,6 +153,9 @@ async fn fpga_ports_by_afu_and_by_interface() {
     tree.file("dev/dfl-port.0", "").unwrap();
     support::counts(&kubelet, "fpga.example.com/nlb0", 1, 0).await;
     let health = afu.devices().borrow().devices()[0].health.to_string();
-    assert!(health.contains(&format!("now carries AFU {OTHER_AFU}")), "{health}");
+    assert!(
+        health.contains(&format!("now carries AFU {OTHER_AFU}")),
+        "{health}"
+    );
     host.shutdown().await;
 }

@@ -18,9 +18,10 @@
 
 use devplug::Backend;
 use devplug_backends::{
-    AmdgpuBackend, AmdgpuSettings, FilesBackend, FilesSettings, HostdevBackend, HostdevSettings,
-    IntelGpuBackend, IntelGpuSettings, NvidiaBackend, NvidiaSettings, SettingsError,
-    VirtualBackend, VirtualSettings,
+    ascend, fpga, vfio, AmdgpuBackend, AmdgpuSettings, AscendSettings, FilesBackend, FilesSettings,
+    FpgaSettings, HostdevBackend, HostdevSettings, IntelGpuBackend, IntelGpuSettings,
+    NvidiaBackend, NvidiaSettings, QatSettings, SettingsError, VfioSettings, VirtualBackend,
+    VirtualSettings,
 };
 use devplug_proto::resource_name;
 use serde::Deserialize;
@@ -29,13 +30,17 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// The backend keys a resource can have, one of which it must.
-const BACKEND_KEYS: [&str; 7] = [
+const BACKEND_KEYS: [&str; 11] = [
     "virtual",
     "files",
     "hostdev",
     "amdgpu",
     "intel_gpu",
     "nvidia",
+    "vfio",
+    "qat",
+    "ascend",
+    "fpga",
     "advertise",
 ];
 
@@ -92,6 +97,14 @@ pub struct ResourceConfig {
     pub intel_gpu: Option<IntelGpuSettings>,
     /// NVIDIA GPUs through NVML, loaded at run time (e.g. `nvidia.com/gpu`).
     pub nvidia: Option<NvidiaSettings>,
+    /// PCI devices bound to `vfio-pci`, one per IOMMU group (VMs, DPDK).
+    pub vfio: Option<VfioSettings>,
+    /// Intel QAT virtual functions bound to `vfio-pci`, by service (`qat.intel.com/cy`).
+    pub qat: Option<QatSettings>,
+    /// Huawei Ascend NPUs (`huawei.com/Ascend910`).
+    pub ascend: Option<AscendSettings>,
+    /// Intel FPGA ports under the DFL driver, by the AFU they carry.
+    pub fpga: Option<FpgaSettings>,
     /// How long a recovered device must stay healthy before the kubelet is told (e.g. `5s`;
     /// default 5s; at most [`MAX_HEALTH_HOLD_DOWN`]).
     #[serde(default, deserialize_with = "crate::duration::deserialize_opt")]
@@ -429,6 +442,18 @@ impl ResourceConfig {
         if self.nvidia.is_some() {
             keys.push("nvidia");
         }
+        if self.vfio.is_some() {
+            keys.push("vfio");
+        }
+        if self.qat.is_some() {
+            keys.push("qat");
+        }
+        if self.ascend.is_some() {
+            keys.push("ascend");
+        }
+        if self.fpga.is_some() {
+            keys.push("fpga");
+        }
         if self.advertise.is_some() {
             keys.push("advertise");
         }
@@ -492,6 +517,18 @@ impl ResourceConfig {
         if let Some(settings) = &self.nvidia {
             settings.validate().map_err(|e| ("nvidia", e))?;
         }
+        if let Some(settings) = &self.vfio {
+            settings.validate().map_err(|e| ("vfio", e))?;
+        }
+        if let Some(settings) = &self.qat {
+            settings.validate().map_err(|e| ("qat", e))?;
+        }
+        if let Some(settings) = &self.ascend {
+            settings.validate().map_err(|e| ("ascend", e))?;
+        }
+        if let Some(settings) = &self.fpga {
+            settings.validate().map_err(|e| ("fpga", e))?;
+        }
         Ok(())
     }
 
@@ -523,6 +560,22 @@ impl ResourceConfig {
         }
         if let Some(settings) = &self.nvidia {
             let backend = NvidiaBackend::start(&self.name, settings).map_err(|e| ("nvidia", e))?;
+            return Ok(Arc::new(backend));
+        }
+        if let Some(settings) = &self.vfio {
+            let backend = vfio::start(&self.name, settings).map_err(|e| ("vfio", e))?;
+            return Ok(Arc::new(backend));
+        }
+        if let Some(settings) = &self.qat {
+            let backend = vfio::start_qat(&self.name, settings).map_err(|e| ("qat", e))?;
+            return Ok(Arc::new(backend));
+        }
+        if let Some(settings) = &self.ascend {
+            let backend = ascend::start(&self.name, settings).map_err(|e| ("ascend", e))?;
+            return Ok(Arc::new(backend));
+        }
+        if let Some(settings) = &self.fpga {
+            let backend = fpga::start(&self.name, settings).map_err(|e| ("fpga", e))?;
             return Ok(Arc::new(backend));
         }
         Err((
@@ -573,6 +626,36 @@ mod tests {
         .unwrap();
         assert_eq!(config.resources.len(), 3);
         assert_eq!(config.resources[2].hostdev.as_ref().unwrap().count, 100);
+    }
+
+    #[test]
+    fn accelerator_backends_parse() {
+        let config = parse(
+            "resources:
+  - name: nvidia.com/GA102GL_A10
+    vfio: { pci: [ { vendor: 10de, device: \"2236\" } ] }
+  - name: qat.intel.com/cy
+    qat: { service: cy }
+  - name: huawei.com/Ascend910
+    ascend: {}
+  - name: fpga.example.com/nlb0
+    fpga: { afu_id: d8424dc4a4a3c413f89e433683f9040b, env: FPGA_PORTS }
+",
+        )
+        .unwrap();
+        let keys: Vec<Vec<&str>> = config
+            .resources
+            .iter()
+            .map(ResourceConfig::backend_keys)
+            .collect();
+        assert_eq!(keys, [["vfio"], ["qat"], ["ascend"], ["fpga"]]);
+        let vfio = config.resources[0].vfio.as_ref().unwrap();
+        assert_eq!(vfio.env, devplug_backends::vfio::VfioEnv::PciResource);
+        let qat = config.resources[1].qat.as_ref().unwrap();
+        assert_eq!(qat.service, devplug_backends::vfio::QatService::Cy);
+        assert_eq!(qat.env_prefix, "QAT");
+        let ascend = config.resources[2].ascend.as_ref().unwrap();
+        assert_eq!(ascend.env, "ASCEND_VISIBLE_DEVICES");
     }
 
     #[test]
@@ -785,7 +868,7 @@ resources:
             ("resources:\n  - name: example.com/npu\n    virtual: { count: 0 }\n", "resources[0] (example.com/npu): virtual.count: must be between 1"),
             ("resources:\n  - name: npu\n    virtual: { count: 1 }\n", "resources[0] (npu): name: invalid resource name"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n  - name: a.com/x\n    virtual: { count: 1 }\n", "resources[1] (a.com/x): name: this resource is listed twice"),
-            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files, hostdev, amdgpu, intel_gpu, nvidia, advertise"),
+            ("resources:\n  - name: a.com/x\n", "resources[0] (a.com/x): no backend: add exactly one of virtual, files, hostdev, amdgpu, intel_gpu, nvidia, vfio, qat, ascend, fpga, advertise"),
             ("resources:\n  - name: a.com/x\n    advertise: { count: 0 }\n", "resources[0] (a.com/x): advertise.count: must be between 1"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 2 }\n    dra: { driver: a.com/x }\n", "resources[0] (a.com/x): dra.driver: \"a.com/x\" is not a DNS subdomain"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 2 }\n    dra: { driver: x.a.com }\n  - name: a.com/y\n    virtual: { count: 2 }\n    dra: { driver: x.a.com }\n", "resources[1] (a.com/y): dra.driver: x.a.com is already the driver of resources[0]"),
@@ -802,6 +885,12 @@ resources:
             ("resources:\n  - name: amd.com/gpu\n    amdgpu: { partition_type: CPX }\n", "resources[0] (amd.com/gpu): amdgpu.partition_type: \"CPX\" must be"),
             ("resources:\n  - name: gpu.intel.com/i915\n    intel_gpu: { count: 0 }\n", "resources[0] (gpu.intel.com/i915): intel_gpu.count: must be between 1 and 1000"),
             ("resources:\n  - name: gpu.intel.com/xe\n    intel_gpu: { driver: nvidia }\n", "driver"),
+            ("resources:\n  - name: example.com/gpu\n    vfio: { pci: [] }\n", "resources[0] (example.com/gpu): vfio.pci: the list is empty"),
+            ("resources:\n  - name: example.com/gpu\n    vfio: { pci: [ { vendor: 10de } ], env: numbered }\n", "vfio.env_prefix: env: numbered needs a prefix"),
+            ("resources:\n  - name: qat.intel.com/cy\n    qat: { service: crypto }\n", "service"),
+            ("resources:\n  - name: huawei.com/Ascend910\n    ascend: { env: 1X }\n", "resources[0] (huawei.com/Ascend910): ascend.env: \"1X\" is not an environment variable name"),
+            ("resources:\n  - name: fpga.example.com/nlb\n    fpga: {}\n", "resources[0] (fpga.example.com/nlb): fpga.afu_id: set afu_id"),
+            ("resources:\n  - name: fpga.example.com/nlb\n    fpga: { afu_id: xyz }\n", "fpga.afu_id: \"xyz\" must be 32 hex digits"),
             ("resources:\n  - name: nvidia.com/mig-1g.10gb\n    nvidia: { mig_strategy: single, mig_profile: 1g.10gb }\n", "resources[0] (nvidia.com/mig-1g.10gb): nvidia.mig_profile: is only for mig_strategy: mixed"),
             ("resources:\n  - name: nvidia.com/mig-1g.10gb\n    nvidia: { mig_strategy: mixed, mig_profile: mig-1g.10gb }\n", "resources[0] (nvidia.com/mig-1g.10gb): nvidia.mig_profile: \"mig-1g.10gb\" is not a MIG profile name"),
             ("resources:\n  - name: nvidia.com/gpu\n    nvidia: { mig_strategy: auto }\n", "mig_strategy"),

@@ -67,6 +67,22 @@ const TABLES: &[(&str, &str)] = &[
         "resources:\n  - name: example.com/x\n    nvidia: { replica_overrides: [ { gpus: [\"0\"], replicas: 1, zz_unknown: 1 } ] }\n",
     ),
     (
+        "### `vfio`",
+        "resources:\n  - name: example.com/x\n    vfio: { pci: [], zz_unknown: 1 }\n",
+    ),
+    (
+        "### `qat`",
+        "resources:\n  - name: example.com/x\n    qat: { zz_unknown: 1 }\n",
+    ),
+    (
+        "### `ascend`",
+        "resources:\n  - name: example.com/x\n    ascend: { zz_unknown: 1 }\n",
+    ),
+    (
+        "### `fpga`",
+        "resources:\n  - name: example.com/x\n    fpga: { zz_unknown: 1 }\n",
+    ),
+    (
         "### `advertise`",
         "resources:\n  - name: example.com/x\n    advertise: { count: 1, zz_unknown: 1 }\n",
     ),
