@@ -443,6 +443,31 @@ fn mounted_host_path(spec: &PodSpec, container: &Container, path: &str) -> Optio
     Some((host, mount.read_only == Some(true)))
 }
 
+/// The host path that `path` in `container` is, through the deepest host-path mount at or
+/// above it (`/var/lib/x` mounted from the host's `/var/lib/x` makes `/var/lib/x/dev` the
+/// host's `/var/lib/x/dev`).
+fn host_path_below(spec: &PodSpec, container: &Container, path: &str) -> Option<String> {
+    let (mount, rest) = container
+        .volume_mounts
+        .iter()
+        .flatten()
+        .filter(|m| m.mount_path != "/")
+        .filter_map(|m| {
+            let rest = std::path::Path::new(path)
+                .strip_prefix(&m.mount_path)
+                .ok()?;
+            Some((m, rest))
+        })
+        .max_by_key(|(m, _)| m.mount_path.len())?;
+    let volume = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == mount.name)?;
+    let host = std::path::Path::new(&volume.host_path.as_ref()?.path).join(rest);
+    Some(host.to_string_lossy().trim_end_matches('/').to_owned())
+}
+
 /// The DaemonSet and ConfigMap of a release.
 fn release_objects(objects: &[Object]) -> (&DaemonSet, &ConfigMap) {
     let ds = objects.iter().find_map(|o| match o {
@@ -844,13 +869,22 @@ fn pod_problems(spec: &PodSpec, container: &Container) -> Vec<String> {
     problems
 }
 
-/// The GPU backends, as config keys.
-const GPU_KEYS: [&str; 3] = ["nvidia", "amdgpu", "intel_gpu"];
+/// The backends that hand the runtime host paths under their `dev_root` and write CDI specs
+/// (the GPUs, and the accelerators on the shared node backend), as config keys.
+const HOST_PATH_KEYS: [&str; 7] = [
+    "nvidia",
+    "amdgpu",
+    "intel_gpu",
+    "vfio",
+    "qat",
+    "ascend",
+    "fpga",
+];
 
 /// devplug's default NVIDIA driver roots (`nvidia::DEFAULT_DRIVER_ROOTS` in devplug-backends).
 const DEFAULT_DRIVER_ROOTS: [&str; 3] = ["/", "/run/nvidia/driver", "/driver-root"];
 
-/// What a GPU backend's resource needs from the pod it runs in. Every one: its `dev_root` and,
+/// What a GPU or accelerator backend's resource needs from the pod it runs in. Every one: its `dev_root` and,
 /// when it writes a CDI spec, its `cdi_dir` (writable) mounted from the same host paths, since
 /// the paths it hands the runtime are host paths. nvidia also: the GPU image (binaries built for
 /// glibc, which can load NVML), one of its `driver_roots` mounted from the host, that folder
@@ -861,7 +895,7 @@ fn gpu_problems(config: &Value, spec: &PodSpec, container: &Container) -> Vec<St
     let mut problems = Vec::new();
     let resources = config["resources"].as_array().into_iter().flatten();
     for (i, resource) in resources.enumerate() {
-        let Some((backend, settings)) = GPU_KEYS
+        let Some((backend, settings)) = HOST_PATH_KEYS
             .iter()
             .find_map(|k| resource.get(*k).map(|s| (*k, s)))
         else {
@@ -871,7 +905,7 @@ fn gpu_problems(config: &Value, spec: &PodSpec, container: &Container) -> Vec<St
         let setting =
             |key: &str, default: &str| settings[key].as_str().unwrap_or(default).to_owned();
         let dev = setting("dev_root", "/dev");
-        if host_path_at(&dev).map(|(host, _)| host) != Some(dev.clone()) {
+        if host_path_below(spec, container, &dev) != Some(dev.clone()) {
             problems.push(format!(
                 "{at}.dev_root {dev} is not the host's {dev} mounted at the same path"
             ));

@@ -3,36 +3,79 @@
 
 use crate::support::{self, figure, Namespace, Release};
 use crate::Outcome;
+use devplug_testkit::fake_sysfs::{FakeSysfs, PciSpec};
 use devplug_testkit::node::Node;
 use std::time::{Duration, Instant};
 
 pub const NPU: &str = "dummy.com/npu";
 pub const TESTDEV: &str = "example.com/testdev";
 pub const COLA: &str = "example.com/cola";
+pub const VFIO: &str = "example.com/vfio";
 const COLAS_DIR: &str = "/var/lib/devplug-test/colas";
+/// The fake sysfs and /dev of the `vfio` resource (`ci/whole-node-values.yaml` names it).
+const VFIO_TREE: &str = "/var/lib/devplug-test/vfio";
+/// Its two GPUs bound to vfio-pci: (address, IOMMU group).
+const VFIO_GPUS: [(&str, u32); 2] = [("0000:3b:00.0", 40), ("0000:86:00.0", 41)];
+/// The CDI spec the `vfio` resource writes on the host.
+const VFIO_CDI_SPEC: &str = "/var/run/cdi/devplug-example.com_vfio.json";
 
 /// The host's side of the whole-node release: two device nodes for `hostdev`, two files for
-/// `files` (removed by the node's cleanup).
+/// `files`, a fake sysfs tree with two GPUs on vfio-pci for `vfio` (removed by the node's
+/// cleanup).
 pub fn make_host_devices(node: &Node) -> Result<(), String> {
     node.make_test_device(0)?;
     node.make_test_device(1)?;
     std::fs::create_dir_all(COLAS_DIR).map_err(|e| format!("{COLAS_DIR}: {e}"))?;
     node.remember_made_file(std::path::Path::new("/var/lib/devplug-test"))?;
+    node.remember_made_file(std::path::Path::new(VFIO_CDI_SPEC))?;
     for name in ["cherry", "lime"] {
         let path = std::path::Path::new(COLAS_DIR).join(name);
         std::fs::write(&path, "Healthy\n").map_err(|e| format!("{}: {e}", path.display()))?;
     }
+    make_vfio_tree()
+}
+
+/// Two NVIDIA GPUs bound to vfio-pci in their own IOMMU groups, their `/dev/vfio` nodes
+/// character devices (the runtime refuses plain files), as `/dev/null` is.
+fn make_vfio_tree() -> Result<(), String> {
+    let fail = |e: std::io::Error| format!("{VFIO_TREE}: {e}");
+    let tree = FakeSysfs::new(std::path::Path::new(VFIO_TREE)).map_err(fail)?;
+    tree.load_vfio().map_err(fail)?;
+    let mut nodes = vec![tree.path("dev/vfio/vfio")];
+    for (address, group) in VFIO_GPUS {
+        tree.vfio_device(&PciSpec {
+            address: address.to_owned(),
+            vendor: 0x10de,
+            device: 0x2236,
+            class: 0x030200,
+            numa: -1,
+            iommu_group: group,
+        })
+        .map_err(fail)?;
+        nodes.push(tree.path(&format!("dev/vfio/{group}")));
+    }
+    for path in nodes {
+        std::fs::remove_file(&path).map_err(fail)?;
+        let status = std::process::Command::new("mknod")
+            .arg(&path)
+            .args(["c", "1", "3"])
+            .status()
+            .map_err(fail)?;
+        if !status.success() {
+            return Err(format!("mknod {}: {status}", path.display()));
+        }
+    }
     Ok(())
 }
 
-/// Installs the chart with `ci/whole-node-values.yaml` and waits for its three resources on
+/// Installs the chart with `ci/whole-node-values.yaml` and waits for its four resources on
 /// the Node; returns the release and how long install → all allocatable took.
 pub async fn install(node: &Node, client: &kube::Client) -> Result<(Release, Duration), String> {
     make_host_devices(node)?;
     let release = support::helm_release(node, "whole-node")?;
     let started = Instant::now();
     release.install(node)?;
-    for (resource, count) in [(NPU, 8), (TESTDEV, 2), (COLA, 2)] {
+    for (resource, count) in [(NPU, 8), (TESTDEV, 2), (COLA, 2), (VFIO, 2)] {
         support::wait_node_resource(client, resource, Duration::from_secs(90), move |a, _| {
             a == Some(count)
         })
@@ -51,7 +94,7 @@ pub fn reach_the_container(node: &'static Node) -> Outcome {
         let client = node.client().await?;
         let (release, took) = install(node, &client).await?;
         figure(&format!(
-            "helm install (rendered chart applied) → {NPU}, {TESTDEV} and {COLA} allocatable on the Node: {:.1} s",
+            "helm install (rendered chart applied) → {NPU}, {TESTDEV}, {COLA} and {VFIO} allocatable on the Node: {:.1} s",
             took.as_secs_f64()
         ));
         let ns = Namespace::create(node, "dp-backends")?;
@@ -120,6 +163,39 @@ pub fn reach_the_container(node: &'static Node) -> Outcome {
         assert!(
             mount.contains(" ro,") || mount.contains(" ro "),
             "read-only mount: {mount}"
+        );
+
+        // vfio: a GPU for a VM, as KubeVirt's virt-launcher finds it: its group's node and
+        // the container node, and its address in PCI_RESOURCE_<NAME>.
+        let script = "env | sort\nls -l /dev/vfio/";
+        support::apply(node, &[support::pod(&ns.name, "vm", &[(VFIO, 1)], script)])?;
+        support::wait_pod(
+            &client,
+            &ns.name,
+            "vm",
+            Duration::from_secs(60),
+            support::running,
+        )
+        .await?;
+        let out = support::container_output(node, &ns.name, "vm", Duration::from_secs(30)).await?;
+        let address = support::env_value(&out, "PCI_RESOURCE_EXAMPLE_COM_VFIO")
+            .ok_or_else(|| format!("no PCI_RESOURCE_EXAMPLE_COM_VFIO in the container:\n{out}"))?;
+        let (_, group) = VFIO_GPUS
+            .iter()
+            .find(|(a, _)| *a == address)
+            .ok_or_else(|| format!("PCI_RESOURCE_EXAMPLE_COM_VFIO={address}: not one GPU"))?;
+        for name in ["vfio".to_owned(), group.to_string()] {
+            assert!(
+                out.lines()
+                    .any(|l| l.starts_with('c') && l.ends_with(&format!(" {name}"))),
+                "/dev/vfio/{name} is a character device in the container:\n{out}"
+            );
+        }
+        let other = VFIO_GPUS.iter().find(|(a, _)| *a != address).map(|g| g.1);
+        assert!(
+            !out.lines()
+                .any(|l| other.is_some_and(|g| l.ends_with(&format!(" {g}")))),
+            "the other GPU's group is not in the container:\n{out}"
         );
 
         // Asking for more than the node has: Pending, with the scheduler's reason.

@@ -1,7 +1,7 @@
 //! The node's lifecycle around devplug: a kubelet restart, a rolling update of the DaemonSet
 //! with pods created throughout, a node reboot with device pods on it, and the uninstall.
 
-use crate::device_plugins::{self, COLA, NPU, TESTDEV};
+use crate::device_plugins::{self, COLA, NPU, TESTDEV, VFIO};
 use crate::support::{self, figure, AllocatableSampler, Namespace};
 use crate::Outcome;
 use devplug_testkit::node::{Node, KUBELET_ROOT};
@@ -415,7 +415,7 @@ pub fn uninstall(node: &'static Node) -> Outcome {
         let (release, _) = device_plugins::install(node, &client).await?;
         let started = Instant::now();
         release.delete_objects(node)?;
-        for resource in [NPU, TESTDEV, COLA] {
+        for resource in [NPU, TESTDEV, COLA, VFIO] {
             support::wait_node_resource(&client, resource, Duration::from_secs(60), |a, _| {
                 a == Some(0)
             })
@@ -428,7 +428,7 @@ pub fn uninstall(node: &'static Node) -> Outcome {
         // Helm's post-delete hook: the Job waits out the kubelet's 5-minute grace, then removes
         // the resources the kubelet would keep at capacity 0 forever.
         let took = release.run_post_delete_hooks(node, Duration::from_secs(600))?;
-        for resource in [NPU, TESTDEV, COLA] {
+        for resource in [NPU, TESTDEV, COLA, VFIO] {
             let (allocatable, capacity) = support::node_resource(&client, resource).await?;
             assert_eq!(
                 (allocatable, capacity),
@@ -437,7 +437,7 @@ pub fn uninstall(node: &'static Node) -> Outcome {
             );
         }
         figure(&format!(
-            "uninstall: post-delete Job removed the three resources from the Node after {:.0} s (the kubelet's 5-minute grace)",
+            "uninstall: post-delete Job removed the four resources from the Node after {:.0} s (the kubelet's 5-minute grace)",
             took.as_secs_f64()
         ));
         let left: Vec<String> =

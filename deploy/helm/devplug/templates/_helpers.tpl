@@ -134,7 +134,7 @@ backends (nvidia, amdgpu, intel_gpu write a spec by default), whether from gpu.v
 in config.resources.
 */}}
 {{- define "devplug.cdi" -}}
-{{- range (include "devplug.config" . | fromYaml).resources }}{{ if or .dra .nvidia .amdgpu .intel_gpu }}true{{ end }}{{ end }}
+{{- range (include "devplug.config" . | fromYaml).resources }}{{ if or .dra .nvidia .amdgpu .intel_gpu .vfio .qat .ascend .fpga }}true{{ end }}{{ end }}
 {{- end }}
 
 {{/*
