@@ -1,11 +1,13 @@
 //! Benchmarks of devplug through the kubelet simulator, printed as a table for
 //! `docs/benchmarks.md`. Run with `cargo build --release -p devplug-cli && cargo run --release -p devplug-bench`;
 //! `devplug-bench gpus` runs only the AMD/Intel GPU backend figures (no `devplug` binary needed),
+//! `devplug-bench accelerators` only the vfio, qat, ascend and fpga figures,
 //! `devplug-bench nvidia` only the NVIDIA backend's, `devplug-bench routes` only kubelet
 //! restart → streaming by registration route and the PodResources call cost, `devplug-bench dra`
 //! the DRA figures (slice publish latency, NodePrepareResources; needs `KUBEBUILDER_ASSETS`).
 //! Figures depend on the machine; this is not a test and asserts nothing.
 
+mod accelerators;
 mod backends;
 mod dra;
 mod gpus;
@@ -38,6 +40,12 @@ async fn main() -> anyhow::Result<()> {
     if std::env::args().nth(1).as_deref() == Some("gpus") {
         return gpu_figures(cpu_before).await;
     }
+    if std::env::args().nth(1).as_deref() == Some("accelerators") {
+        accelerators::discovery().await?;
+        accelerators::change_latency().await?;
+        print_machine(cpu_before);
+        return Ok(());
+    }
     if std::env::args().nth(1).as_deref() == Some("nvidia") {
         nvidia::preferred().await?;
         nvidia::start_to_registered().await?;
@@ -68,6 +76,8 @@ async fn main() -> anyhow::Result<()> {
     gpus::late_driver().await?;
     gpus::change_latency().await?;
     gpus::preferred().await?;
+    accelerators::discovery().await?;
+    accelerators::change_latency().await?;
     nvidia::preferred().await?;
     nvidia::start_to_registered().await?;
     nvidia::xid_to_unhealthy().await?;
