@@ -59,6 +59,7 @@ RELEASES = {
     "all-options": {
         "hostdev": {"enabled": True},
         "nodeEvents": {"enabled": True},
+        "dra": {"cdiDir": "/var/run/cdi", "deviceClasses": True, "extendedResources": True},
         "kubeletDir": "/var/snap/microk8s/common/var/lib/kubelet/",
         "serviceAccount": {"annotations": {"example.com/owner": "platform"}},
         "imagePullSecrets": [{"name": "registry"}],

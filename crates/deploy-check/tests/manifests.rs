@@ -17,6 +17,7 @@ use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimTemplate};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
@@ -34,6 +35,8 @@ enum Object {
     RoleBinding(RoleBinding),
     Policy(Box<ValidatingAdmissionPolicy>),
     PolicyBinding(Box<ValidatingAdmissionPolicyBinding>),
+    DeviceClass(Box<DeviceClass>),
+    ClaimTemplate(Box<ResourceClaimTemplate>),
 }
 
 fn typed(doc: &Value) -> Result<Object, String> {
@@ -56,6 +59,12 @@ fn typed(doc: &Value) -> Result<Object, String> {
         }
         ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding") => {
             strict(doc).map(|b| Object::PolicyBinding(Box::new(b)))
+        }
+        ("resource.k8s.io/v1", "DeviceClass") => {
+            strict(doc).map(|c| Object::DeviceClass(Box::new(c)))
+        }
+        ("resource.k8s.io/v1", "ResourceClaimTemplate") => {
+            strict(doc).map(|t| Object::ClaimTemplate(Box::new(t)))
         }
         _ => {
             return Err(format!(
@@ -582,6 +591,48 @@ fn example_pods_are_strictly_valid() {
     }
 }
 
+/// Each DRA example (`deploy/examples/dra/<feature>/manifests.yaml`): classes, claim templates
+/// and pods, strictly typed; a class selects a driver that the example's config serves.
+#[test]
+fn dra_examples_are_strictly_valid() {
+    let dir = repo_root().join("deploy/examples/dra");
+    let mut features: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    features.sort();
+    assert!(features.len() >= 3, "{features:?}");
+    for feature in features {
+        let config = std::fs::read_to_string(feature.join("config.yaml")).unwrap();
+        let objects = load_ok(&[feature.join("manifests.yaml")]);
+        assert!(
+            objects.iter().any(|o| matches!(o, Object::Pod(_))),
+            "{feature:?}: no pod"
+        );
+        for object in objects {
+            if let Object::DeviceClass(class) = object {
+                let selects = class
+                    .spec
+                    .selectors
+                    .iter()
+                    .flatten()
+                    .filter_map(|s| s.cel.as_ref())
+                    .any(|cel| {
+                        cel.expression
+                            .split('"')
+                            .nth(1)
+                            .is_some_and(|driver| config.contains(&format!("driver: {driver}")))
+                    });
+                assert!(
+                    selects,
+                    "{feature:?}: the class selects no driver of the config"
+                );
+            }
+        }
+    }
+}
+
 /// A change to a document.
 type Mutation = Box<dyn Fn(&mut Value)>;
 
@@ -699,8 +750,10 @@ fn references(objects: &[Object]) -> Vec<String> {
             Object::DaemonSet(d) => Some(&d.metadata.namespace),
             Object::Pod(p) => Some(&p.metadata.namespace),
             Object::Job(j) => Some(&j.metadata.namespace),
+            Object::ClaimTemplate(t) => Some(&t.metadata.namespace),
             // Cluster-scoped, or (node events) in namespace default by design.
-            Object::ClusterRole(_)
+            Object::DeviceClass(_)
+            | Object::ClusterRole(_)
             | Object::ClusterRoleBinding(_)
             | Object::Role(_)
             | Object::RoleBinding(_)
@@ -1061,7 +1114,7 @@ fn rbac_references(objects: &[Object]) -> Vec<String> {
     for o in objects {
         match o {
             Object::PolicyBinding(b) => {
-                let policy = b.spec.as_ref().and_then(|s| s.policy_name.as_deref());
+                let policy = Some(b.spec.policy_name.as_str());
                 if !policies
                     .iter()
                     .any(|p| p.metadata.name.as_deref() == policy)

@@ -68,6 +68,19 @@ fn the_kustomize_config_map_holds_a_valid_config() {
 }
 
 #[test]
+fn the_dra_examples_configs_are_valid() {
+    let dir = repo().join("deploy/examples/dra");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+        let path = entry.path().join("config.yaml");
+        let text = std::fs::read_to_string(&path).unwrap();
+        accepted(&path.display().to_string(), &text);
+        checked += 1;
+    }
+    assert!(checked >= 3, "{checked} examples");
+}
+
+#[test]
 fn the_kustomize_overlays_configs_are_valid() {
     let path = repo().join("deploy/overlays/nvidia/config-patch.yaml");
     let configs = embedded_configs(&path);

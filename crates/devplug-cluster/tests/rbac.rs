@@ -86,7 +86,7 @@ async fn the_uninstall_account_can_do_exactly_what_it_needs() {
         .create_subresource("token", "devplug-uninstall", &pp, &request)
         .await
         .unwrap();
-    let token = issued.status.unwrap().token;
+    let token = issued.status.unwrap().token.unwrap();
     let server = ApiServer::shared("rbac").unwrap();
     let config = server.kubeconfig_for_token("uninstall", &token).unwrap();
     let job = api_server::client(&config).await.unwrap();

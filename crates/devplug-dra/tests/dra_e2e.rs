@@ -3,8 +3,10 @@
 //! for 2 devices with a CEL selector on an attribute, and a Pod using it. The real scheduler
 //! allocates the claim and binds the pod; the kubelet simulator, as the node's kubelet, calls
 //! NodePrepareResources; the CDI spec on disk and the answer match the allocation; the driver
-//! restarting keeps the prepared claim; deleting the pod unprepares; a device turning unhealthy
-//! leaves the slice. Skips loudly without `KUBEBUILDER_ASSETS`.
+//! restarting keeps the prepared claim; a device turning unhealthy stays in the slice with a
+//! NoSchedule taint; a pod that asks for an extended resource, with no claim, gets a device
+//! through a DeviceClass naming it, never the tainted one, which it gets once the device
+//! recovers; deleting the pod unprepares. Skips loudly without `KUBEBUILDER_ASSETS`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
@@ -291,23 +293,118 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
     assert_eq!(again[&uid].as_ref().unwrap(), &prepared);
     assert!(driver.prepared().await.contains_key(&uid));
 
-    // A device turning unhealthy leaves the slice, and comes back.
+    // npu-0 turns unhealthy: it stays in the slice with a NoSchedule taint.
     devices.send_modify(|list| {
         list.set_health("npu-0", Health::unhealthy("test"));
     });
-    until(
-        "npu-0 out of the slice",
-        Duration::from_secs(20),
-        || async { (slice_devices(&slices).await == ["npu-1", "npu-2", "npu-3"]).then_some(()) },
+    let key = devplug_dra::slices::unhealthy_taint_key(DRIVER);
+    until("npu-0 tainted", Duration::from_secs(20), || async {
+        let list = slices
+            .list(
+                &ListParams::default()
+                    .fields(&format!("spec.nodeName={NODE},spec.driver={DRIVER}")),
+            )
+            .await
+            .ok()?;
+        let tainted: Vec<String> = list
+            .items
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .filter(|d| {
+                d.taints
+                    .iter()
+                    .flatten()
+                    .any(|t| t.key == key && t.effect == "NoSchedule")
+            })
+            .map(|d| d.name.clone())
+            .collect();
+        (tainted == ["npu-0"]).then_some(())
+    })
+    .await;
+    assert_eq!(slice_devices(&slices).await.len(), 4);
+
+    // A pod written for the device plugin: `limits: {example.com/npu: 1}`, no claim. A class
+    // naming that extended resource makes the scheduler claim a device of our driver for it
+    // (the Node has no example.com/npu of its own). npu-2 and npu-3 are taken and npu-0 is
+    // tainted: it gets npu-1.
+    classes
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": "npu-extended" },
+                "spec": {
+                    "selectors": [{ "cel": { "expression": format!("device.driver == \"{DRIVER}\"") } }],
+                    "extendedResourceName": "example.com/npu",
+                },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let plain = |name: &str| -> Pod {
+        serde_json::from_value(json!({
+            "metadata": { "name": name },
+            "spec": { "containers": [{ "name": "main", "image": "example.invalid/plain",
+                "resources": { "limits": { "example.com/npu": "1" } } }] },
+        }))
+        .unwrap()
+    };
+    let extended_device = |name: &'static str| {
+        let pods = pods.clone();
+        let claims = claims.clone();
+        async move {
+            let pod = pods.get(name).await.ok()?;
+            pod.spec.as_ref()?.node_name.as_ref()?;
+            let status = pod.status?.extended_resource_claim_status?;
+            assert_eq!(status.request_mappings[0].resource_name, "example.com/npu");
+            let claim = claims.get(&status.resource_claim_name).await.ok()?;
+            let results = claim.status?.allocation?.devices?.results?;
+            assert_eq!(results.len(), 1, "{results:?}");
+            assert_eq!(results[0].driver, DRIVER);
+            Some(results[0].device.clone())
+        }
+    };
+    pods.create(&PostParams::default(), &plain("plain"))
+        .await
+        .unwrap();
+    let got = until(
+        "the plain pod bound with its extended-resource claim",
+        Duration::from_secs(60),
+        || extended_device("plain"),
     )
     .await;
+    assert_eq!(got, "npu-1", "the untainted free device");
+
+    // A second such pod: only the tainted npu-0 is left, so it waits; npu-0 recovers, the
+    // taint goes, and the pod gets it.
+    pods.create(&PostParams::default(), &plain("plain-2"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let waiting = pods.get("plain-2").await.unwrap();
+    assert!(
+        waiting
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_ref())
+            .is_none(),
+        "no pod is scheduled onto a tainted device"
+    );
     devices.send_modify(|list| {
         list.set_health("npu-0", Health::Healthy);
     });
-    until("npu-0 back", Duration::from_secs(20), || async {
-        (slice_devices(&slices).await.len() == 4).then_some(())
-    })
+    let got = until(
+        "plain-2 bound once npu-0 recovered",
+        Duration::from_secs(60),
+        || extended_device("plain-2"),
+    )
     .await;
+    assert_eq!(got, "npu-0");
+    for name in ["plain", "plain-2"] {
+        pods.delete(name, &DeleteParams::default().grace_period(0))
+            .await
+            .unwrap();
+    }
 
     // The pod is deleted: the kubelet unprepares its claim.
     pods.delete("trainer", &DeleteParams::default().grace_period(0))

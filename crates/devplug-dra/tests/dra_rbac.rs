@@ -67,7 +67,7 @@ async fn token(accounts: &Api<ServiceAccount>, account: &str, node: Option<&str>
         .create_subresource("token", account, &PostParams::default(), &request)
         .await
         .unwrap();
-    issued.status.unwrap().token
+    issued.status.unwrap().token.unwrap()
 }
 
 async fn client_for(server: &ApiServer, name: &str, token: &str) -> kube::Client {

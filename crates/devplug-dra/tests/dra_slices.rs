@@ -242,9 +242,9 @@ async fn devices_appear_with_attributes_capacity_and_owner() {
     ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
-async fn a_change_bumps_the_generation_and_unhealthy_devices_leave_and_return() {
+async fn a_change_bumps_the_generation_and_unhealthy_devices_are_tainted_until_they_recover() {
     let Some(s) = setup(
-        "a_change_bumps_the_generation_and_unhealthy_devices_leave_and_return",
+        "a_change_bumps_the_generation_and_unhealthy_devices_are_tainted_until_they_recover",
         "slices-gen",
     )
     .await
@@ -283,21 +283,47 @@ async fn a_change_bumps_the_generation_and_unhealthy_devices_leave_and_return() 
         Some("x2")
     );
 
-    // npu-1 turns unhealthy: it leaves the slice.
+    // npu-1 turns unhealthy: it stays, with a NoSchedule taint saying why, which the API
+    // server keeps (DRADeviceTaints is on in 1.36).
     let mut sick = second.clone();
     assert!(sick.set_health("npu-1", Health::unhealthy("XID 79")));
     tx.send_replace(sick.clone());
     let published = publisher.wait_published(&sick).await.unwrap();
-    assert_eq!((published.generation, published.devices), (3, 3));
-    let names = device_names(&slices(&s.api, &s.node).await);
-    assert_eq!(names, ["npu-0", "npu-2", "npu-3"]);
+    assert_eq!((published.generation, published.devices), (3, 4));
+    let taints = |all: &BTreeMap<String, ResourceSlice>| -> Vec<(String, String, String, bool)> {
+        all.values()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .flat_map(|d| {
+                d.taints.iter().flatten().map(|t| {
+                    (
+                        d.name.clone(),
+                        t.key.clone(),
+                        format!("{}={}", t.value.clone().unwrap_or_default(), t.effect),
+                        t.time_added.is_some(),
+                    )
+                })
+            })
+            .collect()
+    };
+    let all = slices(&s.api, &s.node).await;
+    assert_eq!(device_names(&all), ["npu-0", "npu-1", "npu-2", "npu-3"]);
+    assert_eq!(
+        taints(&all),
+        [(
+            "npu-1".to_owned(),
+            format!("{DRIVER}/unhealthy"),
+            "XID-79=NoSchedule".to_owned(),
+            true
+        )]
+    );
 
-    // And comes back.
+    // And comes back: the taint goes.
     tx.send_replace(second.clone());
     let published = publisher.wait_published(&second).await.unwrap();
     assert_eq!((published.generation, published.devices), (4, 4));
-    let names = device_names(&slices(&s.api, &s.node).await);
-    assert_eq!(names, ["npu-0", "npu-1", "npu-2", "npu-3"]);
+    let all = slices(&s.api, &s.node).await;
+    assert_eq!(device_names(&all), ["npu-0", "npu-1", "npu-2", "npu-3"]);
+    assert!(taints(&all).is_empty());
 
     // A burst is coalesced: only the newest list needs to reach the server.
     let mut last = second.clone();
@@ -623,7 +649,7 @@ async fn the_rbac_rules_are_enough() {
         .unwrap();
     let server = devplug_testkit::api_server::ApiServer::shared("rbac").unwrap();
     let config = server
-        .kubeconfig_for_token("dra-slices", &issued.status.unwrap().token)
+        .kubeconfig_for_token("dra-slices", &issued.status.unwrap().token.unwrap())
         .unwrap();
     let driver = devplug_testkit::api_server::client(&config).await.unwrap();
 

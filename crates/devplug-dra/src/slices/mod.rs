@@ -15,9 +15,12 @@
 //!   duplicates.
 //! - **Owner**: each slice is owned by the Node (so the garbage collector removes them with
 //!   it). Until the Node exists, nothing is published: the Node is watched, not polled.
-//! - **Devices**: healthy ones only. An unhealthy device is taken out of the pool, which every
-//!   cluster understands; device taints (`NoSchedule` on a published device) would keep it
-//!   visible, but they are alpha behind the `DRADeviceTaints` gate, so not used yet. Each
+//! - **Devices**: every one. An unhealthy device stays in its slice with a `NoSchedule` taint
+//!   `<driver>/unhealthy` whose value is the reason (`DRADeviceTaints`, beta and on by default
+//!   in Kubernetes 1.36): the scheduler allocates it to no claim that does not tolerate it, and
+//!   `kubectl get resourceslices -o yaml` says why; recovery removes the taint. An API server
+//!   that drops the taints it is sent (the feature off) is noticed on the first write, and from
+//!   then on unhealthy devices are left out of the pool instead. Each
 //!   device is named by [`names::device_name`](crate::names::device_name), carries the
 //!   backend's attributes and capacities (an invalid one is left out with one WARN naming the
 //!   device and the attribute), and a `numa` int attribute from its first NUMA node when the
@@ -35,8 +38,8 @@
 //!
 //! The module, one idea a file:
 //!
-//! - `spec`: what the slices of a device list are ([`slice_specs`]): one pool, healthy devices
-//!   only, [`MAX_DEVICES_PER_SLICE`] a slice.
+//! - `spec`: what the slices of a device list are ([`slice_specs`]): one pool, unhealthy devices
+//!   tainted, [`MAX_DEVICES_PER_SLICE`] a slice.
 //! - `api_device`: one backend device as the API's `Device`: its attributes, capacities and
 //!   `numa`.
 //! - `validate`: the API server's rules for what we write: the driver name, each attribute and
@@ -58,5 +61,8 @@ mod validate;
 
 pub use api_device::NUMA_ATTRIBUTE;
 pub use publisher::{delete_slices, Published, SliceCounters, SliceError, SlicePublisher};
-pub use spec::{slice_specs, Skipped, SliceSpecs, MAX_DEVICES_PER_SLICE};
+pub use spec::{
+    slice_specs, unhealthy_taint_key, Skipped, SliceSpecs, MAX_DEVICES_PER_SLICE,
+    MAX_TAINTED_PER_SLICE,
+};
 pub use validate::{check_driver_name, MAX_DRIVER_NAME_LEN};

@@ -14,14 +14,14 @@
 
 use super::compare::{is_newer, normalized};
 use super::publisher::{selector, Published, SliceCounters};
-use super::spec::{pool_content, spec, PoolContent};
+use super::spec::{pool_content, spec, unhealthy_taint_key, PoolContent, Unhealthy};
 use devplug::DeviceList;
 use futures_util::future::join_all;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1 as api;
 use k8s_openapi::api::resource::v1::ResourceSlice;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::Api;
@@ -83,6 +83,12 @@ pub(super) struct Run {
     changed_at: Option<Instant>,
     /// Set by a resync: the watches are to be started again from a fresh list.
     restart_watches: bool,
+    /// When each unhealthy device was first seen so (its taint's `timeAdded`).
+    unhealthy_since: BTreeMap<String, Time>,
+    /// False once the API server dropped the taints we wrote: unhealthy devices left out.
+    taints_kept: bool,
+    /// Set when the content changed after a write (taints dropped): publish again.
+    republish: bool,
 }
 
 impl Run {
@@ -113,6 +119,9 @@ impl Run {
             warned: HashSet::new(),
             changed_at: None,
             restart_watches: false,
+            unhealthy_since: BTreeMap::new(),
+            taints_kept: true,
+            republish: false,
         }
     }
 
@@ -284,6 +293,7 @@ impl Run {
                 () = stop.cancelled() => return,
                 result = self.reconcile() => result,
             };
+            dirty |= std::mem::take(&mut self.republish);
             match result {
                 Ok(()) => {
                     self.counters.consecutive_failures.store(0, Relaxed);
@@ -309,7 +319,30 @@ impl Run {
 
     /// Takes a new device list: its pool content, and one WARN for each new problem.
     fn set_list(&mut self, list: DeviceList) {
-        self.content = pool_content(&list);
+        // Seconds, as the API server keeps a time: what we write is what we read back.
+        let now = Time(
+            k8s_openapi::jiff::Timestamp::from_second(
+                k8s_openapi::jiff::Timestamp::now().as_second(),
+            )
+            .unwrap_or_else(|_| k8s_openapi::jiff::Timestamp::now()),
+        );
+        self.unhealthy_since
+            .retain(|id, _| list.get(id).is_some_and(|d| !d.health.is_healthy()));
+        for device in list.devices() {
+            if !device.health.is_healthy() && !self.unhealthy_since.contains_key(&device.id) {
+                self.unhealthy_since.insert(device.id.clone(), now.clone());
+            }
+        }
+        let key = unhealthy_taint_key(&self.driver);
+        let unhealthy = if self.taints_kept {
+            Unhealthy::Taint {
+                key: &key,
+                since: &self.unhealthy_since,
+            }
+        } else {
+            Unhealthy::LeaveOut
+        };
+        self.content = pool_content(&list, unhealthy);
         self.list = list;
         self.changed_at = Some(Instant::now());
         if self.warned.len() > MAX_WARNED {
@@ -588,10 +621,18 @@ impl Run {
         }))
         .await;
         let mut failed = None;
+        let sent_taints = puts.iter().any(|(_, slice)| has_taints(&slice.spec));
         for result in written {
             match result {
                 Ok(slice) => {
                     self.counters.writes.fetch_add(1, Relaxed);
+                    if sent_taints && self.taints_kept && !has_taints(&slice.spec) {
+                        // The API server drops the field: the scheduler would see these
+                        // devices as usable. Leave them out instead.
+                        tracing::warn!(driver = %self.driver, node = %self.node, "the API server keeps no device taints (the DRADeviceTaints feature is off); unhealthy devices are left out of the ResourceSlices instead");
+                        self.taints_kept = false;
+                        self.republish = true;
+                    }
                     if let Some(name) = slice.metadata.name.clone() {
                         self.cache.insert(name, slice);
                     }
@@ -628,6 +669,9 @@ impl Run {
         }
         if let Some(err) = failed {
             return Err(err);
+        }
+        if self.republish {
+            self.set_list(self.list.clone());
         }
         self.confirm(wrote);
         Ok(())
@@ -668,4 +712,12 @@ impl Run {
             !same
         });
     }
+}
+
+/// True when some device of `spec` has a taint.
+fn has_taints(spec: &api::ResourceSliceSpec) -> bool {
+    spec.devices
+        .iter()
+        .flatten()
+        .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()))
 }

@@ -1,17 +1,77 @@
-//! What the slices of a device list are: one pool named after the node, healthy devices only,
-//! each named by [`names::device_name`], [`MAX_DEVICES_PER_SLICE`] a slice. Pure functions:
-//! the publisher uses them, tests and tools can too.
+//! What the slices of a device list are: one pool named after the node, each device named by
+//! [`names::device_name`], an unhealthy one tainted `NoSchedule` (or left out where the API
+//! server keeps no taints), [`MAX_DEVICES_PER_SLICE`] a slice ([`MAX_TAINTED_PER_SLICE`] in a
+//! slice with a taint). Pure functions: the publisher uses them, tests and tools can too.
 
 use super::api_device::api_device;
 use crate::names;
-use devplug::DeviceList;
+use devplug::{Device, DeviceList, Health};
 use k8s_openapi::api::resource::v1 as api;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use std::collections::BTreeMap;
 
 /// The most devices one ResourceSlice may hold in `resource.k8s.io/v1` (`ResourceSliceSpec.
-/// devices`: "Must not have more than 128 entries"; 64 when devices use taints or counters,
-/// which we do not).
+/// devices`: "Must not have more than 128 entries").
 pub const MAX_DEVICES_PER_SLICE: usize = 128;
+
+/// The most devices a slice may hold when one of them has a taint (the same field: "If any
+/// device uses taints or consumes counters the limit is 64").
+pub const MAX_TAINTED_PER_SLICE: usize = 64;
+
+/// The taint key of an unhealthy device: `<driver>/unhealthy`; its value says why.
+pub fn unhealthy_taint_key(driver: &str) -> String {
+    format!("{driver}/unhealthy")
+}
+
+/// How unhealthy devices are published.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Unhealthy<'a> {
+    /// Kept, with a `NoSchedule` taint `key` whose value is the reason, added at the time in
+    /// `since` (none: the API server sets it).
+    Taint {
+        key: &'a str,
+        since: &'a BTreeMap<String, Time>,
+    },
+    /// Left out of the pool (an API server that keeps no taints: the `DRADeviceTaints`
+    /// feature off, as before Kubernetes 1.36).
+    LeaveOut,
+}
+
+/// A reason as a label value (a taint's value): letters, digits, `-`, `_`, `.`, at most 63,
+/// alphanumeric at both ends; `None` when nothing is left.
+fn label_value(reason: &str) -> Option<String> {
+    let mut out = String::new();
+    for c in reason.chars() {
+        let c = if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+            c
+        } else {
+            '-'
+        };
+        if !(c == '-' && out.ends_with('-')) {
+            out.push(c);
+        }
+    }
+    let trimmed: String = out
+        .trim_matches(|c: char| !c.is_ascii_alphanumeric())
+        .chars()
+        .take(63)
+        .collect();
+    let trimmed = trimmed.trim_end_matches(|c: char| !c.is_ascii_alphanumeric());
+    (!trimmed.is_empty()).then(|| trimmed.to_owned())
+}
+
+/// The taint an unhealthy device carries.
+fn taint(device: &Device, key: &str, since: &BTreeMap<String, Time>) -> Option<api::DeviceTaint> {
+    let Health::Unhealthy { reason } = &device.health else {
+        return None;
+    };
+    Some(api::DeviceTaint {
+        key: key.to_owned(),
+        value: label_value(reason),
+        effect: "NoSchedule".to_owned(),
+        time_added: since.get(&device.id).cloned(),
+    })
+}
 
 /// A device or attribute left out of the pool, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,10 +101,20 @@ pub(super) struct PoolContent {
 }
 
 /// The ResourceSlice specs for `list`, published by `driver` on `node` at pool `generation`:
-/// healthy devices only, in the backend's order, [`MAX_DEVICES_PER_SLICE`] a slice. A pure
-/// function: the publisher uses it, tests and tools can too.
+/// every device in the backend's order, an unhealthy one with a `NoSchedule` taint
+/// [`unhealthy_taint_key`] (its time left to the API server), [`MAX_DEVICES_PER_SLICE`] a
+/// slice ([`MAX_TAINTED_PER_SLICE`] in a slice with a taint). A pure function: the publisher
+/// uses it, tests and tools can too.
 pub fn slice_specs(driver: &str, node: &str, generation: i64, list: &DeviceList) -> SliceSpecs {
-    let content = pool_content(list);
+    let key = unhealthy_taint_key(driver);
+    let since = BTreeMap::new();
+    let content = pool_content(
+        list,
+        Unhealthy::Taint {
+            key: &key,
+            since: &since,
+        },
+    );
     let count = content.slices.len();
     SliceSpecs {
         specs: content
@@ -77,14 +147,16 @@ pub(super) fn spec(
     }
 }
 
-pub(super) fn pool_content(list: &DeviceList) -> PoolContent {
+pub(super) fn pool_content(list: &DeviceList, unhealthy: Unhealthy<'_>) -> PoolContent {
     let mut skipped = Vec::new();
     let mut names_taken: BTreeMap<String, &str> = BTreeMap::new();
-    let mut devices = Vec::with_capacity(list.healthy_count());
+    let mut devices = Vec::with_capacity(list.len());
     for device in list.devices() {
-        if !device.health.is_healthy() {
-            continue;
-        }
+        let taint = match unhealthy {
+            _ if device.health.is_healthy() => None,
+            Unhealthy::LeaveOut => continue,
+            Unhealthy::Taint { key, since } => taint(device, key, since),
+        };
         let name = names::device_name(&device.id);
         if let Some(first) = names_taken.get(&name) {
             skipped.push(Skipped {
@@ -95,12 +167,27 @@ pub(super) fn pool_content(list: &DeviceList) -> PoolContent {
             continue;
         }
         names_taken.insert(name.clone(), &device.id);
-        devices.push(api_device(device, name, &mut skipped));
+        let mut api = api_device(device, name, &mut skipped);
+        api.taints = taint.map(|t| vec![t]);
+        devices.push(api);
     }
     let mut slices: Vec<Vec<api::Device>> = Vec::new();
-    let mut rest = devices.into_iter().peekable();
-    while rest.peek().is_some() {
-        slices.push(rest.by_ref().take(MAX_DEVICES_PER_SLICE).collect());
+    for device in devices {
+        let full = slices.last().is_none_or(|slice| {
+            let tainted = device.taints.is_some() || slice.iter().any(|d| d.taints.is_some());
+            let limit = if tainted {
+                MAX_TAINTED_PER_SLICE
+            } else {
+                MAX_DEVICES_PER_SLICE
+            };
+            slice.len() >= limit
+        });
+        if full {
+            slices.push(Vec::new());
+        }
+        if let Some(slice) = slices.last_mut() {
+            slice.push(device);
+        }
     }
     if slices.is_empty() {
         slices.push(Vec::new());
@@ -149,13 +236,14 @@ mod tests {
         let list = DeviceList::new(devices);
         let out = slice_specs("npu.example.com", "node-a", 4, &list);
 
-        // 299 healthy devices: 128 + 128 + 43, each slice knowing the count.
+        // 300 devices, npu-2 tainted: 64 in its slice, then 128 + 108, each slice knowing the
+        // count.
         let sizes: Vec<usize> = out
             .specs
             .iter()
             .map(|s| s.devices.as_ref().unwrap().len())
             .collect();
-        assert_eq!(sizes, [128, 128, 43]);
+        assert_eq!(sizes, [64, 128, 108]);
         for spec in &out.specs {
             assert_eq!(spec.driver, "npu.example.com");
             assert_eq!(spec.node_name.as_deref(), Some("node-a"));
@@ -171,11 +259,14 @@ mod tests {
             .iter()
             .map(|d| d.name.as_str())
             .collect();
-        assert_eq!(
-            names[..3],
-            ["gpu-a-a414910b", "npu-1", "npu-3"],
-            "unhealthy npu-2 left out"
-        );
+        assert_eq!(names[..3], ["gpu-a-a414910b", "npu-1", "npu-2"]);
+        let tainted = &first.devices.as_ref().unwrap()[2];
+        let taints = tainted.taints.as_ref().unwrap();
+        assert_eq!(taints.len(), 1);
+        assert_eq!(taints[0].key, "npu.example.com/unhealthy");
+        assert_eq!(taints[0].value.as_deref(), Some("gone"));
+        assert_eq!(taints[0].effect, "NoSchedule");
+        assert!(first.devices.as_ref().unwrap()[3].taints.is_none());
         assert_eq!(attr(first, 0, "model").string.as_deref(), Some("x1"));
         assert_eq!(
             attr(first, 0, "driverVersion").version.as_deref(),
@@ -191,7 +282,7 @@ mod tests {
             Some(7),
             "the backend's numa wins"
         );
-        assert_eq!(attr(first, 2, "numa").int, Some(1));
+        assert_eq!(attr(first, 3, "numa").int, Some(1));
         let d0 = &first.devices.as_ref().unwrap()[0];
         assert_eq!(
             d0.capacity.as_ref().unwrap()["memory"].value.0,
@@ -226,5 +317,22 @@ mod tests {
         assert_eq!(out.skipped.len(), 1);
         assert_eq!(out.skipped[0].device, "GPU-a");
         assert!(out.skipped[0].attribute.is_none());
+    }
+
+    #[test]
+    fn unhealthy_devices_are_left_out_where_taints_are_not_kept_and_reasons_become_values() {
+        let list = DeviceList::new([
+            Device::new("a"),
+            Device::new("b").with_health(Health::unhealthy("XID 79: fallen off the bus")),
+        ]);
+        let content = pool_content(&list, Unhealthy::LeaveOut);
+        assert_eq!(content.slices[0].len(), 1);
+        assert_eq!(
+            label_value("XID 79: fallen off the bus").as_deref(),
+            Some("XID-79-fallen-off-the-bus")
+        );
+        assert_eq!(label_value("  ::  "), None);
+        let long = label_value(&"ab ".repeat(40)).unwrap();
+        assert!(long.len() <= 63 && long.ends_with('b'), "{long}");
     }
 }

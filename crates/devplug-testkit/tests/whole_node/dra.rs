@@ -16,7 +16,7 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
     Box::pin(async move {
         let client = node.client().await?;
         let release = install_and_wait_for_slice(node).await?;
-        let (device, out) = run_example(node, &client).await?;
+        let (device, out) = run_example(node, &client, "basic", "dra-npu-demo").await?;
         let edited: Vec<&str> = out.lines().filter(|l| l.contains(&device)).collect();
         assert!(
             !edited.is_empty(),
@@ -26,7 +26,16 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
             "DRA container env from the CDI spec: {}",
             edited.join(" ")
         ));
-        remove_example(node)?;
+        remove_example(node, "basic")?;
+        // A pod written for the device plugin (limits, no claim) served by the DRA driver
+        // through its DeviceClass's extended resource name.
+        let (device, out) =
+            run_example(node, &client, "extended-resource", "dra-npu-extended").await?;
+        assert!(
+            out.lines().any(|l| l.contains(&device)),
+            "no env names the device allocated for the extended resource, {device}:\n{out}"
+        );
+        remove_example(node, "extended-resource")?;
         release.delete_objects(node)?;
         Ok(())
     })
@@ -120,7 +129,7 @@ async fn says_so(node: &'static Node, runtime: &str) -> Result<(), String> {
         "kubectl describe node does not show the event:\n{described}"
     );
     // What devplug warns of: the claim is prepared, the pod runs, no CDI edit reaches it.
-    let (device, out) = run_example(node, &client).await?;
+    let (device, out) = run_example(node, &client, "basic", "dra-npu-demo").await?;
     assert!(
         !out.lines().any(|l| l.contains(&device)),
         "{runtime} applied the CDI spec after all (the scenario's premise is wrong):\n{out}"
@@ -129,7 +138,7 @@ async fn says_so(node: &'static Node, runtime: &str) -> Result<(), String> {
         "DRA container on {runtime}: Running, no env names its device {device} (the runtime \
          ignored the CDI spec devplug wrote)"
     ));
-    remove_example(node)?;
+    remove_example(node, "basic")?;
     release.delete_objects(node)?;
     Ok(())
 }
@@ -168,16 +177,22 @@ async fn install_and_wait_for_slice(node: &Node) -> Result<support::Release, Str
     Ok(release)
 }
 
-fn example() -> String {
+/// The manifests of `deploy/examples/dra/<name>/`.
+fn example(name: &str) -> String {
     devplug_testkit::node::requirements::repo_root()
-        .join("deploy/examples/dra/basic/manifests.yaml")
+        .join(format!("deploy/examples/dra/{name}/manifests.yaml"))
         .display()
         .to_string()
 }
 
-/// The DRA example applied unchanged and its pod Running: the allocated device and what the
-/// container printed (its env).
-async fn run_example(node: &Node, client: &kube::Client) -> Result<(String, String), String> {
+/// A DRA example applied unchanged and its pod `pod` Running: the device allocated to the
+/// pod's claim and what the container printed (its env).
+async fn run_example(
+    node: &Node,
+    client: &kube::Client,
+    name: &str,
+    pod: &str,
+) -> Result<(String, String), String> {
     // The example's pod runs busybox:1.36: the test image under that name.
     node.ctr(&[
         "images",
@@ -187,18 +202,18 @@ async fn run_example(node: &Node, client: &kube::Client) -> Result<(String, Stri
         "docker.io/library/busybox:1.36",
     ])?;
     let created = Instant::now();
-    node.kubectl(&["apply", "-f", &example()], None)?;
+    node.kubectl(&["apply", "-f", &example(name)], None)?;
     support::wait_pod(
         client,
         "default",
-        "dra-npu-demo",
+        pod,
         Duration::from_secs(90),
         support::running,
     )
     .await
     .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
     figure(&format!(
-        "DRA pod (ResourceClaimTemplate) created → Running: {:.1} s",
+        "DRA pod ({name} example) created → Running: {:.1} s",
         created.elapsed().as_secs_f64()
     ));
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
@@ -212,9 +227,9 @@ async fn run_example(node: &Node, client: &kube::Client) -> Result<(String, Stri
             c.metadata
                 .name
                 .as_deref()
-                .is_some_and(|n| n.starts_with("dra-npu-demo"))
+                .is_some_and(|n| n.starts_with(pod))
         })
-        .ok_or("no ResourceClaim made from the template")?;
+        .ok_or_else(|| format!("no ResourceClaim made for pod {pod}"))?;
     let results = claim
         .status
         .and_then(|s| s.allocation)
@@ -228,7 +243,7 @@ async fn run_example(node: &Node, client: &kube::Client) -> Result<(String, Stri
     let deadline = Instant::now() + Duration::from_secs(30);
     let out = loop {
         let log = node
-            .container_log("default", "dra-npu-demo", "demo")
+            .container_log("default", pod, "demo")
             .unwrap_or_default();
         if log.contains("PATH=") || Instant::now() > deadline {
             break log;
@@ -238,12 +253,12 @@ async fn run_example(node: &Node, client: &kube::Client) -> Result<(String, Stri
     Ok((device, out))
 }
 
-fn remove_example(node: &Node) -> Result<(), String> {
+fn remove_example(node: &Node, name: &str) -> Result<(), String> {
     node.kubectl(
         &[
             "delete",
             "-f",
-            &example(),
+            &example(name),
             "--wait=true",
             "--grace-period=0",
             "--force",

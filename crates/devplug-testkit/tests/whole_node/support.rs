@@ -630,22 +630,24 @@ pub fn reset(node: &Node) {
         ],
         None,
     );
-    let example = node
-        .requirements
-        .repo
-        .join("deploy/examples/dra/basic/manifests.yaml");
-    let _ = node.kubectl(
-        &[
-            "delete",
-            "--ignore-not-found",
-            "--wait=true",
-            "--grace-period=0",
-            "--force",
-            "-f",
-            &example.display().to_string(),
-        ],
-        None,
-    );
+    for name in ["basic", "extended-resource"] {
+        let example = node
+            .requirements
+            .repo
+            .join(format!("deploy/examples/dra/{name}/manifests.yaml"));
+        let _ = node.kubectl(
+            &[
+                "delete",
+                "--ignore-not-found",
+                "--wait=true",
+                "--grace-period=0",
+                "--force",
+                "-f",
+                &example.display().to_string(),
+            ],
+            None,
+        );
+    }
     let namespaces = node
         .kubectl(
             &[
