@@ -16,15 +16,6 @@ const AFU: &str = "d8424dc4a4a3c413f89e433683f9040b";
 const OTHER_AFU: &str = "f7df405cbd7acf7222f144b0b93acd18";
 const INTERFACE: &str = "ce48969398f05f33946d560708be108a";
 
-fn paths(alloc: &kubelet_sim::Allocation) -> Vec<String> {
-    alloc
-        .response
-        .devices
-        .iter()
-        .map(|d| d.container_path.clone())
-        .collect()
-}
-
 #[tokio::test]
 async fn ascend_npus_with_shared_nodes_visible_devices_and_health_from_dev() {
     let tmp = tempfile::tempdir_in(scratch_dir()).unwrap();
@@ -52,7 +43,7 @@ async fn ascend_npus_with_shared_nodes_visible_devices_and_health_from_dev() {
     assert_eq!(two.device_ids, ["davinci0", "davinci1"]);
     assert_eq!(two.env("ASCEND_VISIBLE_DEVICES"), Some("0,1"));
     assert_eq!(
-        paths(&two),
+        support::container_paths(&two),
         [
             "/dev/davinci_manager",
             "/dev/devmm_svm",
@@ -143,7 +134,7 @@ async fn fpga_ports_by_afu_and_by_interface() {
         .allocate("pod", "main", "fpga.example.com/nlb0", 1)
         .await
         .unwrap();
-    assert_eq!(paths(&one), ["/dev/dfl-port.0"]);
+    assert_eq!(support::container_paths(&one), ["/dev/dfl-port.0"]);
     assert_eq!(one.env("FPGA_PORTS"), Some("dfl-port.0"));
 
     // Port 0 is reprogrammed with the other AFU, and its node goes and comes back as the

@@ -55,16 +55,6 @@ async fn serve(tree: &FakeSysfs, backends: Vec<(&str, Arc<dyn Backend>)>) -> (Ku
     support::serve(&tree.path("kubelet/device-plugins"), backends).await
 }
 
-/// Host paths relative to the tree, as the container sees them.
-fn nodes(alloc: &kubelet_sim::Allocation) -> Vec<String> {
-    alloc
-        .response
-        .devices
-        .iter()
-        .map(|d| d.container_path.clone())
-        .collect()
-}
-
 /// Waits until the backend's own list says `id` is unhealthy for `reason`.
 async fn reason(backend: &Arc<dyn Backend>, id: &str, reason: &str) {
     let mut rx = backend.devices();
@@ -138,7 +128,10 @@ async fn gpus_for_vms_one_device_per_iommu_group_with_kubevirt_env_and_cdi() {
         .await
         .unwrap();
     assert_eq!(one.device_ids, ["0000:3b:00.0"]);
-    assert_eq!(nodes(&one), ["/dev/vfio/vfio", "/dev/vfio/30"]);
+    assert_eq!(
+        support::container_paths(&one),
+        ["/dev/vfio/vfio", "/dev/vfio/30"]
+    );
     assert_eq!(
         one.env("PCI_RESOURCE_NVIDIA_COM_GA102GL_A10"),
         Some("0000:3b:00.0,0000:3b:00.1"),
@@ -266,7 +259,7 @@ async fn qat_vfs_by_service_follow_sriov_numvfs() {
     assert_eq!(two.env("QAT1"), Some("0000:3f:00.2"));
     assert_eq!(two.env("QAT2"), None);
     assert_eq!(
-        nodes(&two),
+        support::container_paths(&two),
         ["/dev/vfio/vfio", "/dev/vfio/120", "/dev/vfio/121"]
     );
 

@@ -6,8 +6,8 @@ use crate::{print_row, WAIT};
 use devplug::Backend;
 use devplug_backends::hostdev::PciMatch;
 use devplug_backends::vfio::QatService;
-use devplug_backends::VfioSettings;
 use devplug_backends::{ascend, fpga, vfio, AscendSettings, FpgaSettings, QatSettings};
+use devplug_backends::{NodeBackend, SettingsError, VfioSettings};
 use devplug_testkit::fake_accelerators::{AscendNode, FpgaCard, QatCard};
 use devplug_testkit::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
 use std::sync::Arc;
@@ -67,33 +67,38 @@ fn vfio_settings(tree: &FakeSysfs) -> VfioSettings {
     }
 }
 
+/// Starts a backend 100 times (first scan, CDI spec written, list published) and prints the
+/// times as one row.
+fn start_row(
+    label: &str,
+    want: usize,
+    start: impl Fn() -> Result<NodeBackend, SettingsError>,
+) -> anyhow::Result<()> {
+    let mut samples = Vec::new();
+    for _ in 0..100 {
+        let t = Instant::now();
+        let backend = start()?;
+        let n = backend.devices().borrow().len();
+        samples.push(t.elapsed());
+        anyhow::ensure!(n == want, "{label}: found {n} devices, not {want}");
+    }
+    print_row(label, &mut samples);
+    Ok(())
+}
+
 /// Backend start (first scan, CDI spec written, list published), 100 times each.
 pub async fn discovery() -> anyhow::Result<()> {
     let (_tmp, tree, _) = qat_node()?;
-    let mut samples = Vec::new();
-    for _ in 0..100 {
-        let t = Instant::now();
-        let backend = vfio::start_qat("qat.intel.com/cy", &qat_settings(&tree))?;
-        let n = backend.devices().borrow().len();
-        samples.push(t.elapsed());
-        anyhow::ensure!(n == 64, "found {n} VFs");
-    }
-    print_row(
+    start_row(
         "qat: discovery at start, 4 Gen4 cards × 16 VFs on vfio-pci (+ 8 other vfio devices), CDI spec",
-        &mut samples,
-    );
-    let mut samples = Vec::new();
-    for _ in 0..100 {
-        let t = Instant::now();
-        let backend = vfio::start("example.com/gpu-vm", &vfio_settings(&tree))?;
-        let n = backend.devices().borrow().len();
-        samples.push(t.elapsed());
-        anyhow::ensure!(n == 8, "found {n} GPUs");
-    }
-    print_row(
+        64,
+        || vfio::start_qat("qat.intel.com/cy", &qat_settings(&tree)),
+    )?;
+    start_row(
         "vfio: discovery at start, 8 GPUs on vfio-pci among 76 PCI devices, CDI spec",
-        &mut samples,
-    );
+        8,
+        || vfio::start("example.com/gpu-vm", &vfio_settings(&tree)),
+    )?;
 
     let tmp = tempfile::tempdir_in(scratch_dir())?;
     let tree = FakeSysfs::new(tmp.path())?;
@@ -104,15 +109,9 @@ pub async fn discovery() -> anyhow::Result<()> {
         cdi_dir: tree.path("cdi"),
         ..AscendSettings::default()
     };
-    let mut samples = Vec::new();
-    for _ in 0..100 {
-        let t = Instant::now();
-        let backend = ascend::start("huawei.com/Ascend910", &settings)?;
-        let n = backend.devices().borrow().len();
-        samples.push(t.elapsed());
-        anyhow::ensure!(n == 8, "found {n} NPUs");
-    }
-    print_row("ascend: discovery at start, 8 NPUs, CDI spec", &mut samples);
+    start_row("ascend: discovery at start, 8 NPUs, CDI spec", 8, || {
+        ascend::start("huawei.com/Ascend910", &settings)
+    })?;
 
     let afu = "d8424dc4a4a3c413f89e433683f9040b";
     for region in 0..2u32 {
@@ -131,18 +130,11 @@ pub async fn discovery() -> anyhow::Result<()> {
         cdi_dir: tree.path("cdi"),
         ..FpgaSettings::afu(afu)
     };
-    let mut samples = Vec::new();
-    for _ in 0..100 {
-        let t = Instant::now();
-        let backend = fpga::start("fpga.example.com/nlb0", &settings)?;
-        let n = backend.devices().borrow().len();
-        samples.push(t.elapsed());
-        anyhow::ensure!(n == 4, "found {n} ports");
-    }
-    print_row(
+    start_row(
         "fpga: discovery at start, 2 DFL cards × 2 ports, CDI spec",
-        &mut samples,
-    );
+        4,
+        || fpga::start("fpga.example.com/nlb0", &settings),
+    )?;
     Ok(())
 }
 

@@ -508,10 +508,21 @@ async fn a_dra_only_config_becomes_ready() {
     // and /healthz says so.
     kubelet.stop().await;
     let registry = dir.path().join("plugins_registry");
-    // Moved away at once (devplug makes its socket again in a folder it sees emptied, which
-    // races a recursive delete), then a file in its place.
-    std::fs::rename(&registry, dir.path().join("plugins_registry.gone")).unwrap();
-    std::fs::write(&registry, "oops").unwrap();
+    // Deleted and a file put in its place, again while devplug, which makes its socket anew in
+    // a folder it sees emptied, races the recursive delete.
+    let mut tries = 0;
+    while !registry.is_file() {
+        tries += 1;
+        assert!(
+            tries < 100,
+            "cannot replace {} with a file",
+            registry.display()
+        );
+        if std::fs::remove_dir_all(&registry).is_ok() {
+            let _ = std::fs::write(&registry, "oops");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let mut health = (0, String::new());
     for _ in 0..200 {
         if let Some(answer) = support::http_get(port, "/healthz").await {

@@ -106,3 +106,13 @@ pub fn map(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, String>
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
 }
+
+/// The container paths of the device nodes an allocation gives, in order.
+pub fn container_paths(alloc: &kubelet_sim::Allocation) -> Vec<String> {
+    alloc
+        .response
+        .devices
+        .iter()
+        .map(|d| d.container_path.clone())
+        .collect()
+}
