@@ -67,6 +67,8 @@ fn the_kustomize_config_map_holds_a_valid_config() {
     accepted("deploy/kustomize/configmap.yaml", &configs[0]);
 }
 
+/// The DRA examples' configs: the full build (which a `dra:` resource is deployed with)
+/// accepts each; devplug-lite refuses each, naming the `dra` setting.
 #[test]
 fn the_dra_examples_configs_are_valid() {
     let dir = repo().join("deploy/examples/dra");
@@ -74,7 +76,20 @@ fn the_dra_examples_configs_are_valid() {
     for entry in std::fs::read_dir(&dir).unwrap().flatten() {
         let path = entry.path().join("config.yaml");
         let text = std::fs::read_to_string(&path).unwrap();
-        accepted(&path.display().to_string(), &text);
+        if LITE {
+            let out = Command::new(BIN)
+                .args(["check-config", "--config", path.to_str().unwrap()])
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                !out.status.success() && err.contains(".dra: needs the Kubernetes API client"),
+                "{}: devplug-lite should refuse it: {err}",
+                path.display()
+            );
+        } else {
+            accepted(&path.display().to_string(), &text);
+        }
         checked += 1;
     }
     assert!(checked >= 3, "{checked} examples");

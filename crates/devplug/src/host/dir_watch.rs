@@ -215,13 +215,7 @@ fn arm(watches: &mut Watches, dir: &Path) -> (Armed, FolderState) {
     // us gives up after a few rounds (and is retried later).
     for _ in 0..64 {
         if dir.exists() && !dir.is_dir() {
-            return (
-                Armed::Nothing,
-                FolderState::Broken(format!(
-                    "{} is not a folder; the kubelet's device-plugins folder is meant",
-                    dir.display()
-                )),
-            );
+            return (Armed::Nothing, not_a_folder(dir));
         }
         match watches.add(dir, folder_mask()) {
             Ok(wd) => return (Armed::Folder(wd), FolderState::Present),
@@ -236,10 +230,17 @@ fn arm(watches: &mut Watches, dir: &Path) -> (Armed, FolderState) {
         };
         match watches.add(&ancestor, ancestor_mask()) {
             Ok(wd) => {
-                // Created between our look and the watch? Then go round again.
-                if ancestor.join(&next).is_dir() {
+                // Created between our look and the watch? Then go round again. A file made
+                // there meanwhile sent its event before the watch: say so now, or the folder
+                // would be waited for forever.
+                let below = ancestor.join(&next);
+                if below.is_dir() {
                     let _ = watches.remove(wd);
                     continue;
+                }
+                if below.symlink_metadata().is_ok() {
+                    let _ = watches.remove(wd);
+                    return (Armed::Nothing, not_a_folder(&below));
                 }
                 return (
                     Armed::Ancestor { wd, next },
@@ -254,6 +255,13 @@ fn arm(watches: &mut Watches, dir: &Path) -> (Armed, FolderState) {
         Armed::Nothing,
         FolderState::Broken(format!("{} keeps changing; cannot watch it", dir.display())),
     )
+}
+
+fn not_a_folder(path: &Path) -> FolderState {
+    FolderState::Broken(format!(
+        "{} is not a folder; the kubelet's device-plugins folder is meant",
+        path.display()
+    ))
 }
 
 fn is_missing(err: &io::Error) -> bool {
