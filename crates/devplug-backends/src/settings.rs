@@ -62,6 +62,22 @@ pub(crate) fn check_absolute(field: &str, path: &Path) -> Result<(), SettingsErr
     }
 }
 
+/// Checks the three roots the sysfs backends share: `cdi_dir`, `dev_root`, `sys_root`.
+pub(crate) fn check_roots(
+    cdi_dir: &Path,
+    dev_root: &Path,
+    sys_root: &Path,
+) -> Result<(), SettingsError> {
+    check_absolute("cdi_dir", cdi_dir)?;
+    check_absolute("dev_root", dev_root)?;
+    check_absolute("sys_root", sys_root)
+}
+
+/// `true`, for `#[serde(default = "…")]` on settings that default to on.
+pub(crate) fn yes() -> bool {
+    true
+}
+
 /// Default CDI spec folder of the GPU backends.
 pub(crate) fn default_cdi_dir() -> PathBuf {
     PathBuf::from(crate::cdi::DEFAULT_CDI_DIR)

@@ -2,7 +2,7 @@
 //! naming), CDI spec output, and the sysfs and dev roots (fake trees in tests).
 
 use crate::settings::{
-    check_absolute, default_cdi_dir, default_dev_root, default_sys_root, SettingsError,
+    check_roots, default_cdi_dir, default_dev_root, default_sys_root, yes, SettingsError,
 };
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -48,10 +48,6 @@ impl Default for AmdgpuSettings {
     }
 }
 
-fn yes() -> bool {
-    true
-}
-
 impl AmdgpuSettings {
     /// Checks every field.
     pub fn validate(&self) -> Result<(), SettingsError> {
@@ -72,8 +68,6 @@ impl AmdgpuSettings {
                 ));
             }
         }
-        check_absolute("cdi_dir", &self.cdi_dir)?;
-        check_absolute("dev_root", &self.dev_root)?;
-        check_absolute("sys_root", &self.sys_root)
+        check_roots(&self.cdi_dir, &self.dev_root, &self.sys_root)
     }
 }

@@ -1,8 +1,9 @@
 //! Settings of the `ascend` backend: the environment variable, CDI output, the roots.
 
-use crate::settings::SettingsError;
-use crate::settings::{check_env_name, default_cdi_dir, default_dev_root, default_sys_root};
-use crate::vfio::settings::check_roots;
+use crate::settings::{
+    check_env_name, check_roots, default_cdi_dir, default_dev_root, default_sys_root, yes,
+    SettingsError,
+};
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -52,8 +53,4 @@ impl AscendSettings {
 
 fn visible_devices() -> String {
     "ASCEND_VISIBLE_DEVICES".to_owned()
-}
-
-fn yes() -> bool {
-    true
 }

@@ -1,9 +1,10 @@
 //! Settings of the `fpga` backend: which ports a resource serves (by the AFU they carry and
 //! the interface of their region), the environment variable, CDI output, the roots.
 
-use crate::settings::SettingsError;
-use crate::settings::{check_env_name, default_cdi_dir, default_dev_root, default_sys_root};
-use crate::vfio::settings::check_roots;
+use crate::settings::{
+    check_env_name, check_roots, default_cdi_dir, default_dev_root, default_sys_root, yes,
+    SettingsError,
+};
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -92,10 +93,6 @@ pub(crate) fn canonical_id(value: &str) -> String {
         .filter(|c| *c != '-')
         .map(|c| c.to_ascii_lowercase())
         .collect()
-}
-
-fn yes() -> bool {
-    true
 }
 
 #[cfg(test)]

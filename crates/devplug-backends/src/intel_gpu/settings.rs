@@ -4,7 +4,7 @@
 
 use crate::hostdev::SharePolicy;
 use crate::settings::{
-    check_absolute, default_cdi_dir, default_dev_root, default_sys_root, SettingsError,
+    check_roots, default_cdi_dir, default_dev_root, default_sys_root, yes, SettingsError,
 };
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -85,10 +85,6 @@ fn one() -> u32 {
     1
 }
 
-fn yes() -> bool {
-    true
-}
-
 impl IntelGpuSettings {
     /// Checks every field.
     pub fn validate(&self) -> Result<(), SettingsError> {
@@ -101,8 +97,6 @@ impl IntelGpuSettings {
                 ),
             ));
         }
-        check_absolute("cdi_dir", &self.cdi_dir)?;
-        check_absolute("dev_root", &self.dev_root)?;
-        check_absolute("sys_root", &self.sys_root)
+        check_roots(&self.cdi_dir, &self.dev_root, &self.sys_root)
     }
 }

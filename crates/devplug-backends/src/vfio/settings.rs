@@ -4,7 +4,7 @@
 
 use crate::hostdev::PciMatch;
 use crate::settings::{
-    check_absolute, check_env_name, default_cdi_dir, default_dev_root, default_sys_root,
+    check_env_name, check_roots, default_cdi_dir, default_dev_root, default_sys_root, yes,
     SettingsError,
 };
 use serde::Deserialize;
@@ -207,22 +207,8 @@ impl QatSettings {
     }
 }
 
-pub(crate) fn check_roots(
-    cdi_dir: &std::path::Path,
-    dev_root: &std::path::Path,
-    sys_root: &std::path::Path,
-) -> Result<(), SettingsError> {
-    check_absolute("cdi_dir", cdi_dir)?;
-    check_absolute("dev_root", dev_root)?;
-    check_absolute("sys_root", sys_root)
-}
-
 fn qat_prefix() -> String {
     "QAT".to_owned()
-}
-
-fn yes() -> bool {
-    true
 }
 
 #[cfg(test)]
