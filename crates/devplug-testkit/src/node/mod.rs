@@ -729,14 +729,7 @@ impl Node {
     pub fn make_test_device(&self, n: u32) -> Result<PathBuf, String> {
         let path = PathBuf::from(format!("{}{n}", cleanup::TEST_DEVICE_PREFIX));
         if !path.exists() {
-            let status = Command::new("mknod")
-                .arg(&path)
-                .args(["c", "1", "3"])
-                .status()
-                .map_err(|e| fail("mknod", e))?;
-            if !status.success() {
-                return Err(format!("mknod {}: {status}", path.display()));
-            }
+            make_null_device(&path)?;
         }
         Ok(path)
     }
@@ -803,6 +796,21 @@ pub fn cri_log_text(log: &str) -> String {
         }
     }
     out
+}
+
+/// Makes a character device at `path` that is `/dev/null` (1:3): a device node the runtime
+/// accepts where a test needs one. Needs root.
+pub fn make_null_device(path: &Path) -> Result<(), String> {
+    let status = Command::new("mknod")
+        .arg(path)
+        .args(["c", "1", "3"])
+        .status()
+        .map_err(|e| fail("mknod", e))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("mknod {}: {status}", path.display()))
+    }
 }
 
 #[cfg(test)]

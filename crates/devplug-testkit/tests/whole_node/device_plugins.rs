@@ -56,14 +56,7 @@ fn make_vfio_tree() -> Result<(), String> {
     }
     for path in nodes {
         std::fs::remove_file(&path).map_err(fail)?;
-        let status = std::process::Command::new("mknod")
-            .arg(&path)
-            .args(["c", "1", "3"])
-            .status()
-            .map_err(fail)?;
-        if !status.success() {
-            return Err(format!("mknod {}: {status}", path.display()));
-        }
+        devplug_testkit::node::make_null_device(&path)?;
     }
     Ok(())
 }
