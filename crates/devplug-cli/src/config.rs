@@ -350,6 +350,18 @@ impl ResourceConfig {
             );
         }
         self.settings_check()?;
+        let shared = self
+            .virtual_devices
+            .as_ref()
+            .is_some_and(|v| v.share.is_some());
+        if shared && self.serves_device_plugin() {
+            return Err(
+                "virtual.share: devices shared by capacity are served by DRA only (the device \
+                 plugin API counts whole devices); add dra: { driver: ... } without \
+                 device_plugin, or remove share"
+                    .into(),
+            );
+        }
         if let Some(dra) = &self.dra {
             if self.advertise.is_some() {
                 return Err(
@@ -879,6 +891,9 @@ resources:
             ("resources:\n  - name: a.com/x\n    files: { dir: colas }\n", "resources[0] (a.com/x): files.dir: colas must be an absolute path"),
             ("resources:\n  - name: a.com/x\n    files: { dir: /x, missing: sometimes }\n", "missing"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1, env: 'A-B' }\n", "virtual.env"),
+            ("resources:\n  - name: a.com/x\n    virtual: { count: 1, share: { cores: 100 } }\n", "resources[0] (a.com/x): virtual.share: devices shared by capacity are served by DRA only"),
+            ("resources:\n  - name: a.com/x\n    virtual: { count: 1, share: {} }\n    dra: { driver: x.a.com, device_plugin: true }\n", "virtual.share: devices shared by capacity are served by DRA only"),
+            ("resources:\n  - name: a.com/x\n    virtual: { count: 1, share: { memory: 16GB } }\n    dra: { driver: x.a.com }\n", "resources[0] (a.com/x): virtual.share.memory: \"16GB\" is not a whole quantity"),
             ("resource: []\n", "resource"),
             ("resources: []\n", "the list is empty"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: many }\n", "count"),

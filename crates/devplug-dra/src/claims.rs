@@ -4,9 +4,11 @@
 //! name is another claim). Only results of our driver count. Behind [`ClaimSource`] so that the
 //! prepare path can be driven without an API server where that is the point of a test.
 
+use crate::slices::quantity::parse_quantity;
 use devplug::backend::BoxFuture;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// A claim as the kubelet names it in `NodePrepareResources`.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -36,6 +38,8 @@ pub struct AllocatedDevice {
     pub device: String,
     /// The share of a device with consumable capacity, if any.
     pub share_id: Option<String>,
+    /// What the share consumed of each capacity (empty for a whole device).
+    pub consumed: BTreeMap<String, u64>,
     /// Allocated with admin access (monitoring, maintenance): such a claim may have a device
     /// that other claims have too.
     pub admin_access: bool,
@@ -132,14 +136,28 @@ pub fn our_devices(
         .into_iter()
         .flatten()
         .filter(|r| r.driver == driver)
-        .map(|r| AllocatedDevice {
-            request: r.request.clone(),
-            pool: r.pool.clone(),
-            device: r.device.clone(),
-            share_id: r.share_id.clone(),
-            admin_access: r.admin_access.unwrap_or(false),
+        .map(|r| {
+            let mut consumed = BTreeMap::new();
+            for (name, q) in r.consumed_capacity.iter().flatten() {
+                let value = parse_quantity(&q.0).ok_or_else(|| {
+                    format!(
+                        "ResourceClaim {claim}: device {} consumed {name} {:?}, not a whole \
+                         number",
+                        r.device, q.0
+                    )
+                })?;
+                consumed.insert(name.clone(), value);
+            }
+            Ok(AllocatedDevice {
+                request: r.request.clone(),
+                pool: r.pool.clone(),
+                device: r.device.clone(),
+                share_id: r.share_id.clone(),
+                consumed,
+                admin_access: r.admin_access.unwrap_or(false),
+            })
         })
-        .collect();
+        .collect::<Result<_, String>>()?;
     if ours.is_empty() {
         return Err(format!(
             "ResourceClaim {claim} has no device of driver {driver} in its allocation"

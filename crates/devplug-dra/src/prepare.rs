@@ -22,7 +22,7 @@
 use super::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, PreparedDevice};
 use super::claims::{AllocatedDevice, ClaimRef, ClaimSource};
 use super::names::device_name;
-use devplug::Backend;
+use devplug::{Backend, ContainerEdits};
 use devplug_backends::cdi::{qualified_name, Spec};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -277,8 +277,8 @@ impl Preparer {
             .iter()
             .map(|d| (device_name(&d.id), d))
             .collect();
-        // Requests in allocation order, each with its devices' ids.
-        let mut requests: Vec<(&str, Vec<String>)> = Vec::new();
+        // Requests in allocation order, each with its whole devices' ids and its shares.
+        let mut requests: Vec<Request<'_>> = Vec::new();
         let mut devices: Vec<PreparedDevice> = Vec::new();
         for result in allocated {
             if result.pool != self.pool {
@@ -296,13 +296,23 @@ impl Preparer {
             if let devplug::Health::Unhealthy { reason } = &device.health {
                 return Err(format!("device {} is unhealthy: {reason}", result.device));
             }
-            match requests.iter_mut().find(|(r, _)| *r == result.request) {
-                Some((_, ids)) => {
-                    if !ids.contains(&device.id) {
-                        ids.push(device.id.clone())
-                    }
+            let index = match requests.iter().position(|r| r.name == result.request) {
+                Some(index) => index,
+                None => {
+                    requests.push(Request {
+                        name: &result.request,
+                        whole: Vec::new(),
+                        shares: Vec::new(),
+                    });
+                    requests.len().saturating_sub(1)
                 }
-                None => requests.push((&result.request, vec![device.id.clone()])),
+            };
+            if let Some(request) = requests.get_mut(index) {
+                if result.share_id.is_some() {
+                    request.shares.push((device.id.clone(), &result.consumed));
+                } else if !request.whole.contains(&device.id) {
+                    request.whole.push(device.id.clone());
+                }
             }
             match devices.iter_mut().find(|d| d.device == result.device) {
                 Some(known) => known.request_names.push(result.request.clone()),
@@ -319,16 +329,27 @@ impl Preparer {
         }
         let kind = self.cdi_kind();
         let mut spec = Spec::new(kind.clone());
-        for (request, ids) in &requests {
-            let edits = self
-                .backend
-                .allocate(ids)
-                .map_err(|e| format!("the backend refused devices {ids:?}: {e}"))?;
-            let name = cdi_device_name(&claim.uid, request);
+        for request in &requests {
+            let mut edits = ContainerEdits::default();
+            if !request.whole.is_empty() {
+                let ids = &request.whole;
+                edits = self
+                    .backend
+                    .allocate(ids)
+                    .map_err(|e| format!("the backend refused devices {ids:?}: {e}"))?;
+            }
+            for (id, consumed) in &request.shares {
+                let share = self
+                    .backend
+                    .allocate_share(id, consumed)
+                    .map_err(|e| format!("the backend refused a share of device {id}: {e}"))?;
+                edits = edits.merge(share);
+            }
+            let name = cdi_device_name(&claim.uid, request.name);
             spec = spec.device(name.clone(), &edits);
             if let Some(first) = devices
                 .iter_mut()
-                .find(|d| d.request_names.iter().any(|r| r == request))
+                .find(|d| d.request_names.iter().any(|r| r == request.name))
             {
                 first.cdi_device_ids.push(qualified_name(&kind, &name));
             }
@@ -374,6 +395,17 @@ impl Preparer {
                 self.files.checkpoint.display()
             ));
         }
+        for released in &removed.devices {
+            let still_shared = state.claims.values().any(|other| {
+                other
+                    .devices
+                    .iter()
+                    .any(|d| d.id == released.id && d.share_id.is_some())
+            });
+            if released.share_id.is_some() && !still_shared {
+                self.backend.release_shares(&released.id);
+            }
+        }
         tracing::info!(driver = %self.driver, claim = %claim, "claim unprepared");
         Ok(())
     }
@@ -386,6 +418,14 @@ impl Preparer {
     fn spec_path(&self, uid: &str) -> PathBuf {
         spec_path(&self.files.cdi_dir, &self.driver, uid)
     }
+}
+
+/// One request of a claim as prepared: the ids of the whole devices it got, and its shares of
+/// shared devices with what each consumed.
+struct Request<'a> {
+    name: &'a str,
+    whole: Vec<String>,
+    shares: Vec<(String, &'a BTreeMap<String, u64>)>,
 }
 
 /// Whether a device given this way goes to one claim at a time: not a share of a device with
@@ -560,6 +600,21 @@ mod tests {
         fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
             Ok(ContainerEdits::default().env("NPU_VISIBLE_DEVICES", ids.join(",")))
         }
+        fn allocate_share(
+            &self,
+            id: &str,
+            consumed: &BTreeMap<String, u64>,
+        ) -> Result<ContainerEdits, AllocateError> {
+            let cores = consumed.get("cores").copied().unwrap_or(0);
+            Ok(ContainerEdits::default()
+                .env("NPU_VISIBLE_DEVICES", id)
+                .env("NPU_CORES", cores.to_string()))
+        }
+        fn release_shares(&self, id: &str) {
+            self.0.send_modify(|list| {
+                list.set_health(id, Health::unhealthy("released (test marker)"));
+            });
+        }
     }
 
     struct Fixed(HashMap<String, Vec<AllocatedDevice>>);
@@ -580,6 +635,7 @@ mod tests {
         let (tx, _) = watch::channel(DeviceList::new([Device::new("npu-0")]));
         let shared = |share: &str| AllocatedDevice {
             share_id: Some(share.into()),
+            consumed: BTreeMap::from([("cores".to_owned(), 40)]),
             ..allocated("a", "npu-0")
         };
         let admin = AllocatedDevice {
@@ -616,10 +672,17 @@ mod tests {
             .prepare(&[claim("share-1"), claim("share-2")])
             .await;
         assert!(shares.values().all(Result::is_ok), "{shares:?}");
+        let spec = std::fs::read_to_string(preparer.spec_path("share-1")).unwrap();
+        assert!(spec.contains("NPU_CORES=40"), "the share's limit: {spec}");
+        // The backend hears of it when the last share of a device goes, not before.
+        preparer.unprepare(&[claim("share-1")]).await;
+        assert!(tx.borrow().get("npu-0").unwrap().health.is_healthy());
+        preparer.unprepare(&[claim("share-2")]).await;
+        assert!(!tx.borrow().get("npu-0").unwrap().health.is_healthy());
+        tx.send_modify(|list| {
+            list.set_health("npu-0", Health::Healthy);
+        });
         // Once the shares are gone, the whole device can go to the second claim.
-        preparer
-            .unprepare(&[claim("share-1"), claim("share-2")])
-            .await;
         assert!(preparer.prepare(&[claim("second")]).await["second"].is_ok());
 
         // The holder is gone from the API server (its pod force-deleted, the kubelet yet to
@@ -718,6 +781,7 @@ mod tests {
             pool: "node-a".into(),
             device: device.into(),
             share_id: None,
+            consumed: BTreeMap::new(),
             admin_access: false,
         }
     }

@@ -14,9 +14,9 @@ use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, De
 use devplug_dra::kubelet::{KubeletDirs, Registered};
 use devplug_dra::{DraDriver, DraDriverSettings};
 use devplug_testkit::api_server::{self, ApiServer};
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::Api;
 use kubelet_sim::{DraClaim, Kubelet, SimConfig};
 use serde_json::json;
@@ -89,36 +89,7 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
     server.start_scheduler().unwrap();
     let client = api_server::client(&server.kubeconfig).await.unwrap();
 
-    // The node, schedulable: the not-ready taint added at admission removed, as a node
-    // controller would once the kubelet reports Ready.
-    let nodes: Api<Node> = Api::all(client.clone());
-    let node: Node = serde_json::from_value(json!({
-        "metadata": { "name": NODE, "labels": { "kubernetes.io/hostname": NODE } },
-    }))
-    .unwrap();
-    nodes.create(&PostParams::default(), &node).await.unwrap();
-    nodes
-        .patch(
-            NODE,
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "spec": { "taints": [] } })),
-        )
-        .await
-        .unwrap();
-    nodes
-        .patch_status(
-            NODE,
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "status": {
-                "capacity": { "cpu": "4", "memory": "8Gi", "pods": "110" },
-                "allocatable": { "cpu": "4", "memory": "8Gi", "pods": "110" },
-                "conditions": [{ "type": "Ready", "status": "True", "reason": "Test",
-                                 "lastHeartbeatTime": "2026-01-01T00:00:00Z",
-                                 "lastTransitionTime": "2026-01-01T00:00:00Z" }],
-            } })),
-        )
-        .await
-        .unwrap();
+    api_server::schedulable_node(&client, NODE).await;
 
     // The node's kubelet (the simulator, with its plugin watcher) and devplug's driver.
     let root = tempfile::tempdir().unwrap();

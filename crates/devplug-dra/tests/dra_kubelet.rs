@@ -47,6 +47,7 @@ fn device(request: &str, name: &str) -> AllocatedDevice {
         pool: "node-a".into(),
         device: name.into(),
         share_id: None,
+        consumed: Default::default(),
         admin_access: false,
     }
 }

@@ -170,6 +170,44 @@ pub async fn new_node(nodes: &kube::Api<k8s_openapi::api::core::v1::Node>, prefi
     name
 }
 
+/// Creates a Node named `name` that the scheduler places pods on: Ready, 4 cpu, 8Gi, 110 pods,
+/// the not-ready taint added at admission removed (as a node controller would once the kubelet
+/// reports Ready). Panics on an API error (a test helper).
+pub async fn schedulable_node(client: &kube::Client, name: &str) {
+    use k8s_openapi::api::core::v1::Node;
+    use kube::api::{Patch, PatchParams, PostParams};
+    let nodes: kube::Api<Node> = kube::Api::all(client.clone());
+    let node: Node = match serde_json::from_value(serde_json::json!({
+        "metadata": { "name": name, "labels": { "kubernetes.io/hostname": name } },
+    })) {
+        Ok(node) => node,
+        Err(err) => panic!("a Node from JSON: {err}"),
+    };
+    if let Err(err) = nodes.create(&PostParams::default(), &node).await {
+        panic!("create Node {name}: {err}");
+    }
+    let untaint = serde_json::json!({ "spec": { "taints": [] } });
+    if let Err(err) = nodes
+        .patch(name, &PatchParams::default(), &Patch::Merge(&untaint))
+        .await
+    {
+        panic!("remove the taints of Node {name}: {err}");
+    }
+    let status = serde_json::json!({ "status": {
+        "capacity": { "cpu": "4", "memory": "8Gi", "pods": "110" },
+        "allocatable": { "cpu": "4", "memory": "8Gi", "pods": "110" },
+        "conditions": [{ "type": "Ready", "status": "True", "reason": "Test",
+                         "lastHeartbeatTime": "2026-01-01T00:00:00Z",
+                         "lastTransitionTime": "2026-01-01T00:00:00Z" }],
+    } });
+    if let Err(err) = nodes
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+    {
+        panic!("make Node {name} Ready: {err}");
+    }
+}
+
 /// A control plane of the test's own, for tests that stop, restart or restore it (the shared
 /// [`ApiServer::shared`] must stay up for the others), in a temp folder, with its admin client.
 /// `None` (after the loud `SKIPPED` message) without `KUBEBUILDER_ASSETS`; a start failure

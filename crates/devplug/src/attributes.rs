@@ -26,6 +26,57 @@ pub enum AttributeValue {
     Version(String),
 }
 
+/// How claims consume one capacity of a device shared by capacity (Kubernetes' consumable
+/// capacity, `resource.k8s.io/v1` `DeviceCapacity.requestPolicy`): a claim's request is rounded
+/// up to `min + n × step`; a claim that does not ask for this capacity consumes `default`. The
+/// scheduler keeps the sum of what the shares consumed within the capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharePolicy {
+    /// The least one share consumes.
+    pub min: u64,
+    /// The unit above `min`.
+    pub step: u64,
+    /// What a claim that does not ask for this capacity consumes.
+    pub default: u64,
+}
+
+impl SharePolicy {
+    /// Shares of `step` and its multiples, a claim that names nothing getting one step.
+    pub fn steps_of(step: u64) -> SharePolicy {
+        SharePolicy {
+            min: step,
+            step,
+            default: step,
+        }
+    }
+
+    /// Checks the policy against the capacity's `value` by the API server's rules: `step` at
+    /// least 1, `min + step` at most `value`, `default` one of `min + n × step` within `value`.
+    pub fn check(&self, value: u64) -> Result<(), String> {
+        if self.step == 0 {
+            return Err("step must be at least 1".to_owned());
+        }
+        if self.min.checked_add(self.step).is_none_or(|m| m > value) {
+            return Err(format!(
+                "min ({}) + step ({}) is more than the capacity ({value})",
+                self.min, self.step
+            ));
+        }
+        let aligned = self
+            .default
+            .checked_sub(self.min)
+            .is_some_and(|above| above % self.step == 0);
+        if !aligned || self.default > value {
+            return Err(format!(
+                "default ({}) must be min ({}) plus a multiple of step ({}), at most the \
+                 capacity ({value})",
+                self.default, self.min, self.step
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// A device's attributes and capacities, by name. A name is a C identifier of at most 32
 /// characters (the driver's own domain), or `domain/identifier` for a name another driver or
 /// Kubernetes defines (`resource.kubernetes.io/pciBusID`).
@@ -35,12 +86,21 @@ pub struct DeviceAttributes {
     pub attributes: BTreeMap<String, AttributeValue>,
     /// Capacities (bytes, counts), published as quantities.
     pub capacity: BTreeMap<String, u64>,
+    /// The device is shared by capacity: claims consume parts of its capacities by these
+    /// policies, one for every capacity, and several claims hold it at once (the DRA driver
+    /// publishes it with `allowMultipleAllocations`). Empty: the device goes to one claim.
+    pub shared: BTreeMap<String, SharePolicy>,
 }
 
 impl DeviceAttributes {
     /// True when there is nothing to publish.
     pub fn is_empty(&self) -> bool {
-        self.attributes.is_empty() && self.capacity.is_empty()
+        self.attributes.is_empty() && self.capacity.is_empty() && self.shared.is_empty()
+    }
+
+    /// Whether claims share the device by capacity.
+    pub fn is_shared(&self) -> bool {
+        !self.shared.is_empty()
     }
 
     /// Checks every name and value against the API server's rules; returns what is wrong.
@@ -54,6 +114,22 @@ impl DeviceAttributes {
         }
         for name in self.attributes.keys().chain(self.capacity.keys()) {
             check_name(name)?;
+        }
+        for (name, policy) in &self.shared {
+            let value = self.capacity.get(name).ok_or_else(|| {
+                format!("shared capacity {name}: the device has no capacity of that name")
+            })?;
+            policy
+                .check(*value)
+                .map_err(|e| format!("shared capacity {name}: {e}"))?;
+        }
+        if self.is_shared() {
+            if let Some(name) = self.capacity.keys().find(|n| !self.shared.contains_key(*n)) {
+                return Err(format!(
+                    "capacity {name} has no share policy: on a shared device every capacity \
+                     is consumed, and a claim that does not name it would take all of it"
+                ));
+            }
         }
         for (name, value) in &self.attributes {
             if let AttributeValue::String(s) | AttributeValue::Version(s) = value {
@@ -159,5 +235,69 @@ mod tests {
             attrs.capacity.insert(format!("c{i}"), 1);
         }
         assert!(attrs.check().unwrap_err().contains("at most 32"));
+    }
+
+    #[test]
+    fn share_policies_follow_the_api_servers_rules() {
+        let mut attrs = DeviceAttributes::default();
+        attrs.capacity.insert("cores".into(), 100);
+        attrs.capacity.insert("memory".into(), 16 << 30);
+        attrs
+            .shared
+            .insert("cores".into(), SharePolicy::steps_of(1));
+        assert!(attrs
+            .check()
+            .unwrap_err()
+            .contains("memory has no share policy"));
+        attrs
+            .shared
+            .insert("memory".into(), SharePolicy::steps_of(256 << 20));
+        assert!(attrs.is_shared() && attrs.check().is_ok());
+        attrs
+            .shared
+            .insert("power".into(), SharePolicy::steps_of(1));
+        assert!(attrs
+            .check()
+            .unwrap_err()
+            .contains("no capacity of that name"));
+        attrs.shared.remove("power");
+        let bad = [
+            (
+                SharePolicy {
+                    min: 0,
+                    step: 0,
+                    default: 0,
+                },
+                "step must be",
+            ),
+            (
+                SharePolicy {
+                    min: 50,
+                    step: 60,
+                    default: 50,
+                },
+                "more than the capacity",
+            ),
+            (
+                SharePolicy {
+                    min: 10,
+                    step: 20,
+                    default: 20,
+                },
+                "plus a multiple",
+            ),
+            (
+                SharePolicy {
+                    min: 10,
+                    step: 20,
+                    default: 5,
+                },
+                "plus a multiple",
+            ),
+        ];
+        for (policy, message) in bad {
+            attrs.shared.insert("cores".into(), policy);
+            assert!(attrs.check().unwrap_err().contains(message), "{policy:?}");
+        }
     }
 }

@@ -3,6 +3,7 @@
 
 use crate::device::DeviceList;
 use crate::edits::ContainerEdits;
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use tokio::sync::watch;
@@ -22,6 +23,30 @@ pub trait Backend: Send + Sync + 'static {
     /// The edits for one container that was given `ids`. The host has already checked that the
     /// ids are known and not repeated.
     fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError>;
+
+    /// The edits for one share of device `id`, a device shared by capacity
+    /// ([`crate::DeviceAttributes::shared`]; DRA only), given what the share consumed of each
+    /// capacity (`cores` → 40, `memory` → bytes), as the scheduler recorded it. The edits are
+    /// where the limits reach the container. A backend that publishes shared devices implements
+    /// it; the default refuses, so a share is never handed out as if it were the whole device.
+    fn allocate_share(
+        &self,
+        id: &str,
+        consumed: &BTreeMap<String, u64>,
+    ) -> Result<ContainerEdits, AllocateError> {
+        let _ = consumed;
+        Err(AllocateError::InvalidRequest(format!(
+            "device {id} was allocated as a share, and this backend does not share devices by \
+             capacity"
+        )))
+    }
+
+    /// Called when the last prepared share of device `id` is released (its claims
+    /// unprepared): a backend that runs something per shared device (a sharing daemon) stops
+    /// it here. The default does nothing.
+    fn release_shares(&self, id: &str) {
+        let _ = id;
+    }
 
     /// Which devices to give a container, best effort. Called only when
     /// [`Options::preferred_allocation`] is set. The host cleans the answer up: must-include ids

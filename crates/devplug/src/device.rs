@@ -1,7 +1,7 @@
 //! The device model: a device's id, health, NUMA nodes and (for DRA) attributes, and the list a
 //! backend publishes.
 
-use crate::attributes::{AttributeValue, DeviceAttributes};
+use crate::attributes::{AttributeValue, DeviceAttributes, SharePolicy};
 use devplug_proto::constants::{HEALTHY, MAX_RECV_MESSAGE_BYTES, UNHEALTHY};
 use devplug_proto::v1beta1 as pb;
 use prost::Message;
@@ -126,11 +126,27 @@ impl Device {
         self
     }
 
+    /// The same device shared by capacity (DRA only): a capacity `name` of `value` that claims
+    /// consume parts of by `policy`. A shared device needs a policy for each of its capacities.
+    pub fn with_shared_capacity(
+        mut self,
+        name: impl Into<String>,
+        value: u64,
+        policy: SharePolicy,
+    ) -> Self {
+        let name = name.into();
+        let attributes = self.attributes.get_or_insert_with(Box::default);
+        attributes.capacity.insert(name.clone(), value);
+        attributes.shared.insert(name, policy);
+        self
+    }
+
     /// The device's DRA attributes and capacities (empty when it has none).
     pub fn dra_attributes(&self) -> &DeviceAttributes {
         static NONE: DeviceAttributes = DeviceAttributes {
             attributes: std::collections::BTreeMap::new(),
             capacity: std::collections::BTreeMap::new(),
+            shared: std::collections::BTreeMap::new(),
         };
         self.attributes.as_deref().unwrap_or(&NONE)
     }

@@ -48,6 +48,41 @@ impl ContainerEdits {
         self
     }
 
+    /// These edits and `other`'s, for one container given both: device nodes, mounts and CDI
+    /// devices once each; an env var both set to different values gets both, joined with `,`
+    /// (`VISIBLE_DEVICES=a,b`), in this order; `other`'s annotations win.
+    pub fn merge(mut self, other: ContainerEdits) -> ContainerEdits {
+        for (key, value) in other.envs {
+            match self.envs.get_mut(&key) {
+                Some(mine) if *mine != value => {
+                    mine.push(',');
+                    mine.push_str(&value);
+                }
+                Some(_) => {}
+                None => {
+                    self.envs.insert(key, value);
+                }
+            }
+        }
+        for device in other.devices {
+            if !self.devices.contains(&device) {
+                self.devices.push(device);
+            }
+        }
+        for mount in other.mounts {
+            if !self.mounts.contains(&mount) {
+                self.mounts.push(mount);
+            }
+        }
+        self.annotations.extend(other.annotations);
+        for cdi in other.cdi_devices {
+            if !self.cdi_devices.contains(&cdi) {
+                self.cdi_devices.push(cdi);
+            }
+        }
+        self
+    }
+
     /// The wire form for one container.
     pub fn into_wire(self) -> pb::ContainerAllocateResponse {
         pb::ContainerAllocateResponse {
@@ -77,5 +112,31 @@ impl ContainerEdits {
                 .map(|name| pb::CdiDevice { name })
                 .collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merge_joins_differing_env_and_keeps_nodes_once() {
+        let node = |p: &str| DeviceNode {
+            host_path: p.into(),
+            container_path: p.into(),
+            permissions: "rw".into(),
+        };
+        let mut a = ContainerEdits::default().env("V", "gpu-0").env("SAME", "1");
+        a.devices.push(node("/dev/a"));
+        let mut b = ContainerEdits::default()
+            .env("V", "gpu-1")
+            .env("SAME", "1")
+            .env("N", "x");
+        b.devices.extend([node("/dev/a"), node("/dev/b")]);
+        let merged = a.merge(b);
+        assert_eq!(merged.envs["V"], "gpu-0,gpu-1");
+        assert_eq!(merged.envs["SAME"], "1");
+        assert_eq!(merged.envs["N"], "x");
+        assert_eq!(merged.devices, [node("/dev/a"), node("/dev/b")]);
     }
 }

@@ -20,9 +20,10 @@ pub mod edits;
 pub mod health;
 pub mod host;
 pub mod podresources;
+pub mod quantity;
 mod signal;
 
-pub use attributes::{AttributeValue, DeviceAttributes};
+pub use attributes::{AttributeValue, DeviceAttributes, SharePolicy};
 pub use backend::{
     AllocateError, Backend, BackendWarning, BoxFuture, Options, PreStartError, PreferenceRequest,
 };

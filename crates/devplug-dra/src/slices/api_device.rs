@@ -5,7 +5,7 @@
 use super::quantity::quantity;
 use super::spec::Skipped;
 use super::validate::{check_attribute, check_capacity};
-use devplug::attributes::{AttributeValue, MAX_PER_DEVICE};
+use devplug::attributes::{AttributeValue, SharePolicy, MAX_PER_DEVICE};
 use devplug::Device;
 use k8s_openapi::api::resource::v1 as api;
 use std::collections::BTreeMap;
@@ -47,7 +47,7 @@ pub(super) fn api_device(device: &Device, name: String, skipped: &mut Vec<Skippe
                     key.clone(),
                     api::DeviceCapacity {
                         value: quantity(value),
-                        ..Default::default()
+                        request_policy: given.shared.get(key).map(request_policy),
                     },
                 );
             }
@@ -68,7 +68,21 @@ pub(super) fn api_device(device: &Device, name: String, skipped: &mut Vec<Skippe
         name,
         attributes: (!attributes.is_empty()).then_some(attributes),
         capacity: (!capacity.is_empty()).then_some(capacity),
+        allow_multiple_allocations: given.is_shared().then_some(true),
         ..Default::default()
+    }
+}
+
+/// A share policy as the API's request policy: a range from `min` in `step`s, and the default.
+fn request_policy(policy: &SharePolicy) -> api::CapacityRequestPolicy {
+    api::CapacityRequestPolicy {
+        default: Some(quantity(policy.default)),
+        valid_range: Some(api::CapacityRequestPolicyRange {
+            min: quantity(policy.min),
+            step: Some(quantity(policy.step)),
+            max: None,
+        }),
+        valid_values: None,
     }
 }
 
@@ -107,5 +121,36 @@ mod tests {
         assert_eq!(attrs.len(), MAX_PER_DEVICE);
         assert!(!attrs.contains_key("numa"), "no room left");
         assert_eq!(out.skipped.len(), 8);
+    }
+
+    #[test]
+    fn a_shared_device_allows_multiple_allocations_with_its_policies() {
+        let device = Device::new("gpu")
+            .with_shared_capacity("cores", 100, SharePolicy::steps_of(1))
+            .with_shared_capacity("memory", 16 << 30, SharePolicy::steps_of(256 << 20));
+        let out = slice_specs("d.example.com", "n", 1, &DeviceList::new([device]));
+        let published = &out.specs[0].devices.as_ref().unwrap()[0];
+        assert_eq!(published.allow_multiple_allocations, Some(true));
+        let memory = &published.capacity.as_ref().unwrap()["memory"];
+        let policy = memory.request_policy.as_ref().unwrap();
+        assert_eq!(policy.default.as_ref().unwrap().0, "268435456");
+        let range = policy.valid_range.as_ref().unwrap();
+        assert_eq!(
+            (
+                range.min.0.as_str(),
+                range.step.as_ref().unwrap().0.as_str()
+            ),
+            ("268435456", "268435456")
+        );
+        let whole = slice_specs("d.example.com", "n", 1, &DeviceList::new([npu()]));
+        let published = &whole.specs[0].devices.as_ref().unwrap()[0];
+        assert_eq!(published.allow_multiple_allocations, None);
+        assert!(published.capacity.as_ref().unwrap()["memory"]
+            .request_policy
+            .is_none());
+    }
+
+    fn npu() -> Device {
+        Device::new("npu").with_capacity("memory", 1 << 30)
     }
 }

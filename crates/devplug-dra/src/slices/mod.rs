@@ -54,7 +54,7 @@
 mod api_device;
 mod compare;
 mod publisher;
-mod quantity;
+pub(crate) mod quantity;
 mod reconcile;
 mod spec;
 mod validate;

@@ -1,0 +1,288 @@
+//! Devices shared by capacity, scheduled for real: a real etcd, kube-apiserver and
+//! kube-scheduler (1.36), devplug's DRA driver publishing two virtual GPUs of 100 `cores` and
+//! 16Gi `memory` each with `allowMultipleAllocations`, and four pods whose claims ask for 40, 40,
+//! 40 and 70 cores. The scheduler packs the first three (two share one device, the third gets
+//! the other) and leaves the fourth unallocated (20 and 60 cores are left). The kubelet
+//! simulator prepares two shares of one device: each container's CDI edits carry the device and
+//! what that share got. Skips loudly without `KUBEBUILDER_ASSETS`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
+use devplug::Backend;
+use devplug_backends::virtual_devices::{VirtualBackend, VirtualSettings, VirtualShare};
+use devplug_dra::kubelet::{KubeletDirs, Registered};
+use devplug_dra::{DraDriver, DraDriverSettings};
+use devplug_testkit::api_server::{self, ApiServer};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice,
+};
+use kube::api::{ListParams, PostParams};
+use kube::Api;
+use kubelet_sim::{DraClaim, Kubelet, SimConfig};
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const DRIVER: &str = "gpu.example.com";
+const NODE: &str = "dra-sharing-node";
+const NS: &str = "dra-sharing";
+
+async fn until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The claim's one result, once the scheduler allocated it.
+async fn allocation(
+    claims: &Api<ResourceClaim>,
+    name: &str,
+) -> Option<DeviceRequestAllocationResult> {
+    let claim = claims.get(name).await.ok()?;
+    let results = claim.status?.allocation?.devices?.results?;
+    assert_eq!(results.len(), 1, "{results:?}");
+    results.into_iter().next()
+}
+
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
+)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
+    let Some(server) =
+        ApiServer::shared("the_scheduler_packs_shares_and_each_container_gets_its_limits")
+    else {
+        return;
+    };
+    server.start_scheduler().unwrap();
+    let client = api_server::client(&server.kubeconfig).await.unwrap();
+    api_server::schedulable_node(&client, NODE).await;
+
+    // The node's kubelet (the simulator) and devplug's driver for two shared virtual GPUs.
+    let root = tempfile::tempdir().unwrap();
+    let device_plugins = root.path().join("device-plugins");
+    std::fs::create_dir_all(&device_plugins).unwrap();
+    let config = SimConfig {
+        watcher_reconcile: Duration::from_millis(50),
+        ..SimConfig::default()
+    }
+    .with_watcher_beside(&device_plugins);
+    let kubelet = Kubelet::start_with(&device_plugins, config).await.unwrap();
+    let settings = VirtualSettings {
+        env: "GPU_VISIBLE_DEVICES".into(),
+        id_prefix: "gpu-".into(),
+        share: Some(VirtualShare {
+            cores: 100,
+            memory: Some("16Gi".into()),
+            memory_step: "1Gi".into(),
+        }),
+        ..VirtualSettings::new(2)
+    };
+    let backend: Arc<dyn Backend> = Arc::new(VirtualBackend::new(&settings).unwrap());
+    let driver_settings = DraDriverSettings {
+        driver: DRIVER.into(),
+        node: NODE.into(),
+        dirs: KubeletDirs::beside(&device_plugins),
+        cdi_dir: root.path().join("cdi"),
+    };
+    let driver = DraDriver::start(driver_settings.clone(), backend, client.clone())
+        .await
+        .unwrap();
+    let mut registered = driver.registered();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        registered.wait_for(|r| *r == Registered::Yes),
+    )
+    .await
+    .expect("the kubelet registered the driver")
+    .unwrap();
+
+    // Both devices are published as shareable, with their capacities' policies.
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let published = until("2 shared devices", Duration::from_secs(20), || async {
+        let list = slices
+            .list(
+                &ListParams::default()
+                    .fields(&format!("spec.nodeName={NODE},spec.driver={DRIVER}")),
+            )
+            .await
+            .ok()?;
+        let devices: Vec<_> = list
+            .items
+            .into_iter()
+            .flat_map(|s| s.spec.devices.unwrap_or_default())
+            .collect();
+        (devices.len() == 2).then_some(devices)
+    })
+    .await;
+    for device in &published {
+        assert_eq!(device.allow_multiple_allocations, Some(true), "{device:?}");
+        let capacity = device.capacity.as_ref().unwrap();
+        assert_eq!(capacity["cores"].value.0, "100");
+        assert_eq!(capacity["memory"].value.0, (16u64 << 30).to_string());
+        let policy = capacity["memory"].request_policy.as_ref().unwrap();
+        assert_eq!(policy.default.as_ref().unwrap().0, (1u64 << 30).to_string());
+    }
+
+    // A class, four claims (40, 40, 40 and 70 cores; the first also 4Gi of memory), a pod each.
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({ "metadata": { "name": NS } })).unwrap(),
+        )
+        .await
+        .unwrap();
+    let classes: Api<DeviceClass> = Api::all(client.clone());
+    classes
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": "gpu-share" },
+                "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == \"{DRIVER}\"") } }] },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let asks = [
+        ("share-1", json!({ "cores": "40", "memory": "4Gi" })),
+        ("share-2", json!({ "cores": "40" })),
+        ("share-3", json!({ "cores": "40" })),
+        ("share-4", json!({ "cores": "70" })),
+    ];
+    for (name, requests) in &asks {
+        claims
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "metadata": { "name": name },
+                    "spec": { "devices": { "requests": [{
+                        "name": "gpu",
+                        "exactly": {
+                            "deviceClassName": "gpu-share",
+                            "capacity": { "requests": requests },
+                        },
+                    }] } },
+                }))
+                .unwrap(),
+            )
+            .await
+            .unwrap();
+        pods.create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": name },
+                "spec": {
+                    "resourceClaims": [{ "name": "gpu", "resourceClaimName": name }],
+                    "containers": [{ "name": "main", "image": "example.invalid/server",
+                                     "resources": { "claims": [{ "name": "gpu" }] } }],
+                },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    }
+
+    // The first three are allocated: two share one device, the third is on the other.
+    let mut on: BTreeMap<String, Vec<&str>> = BTreeMap::new();
+    for (name, _) in &asks[..3] {
+        let result = until(
+            &format!("{name} allocated"),
+            Duration::from_secs(60),
+            || allocation(&claims, name),
+        )
+        .await;
+        assert_eq!(
+            (result.driver.as_str(), result.pool.as_str()),
+            (DRIVER, NODE)
+        );
+        assert!(result.share_id.is_some(), "a share: {result:?}");
+        let consumed = result.consumed_capacity.clone().unwrap();
+        assert_eq!(consumed["cores"].0, "40", "{name}: {consumed:?}");
+        on.entry(result.device.clone()).or_default().push(name);
+    }
+    let mut counts: Vec<usize> = on.values().map(Vec::len).collect();
+    counts.sort();
+    assert_eq!(
+        counts,
+        [1, 2],
+        "two shares on one device, one on the other: {on:?}"
+    );
+    // The fourth (70 cores) fits neither device (20 and 60 left): it stays unallocated.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        allocation(&claims, "share-4").await.is_none(),
+        "70 cores do not fit"
+    );
+    let waiting = pods.get("share-4").await.unwrap();
+    assert!(
+        waiting.spec.and_then(|s| s.node_name).is_none(),
+        "share-4 waits"
+    );
+
+    // The kubelet prepares the two shares of the shared device: each container gets the device
+    // and its own limits.
+    let (shared_device, pair) = on.iter().find(|(_, r)| r.len() == 2).unwrap();
+    for &name in pair {
+        let claim = claims.get(name).await.unwrap();
+        let uid = claim.metadata.uid.clone().unwrap();
+        let sim_claim = DraClaim::new(NS, name, &uid);
+        let started = Instant::now();
+        let answer = kubelet
+            .dra_prepare(DRIVER, std::slice::from_ref(&sim_claim))
+            .await
+            .unwrap();
+        eprintln!("NodePrepareResources of {name}: {:?}", started.elapsed());
+        let prepared = answer[&uid].as_ref().unwrap();
+        assert_eq!(prepared.len(), 1);
+        assert_eq!(&prepared[0].device_name, shared_device);
+        let spec_path = devplug_dra::prepare::spec_path(&driver_settings.cdi_dir, DRIVER, &uid);
+        let spec: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&spec_path).unwrap()).unwrap();
+        let env: Vec<&str> = spec["devices"][0]["containerEdits"]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e.as_str().unwrap())
+            .collect();
+        assert!(
+            env.contains(&format!("GPU_VISIBLE_DEVICES={shared_device}").as_str()),
+            "{env:?}"
+        );
+        assert!(env.contains(&"GPU_VISIBLE_DEVICES_CORES=40"), "{env:?}");
+        let memory = if name == "share-1" {
+            4u64 << 30
+        } else {
+            1 << 30
+        };
+        assert!(
+            env.contains(&format!("GPU_VISIBLE_DEVICES_MEMORY={memory}").as_str()),
+            "{name}: what it asked for, else one step: {env:?}"
+        );
+        let gone = kubelet
+            .dra_unprepare(DRIVER, std::slice::from_ref(&sim_claim))
+            .await
+            .unwrap();
+        assert!(gone[&uid].is_ok());
+        assert!(!spec_path.exists());
+    }
+
+    assert!(driver.shutdown().await.is_empty());
+    kubelet.stop().await;
+}
