@@ -23,6 +23,10 @@ const TABLES: &[(&str, &str)] = &[
         "resources:\n  - name: example.com/x\n    virtual: { count: 1, zz_unknown: 1 }\n",
     ),
     (
+        "#### `virtual` sharing (`share`)",
+        "resources:\n  - name: example.com/x\n    virtual: { count: 1, share: { zz_unknown: 1 } }\n",
+    ),
+    (
         "### `files`",
         "resources:\n  - name: example.com/x\n    files: { dir: /x, zz_unknown: 1 }\n",
     ),

@@ -13,8 +13,11 @@
 
 use super::prepare::Preparer;
 use super::service::{DraV1, DraV1beta1};
+use crate::device_health::DeviceHealthService;
 use devplug::{RefusedRetry, RegistrationSocket};
-use devplug_proto::constants::{DRA_SOCKET_NAME, DRA_SUPPORTED_VERSIONS, PLUGIN_TYPE_DRA};
+use devplug_proto::constants::{
+    DRA_HEALTH_SERVICE, DRA_SOCKET_NAME, DRA_SUPPORTED_VERSIONS, PLUGIN_TYPE_DRA,
+};
 use devplug_proto::pluginregistration::PluginInfo;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -83,7 +86,12 @@ impl KubeletSide {
         let listener = devplug::bind_socket(&endpoint)?;
         let router = tonic::transport::Server::builder()
             .add_service(DraV1::server(preparer.clone()))
-            .add_service(DraV1beta1::server(preparer));
+            .add_service(DraV1beta1::server(preparer.clone()))
+            .add_service(DeviceHealthService::server(
+                preparer.pool(),
+                preparer.devices(),
+                stop.clone(),
+            ));
         devplug_proto::uds::spawn_server(
             router,
             listener,
@@ -96,6 +104,7 @@ impl KubeletSide {
             endpoint: endpoint.display().to_string(),
             supported_versions: DRA_SUPPORTED_VERSIONS
                 .iter()
+                .chain([&DRA_HEALTH_SERVICE])
                 .map(|v| (*v).to_owned())
                 .collect(),
         };

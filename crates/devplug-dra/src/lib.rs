@@ -8,6 +8,8 @@
 //! - [`prepare`]: `NodePrepareResources` / `NodeUnprepareResources` claim by claim: backend
 //!   edits, one CDI spec per claim, the checkpoint.
 //! - `service.rs`: the `DRAPlugin` gRPC service, v1 and v1beta1, over [`prepare::Preparer`].
+//! - [`device_health`]: the kubelet's device health stream (`DRAResourceHealth`), so pods'
+//!   status shows their devices' health.
 //! - `driver.rs`: all of it for one backend, started and stopped as one ([`DraDriver`]).
 //! - [`kubelet`]: the driver's sockets and its plugin-watcher registration.
 //! - [`slices`]: the node's devices as ResourceSlices, event-driven, removed at shutdown.
@@ -16,6 +18,7 @@
 
 pub mod checkpoint;
 pub mod claims;
+pub mod device_health;
 mod driver;
 pub mod health;
 pub mod kubelet;

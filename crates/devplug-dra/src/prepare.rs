@@ -91,6 +91,16 @@ impl Preparer {
         self
     }
 
+    /// The pool the driver publishes (the node's name).
+    pub fn pool(&self) -> &str {
+        &self.pool
+    }
+
+    /// The backend's device list, as it changes.
+    pub fn devices(&self) -> tokio::sync::watch::Receiver<devplug::DeviceList> {
+        self.backend.devices()
+    }
+
     /// The driver's name.
     pub fn driver(&self) -> &str {
         &self.driver

@@ -226,3 +226,66 @@ async fn a_lost_cdi_folder_is_written_again_from_the_checkpoint() {
     assert!(side.stop().await.is_empty());
     kubelet.stop().await;
 }
+
+#[tokio::test]
+async fn the_kubelet_hears_each_devices_health_on_the_health_stream() {
+    use devplug_proto::dra_health_v1alpha1::HealthStatus;
+    let (_root, kubelet, dirs, files) = node().await;
+    let list = DeviceList::new((0..2).map(|i| Device::new(format!("npu-{i}"))));
+    let (tx, _) = watch::channel(list);
+    let preparer = Preparer::new(
+        DRIVER,
+        "node-a",
+        Arc::new(Npus(tx.clone())),
+        Arc::new(Fixed(HashMap::new())),
+        files.clone(),
+    )
+    .unwrap();
+    let side = KubeletSide::start(Arc::new(preparer), &dirs).unwrap();
+    wait_registered(&mut side.registered(), "registered").await;
+
+    let mut stream = kubelet.dra_watch_health(DRIVER).await.unwrap();
+    let first = next_health(&mut stream).await;
+    let seen: Vec<(String, String, HealthStatus)> = first
+        .devices
+        .iter()
+        .map(|d| {
+            let id = d.device.clone().unwrap();
+            (id.pool_name, id.device_name, d.health())
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("node-a".into(), "npu-0".into(), HealthStatus::Healthy),
+            ("node-a".into(), "npu-1".into(), HealthStatus::Healthy),
+        ],
+        "every device at once"
+    );
+    // A device breaks: the next message says so, with the reason.
+    tx.send_modify(|list| {
+        list.set_health(
+            "npu-1",
+            devplug::Health::unhealthy("XID 79: fell off the bus"),
+        );
+    });
+    let broken = next_health(&mut stream).await;
+    let npu1 = &broken.devices[1];
+    assert_eq!(npu1.health(), HealthStatus::Unhealthy);
+    assert_eq!(npu1.message, "XID 79: fell off the bus");
+    assert!(npu1.health_check_timeout_seconds > 0);
+    // It recovers.
+    tx.send_modify(|list| {
+        list.set_health("npu-1", devplug::Health::Healthy);
+    });
+    let recovered = next_health(&mut stream).await;
+    assert_eq!(recovered.devices[1].health(), HealthStatus::Healthy);
+    assert!(side.stop().await.is_empty());
+}
+
+async fn next_health(
+    stream: &mut tonic::Streaming<devplug_proto::dra_health_v1alpha1::NodeWatchResourcesResponse>,
+) -> devplug_proto::dra_health_v1alpha1::NodeWatchResourcesResponse {
+    let next = tokio::time::timeout(Duration::from_secs(5), stream.message()).await;
+    next.expect("a message within 5 s").unwrap().unwrap()
+}

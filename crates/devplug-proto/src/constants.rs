@@ -62,6 +62,11 @@ pub const POD_RESOURCES_BURST: u32 = 10;
 /// kubelet takes the first one it supports. These are not the gRPC paths.
 pub const DRA_SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
 
+/// The name of the DRA device health service (`DRAResourceHealth`, package `v1alpha1`) that a
+/// DRA plugin lists in `supported_versions` beside [`DRA_SUPPORTED_VERSIONS`] when it serves it:
+/// newer kubelets open the health stream only for plugins that list it.
+pub const DRA_HEALTH_SERVICE: &str = "v1alpha1.DRAResourceHealth";
+
 /// The kubelet's folder of plugin sockets; a DRA driver serves `<this>/<driver>/dra.sock`.
 pub const PLUGINS_PATH: &str = "/var/lib/kubelet/plugins/";
 

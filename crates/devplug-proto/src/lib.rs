@@ -19,6 +19,8 @@
 //! - [`dra_v1`] and [`dra_v1beta1`]: the kubelet's DRA plugin API (`DRAPlugin`), packages
 //!   `k8s.io.kubelet.pkg.apis.dra.v1` (Kubernetes 1.34+) and `…v1beta1` (1.32+), generated from
 //!   `proto/dra/*/api.proto`.
+//! - [`dra_health_v1alpha1`]: the kubelet's DRA device health stream (`DRAResourceHealth`,
+//!   package `v1alpha1`, Kubernetes 1.34+), generated from `proto/dra-health/v1alpha1/api.proto`.
 //!
 //! Field names, numbers and the package names are the kubelet's (`k8s.io/kubelet/pkg/apis/…`),
 //! and are pinned by `tests/wire.rs`.
@@ -88,4 +90,17 @@ pub mod dra_v1 {
 )]
 pub mod dra_v1beta1 {
     include!("gen/k8s.io.kubelet.pkg.apis.dra.v1beta1.rs");
+}
+
+/// Generated code for the kubelet's DRA device health API, package `v1alpha1`
+/// (`DRAResourceHealth`).
+#[allow(
+    missing_docs,
+    clippy::all,
+    clippy::pedantic,
+    clippy::unwrap_used,
+    clippy::expect_used
+)]
+pub mod dra_health_v1alpha1 {
+    include!("gen/v1alpha1.rs");
 }

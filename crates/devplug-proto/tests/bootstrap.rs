@@ -4,7 +4,8 @@
 //!
 //! One `.proto` per package: `v1beta1` (device plugins), `pluginregistration` (the kubelet's plugin
 //! watcher), `v1` (pod resources) and the two DRA packages `k8s.io.kubelet.pkg.apis.dra.v1` and
-//! `…v1beta1`; prost names each generated file after its package.
+//! `…v1beta1`, and the DRA device health package `v1alpha1`; prost names each generated file
+//! after its package.
 
 use std::path::PathBuf;
 
@@ -22,6 +23,7 @@ fn generated_code_is_up_to_date() {
             "dra/v1beta1/api.proto",
             "k8s.io.kubelet.pkg.apis.dra.v1beta1.rs",
         ),
+        ("dra-health/v1alpha1/api.proto", "v1alpha1.rs"),
     ];
     let mut stale = Vec::new();
     for (proto, generated) in files {

@@ -247,6 +247,19 @@ impl Kubelet {
         dra::prepare(&self.shared, driver, claims).await
     }
 
+    /// Opens `driver`'s device health stream (`DRAResourceHealth/NodeWatchResources`) on its
+    /// chosen endpoint, as the kubelet does once the driver registers; each message lists
+    /// devices with their health.
+    pub async fn dra_watch_health(
+        &self,
+        driver: &str,
+    ) -> Result<
+        tonic::Streaming<devplug_proto::dra_health_v1alpha1::NodeWatchResourcesResponse>,
+        DraError,
+    > {
+        dra::watch_health(&self.shared, driver).await
+    }
+
     /// Calls `NodeUnprepareResources` for `claims` on a registered plugin of `driver`; claims
     /// that succeed are no longer prepared.
     pub async fn dra_unprepare(

@@ -37,7 +37,7 @@
 
 use crate::device_manager::Shared;
 use devplug_proto::constants::DRA_SUPPORTED_VERSIONS;
-use devplug_proto::{dra_v1, dra_v1beta1};
+use devplug_proto::{dra_health_v1alpha1, dra_v1, dra_v1beta1};
 use hyper_util::rt::TokioIo;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -52,6 +52,9 @@ const CONNECT_CHECK: Duration = Duration::from_secs(1);
 
 /// The name of the prepare call, as error messages give it.
 pub(crate) const PREPARE: &str = "NodePrepareResources";
+
+/// The method name of the device health stream, for errors.
+const WATCH_HEALTH: &str = "NodeWatchResources";
 /// The name of the unprepare call, as error messages give it.
 pub(crate) const UNPREPARE: &str = "NodeUnprepareResources";
 
@@ -541,6 +544,28 @@ fn check<T>(
             (claim.uid.clone(), result)
         })
         .collect())
+}
+
+/// Opens the device health stream (`DRAResourceHealth/NodeWatchResources`) of `driver`'s
+/// chosen endpoint, as the kubelet does at registration with the `ResourceHealthStatus`
+/// feature. No deadline: the stream lives as long as the plugin.
+pub(crate) async fn watch_health(
+    shared: &Shared,
+    driver: &str,
+) -> Result<tonic::Streaming<dra_health_v1alpha1::NodeWatchResourcesResponse>, DraError> {
+    let (channel, _, _) = pick(shared, driver).await?;
+    let mut client =
+        dra_health_v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(channel);
+    client
+        .node_watch_resources(dra_health_v1alpha1::NodeWatchResourcesRequest {})
+        .await
+        .map(tonic::Response::into_inner)
+        .map_err(|status| DraError::Status {
+            driver: driver.to_owned(),
+            method: WATCH_HEALTH,
+            code: status.code(),
+            message: status.message().to_owned(),
+        })
 }
 
 /// `NodePrepareResources` for `claims` on `driver`; claims that succeed are recorded as

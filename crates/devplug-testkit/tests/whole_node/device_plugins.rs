@@ -158,6 +158,46 @@ pub fn reach_the_container(node: &'static Node) -> Outcome {
             "read-only mount: {mount}"
         );
 
+        // The file's device turns unhealthy: the kubelet shows it in the pod's status, under
+        // the resource's name (ResourceHealthStatus), and again once it recovers.
+        let cola_file = format!("{COLAS_DIR}/{cola}");
+        let broke = Instant::now();
+        std::fs::write(&cola_file, "cap off\n").map_err(|e| format!("{cola_file}: {e}"))?;
+        let shows = |want: &'static str| {
+            let cola = cola.to_owned();
+            move |p: &k8s_openapi::api::core::v1::Pod| {
+                crate::dra::device_health(p)
+                    .iter()
+                    .any(|(name, id, h)| name == COLA && *id == cola && h == want)
+            }
+        };
+        let unhealthy = support::wait_pod(
+            &client,
+            &ns.name,
+            "all-three",
+            Duration::from_secs(30),
+            shows("Unhealthy"),
+        )
+        .await;
+        let took = broke.elapsed();
+        std::fs::write(&cola_file, "").map_err(|e| format!("{cola_file}: {e}"))?;
+        unhealthy
+            .map_err(|e| format!("the unhealthy {COLA} device {cola} in the pod's status: {e}"))?;
+        figure(&format!(
+            "device plugin health in the pod's status: {COLA} {cola} Unhealthy {:.1} s after its \
+             file said so",
+            took.as_secs_f64()
+        ));
+        support::wait_pod(
+            &client,
+            &ns.name,
+            "all-three",
+            Duration::from_secs(30),
+            shows("Healthy"),
+        )
+        .await
+        .map_err(|e| format!("{COLA} {cola} Healthy again in the pod's status: {e}"))?;
+
         // vfio: a GPU for a VM, as KubeVirt's virt-launcher finds it: its group's node and
         // the container node, and its address in PCI_RESOURCE_<NAME>.
         let script = "env | sort\nls -l /dev/vfio/";

@@ -26,7 +26,9 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
             "DRA container env from the CDI spec: {}",
             edited.join(" ")
         ));
+        health_in_pod_status(&client, "dra-npu-demo", &device).await?;
         remove_example(node, "basic")?;
+        shared_by_capacity(node, &client).await?;
         // A pod written for the device plugin (limits, no claim) served by the DRA driver
         // through its DeviceClass's extended resource name.
         let (device, out) =
@@ -39,6 +41,129 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
         release.delete_objects(node)?;
         Ok(())
     })
+}
+
+/// The kubelet shows the health devplug streams (`DRAResourceHealth`) in the pod's status: the
+/// claim's device `Healthy` (without the stream it would read `Unknown`).
+async fn health_in_pod_status(
+    client: &kube::Client,
+    pod: &str,
+    device: &str,
+) -> Result<(), String> {
+    let started = Instant::now();
+    let shown = support::wait_pod(
+        client,
+        "default",
+        pod,
+        Duration::from_secs(60),
+        |p: &k8s_openapi::api::core::v1::Pod| !device_health(p).is_empty(),
+    )
+    .await
+    .map_err(|e| format!("no allocatedResourcesStatus in the pod's status: {e}"))?;
+    let health = device_health(&shown);
+    assert!(
+        health
+            .iter()
+            .any(|(name, id, h)| name == "claim:npu" && id.contains(device) && h == "Healthy"),
+        "the claim's device {device} Healthy in the pod's status: {health:?}"
+    );
+    figure(&format!(
+        "DRA device health in the pod's status (allocatedResourcesStatus, from devplug's \
+         health stream) within {:.1} s: {health:?}",
+        started.elapsed().as_secs_f64()
+    ));
+    Ok(())
+}
+
+/// Every (status name, resource id, health) in the pod's `allocatedResourcesStatus`.
+pub fn device_health(pod: &k8s_openapi::api::core::v1::Pod) -> Vec<(String, String, String)> {
+    pod.status
+        .iter()
+        .flat_map(|s| s.container_statuses.iter().flatten())
+        .flat_map(|c| c.allocated_resources_status.iter().flatten())
+        .flat_map(|r| {
+            r.resources.iter().flatten().map(|res| {
+                (
+                    r.name.clone(),
+                    res.resource_id.clone(),
+                    res.health.clone().unwrap_or_default(),
+                )
+            })
+        })
+        .collect()
+}
+
+/// The `sharing` example: two pods whose claims ask for 50 cores and 4Gi each, on the one GPU
+/// of `gpu.example.com` that allows multiple allocations; both Running, each container told
+/// the device and its share.
+async fn shared_by_capacity(node: &Node, client: &kube::Client) -> Result<(), String> {
+    let created = Instant::now();
+    node.kubectl(&["apply", "-f", &example("sharing")], None)?;
+    for pod in ["dra-share-a", "dra-share-b"] {
+        support::wait_pod(
+            client,
+            "default",
+            pod,
+            Duration::from_secs(90),
+            support::running,
+        )
+        .await
+        .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
+    }
+    figure(&format!(
+        "sharing example: two pods on one GPU created → Running: {:.1} s",
+        created.elapsed().as_secs_f64()
+    ));
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let mut shares = Vec::new();
+    for claim in claims
+        .list(&Default::default())
+        .await
+        .map_err(|e| format!("list claims: {e}"))?
+        .items
+    {
+        let results = claim
+            .status
+            .and_then(|s| s.allocation)
+            .and_then(|a| a.devices)
+            .and_then(|d| d.results)
+            .unwrap_or_default();
+        shares.extend(
+            results
+                .into_iter()
+                .filter(|r| r.driver == "gpu.example.com")
+                .map(|r| (r.device, r.share_id)),
+        );
+    }
+    assert_eq!(shares.len(), 2, "two shares: {shares:?}");
+    assert!(
+        shares.iter().all(|(d, s)| d == "gpu-0" && s.is_some()) && shares[0].1 != shares[1].1,
+        "two distinct shares of gpu-0: {shares:?}"
+    );
+    for pod in ["dra-share-a", "dra-share-b"] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let out = loop {
+            let log = node
+                .container_log("default", pod, "demo")
+                .unwrap_or_default();
+            if log.contains("PATH=") || Instant::now() > deadline {
+                break log;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        for want in [
+            "GPU_VISIBLE_DEVICES=gpu-0",
+            "GPU_VISIBLE_DEVICES_CORES=50",
+            "GPU_VISIBLE_DEVICES_MEMORY=4294967296",
+        ] {
+            assert!(
+                out.lines().any(|l| l == want),
+                "{pod}: no {want} in the container:\n{out}"
+            );
+        }
+    }
+    figure("sharing example: both containers see GPU_VISIBLE_DEVICES=gpu-0, _CORES=50, _MEMORY=4294967296");
+    remove_example(node, "sharing")
 }
 
 /// The node switched to a containerd without CDI (Debian 12's 1.6.20): the claim is allocated
