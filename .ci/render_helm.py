@@ -52,6 +52,10 @@ RELEASES = {
         "runtimeClassName": "nvidia",
         "extraEnv": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
     },
+    # GPUs shared by capacity through MPS: a DRA driver for the GPU resource, the MPS folder.
+    "gpu-nvidia-mps": {
+        "gpu": {"vendor": "nvidia", "settings": {"share": {}}, "dra": {"driver": "gpu.nvidia.example.com"}}
+    },
     "gpu-amdgpu": {"gpu": {"vendor": "amdgpu"}},
     "gpu-intel": {
         "gpu": {"vendor": "intel-gpu", "settings": {"driver": "xe"}, "nodeSelector": {"example.com/gpu": "intel"}}

@@ -981,6 +981,19 @@ fn gpu_problems(config: &Value, spec: &PodSpec, container: &Container) -> Vec<St
         if backend != "nvidia" {
             continue;
         }
+        if let Some(share) = settings.get("share").filter(|s| !s.is_null()) {
+            let dir = share["dir"]
+                .as_str()
+                .unwrap_or("/run/devplug/mps")
+                .to_owned();
+            let host = share["host_dir"].as_str().unwrap_or(&dir).to_owned();
+            if host_path_at(&dir) != Some((host.clone(), false)) {
+                problems.push(format!(
+                    "{at}.share.dir {dir} is not the host's {host} mounted writable (the MPS \
+                     pipes the containers mount live there)"
+                ));
+            }
+        }
         let image = container.image.as_deref().unwrap_or_default();
         if !image.ends_with("-gpu") {
             problems.push(format!(

@@ -1078,3 +1078,106 @@ async fn the_drivers_files_reach_allocate_and_the_cdi_spec_at_host_paths() {
     let first = backend.devices().borrow().devices()[0].id.clone();
     assert!(backend.allocate(&[first]).unwrap().mounts.is_empty());
 }
+
+/// A stand-in for the driver's `nvidia-cuda-mps-control`: `-d` records a start (GPU, folders,
+/// library path) and makes the pipe folder's `control`; otherwise it reads one command from
+/// stdin, records it, and on `quit` removes `control`.
+const FAKE_MPS_CONTROL: &str = r#"#!/bin/sh
+log="$(dirname "$0")/mps-calls.log"
+if [ "$1" = "-d" ]; then
+  echo "start $CUDA_VISIBLE_DEVICES $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY $LD_LIBRARY_PATH" >> "$log"
+  : > "$CUDA_MPS_PIPE_DIRECTORY/control"
+else
+  read -r cmd
+  echo "$cmd $CUDA_MPS_PIPE_DIRECTORY" >> "$log"
+  [ "$cmd" = quit ] && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+fi
+"#;
+
+#[tokio::test]
+async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares() {
+    use devplug_backends::nvidia::MpsShare;
+    use std::collections::BTreeMap;
+    use std::os::unix::fs::PermissionsExt;
+    let node = Node::new("pcie-4gpu", true);
+    std::fs::write(node.lib_dir.join("libcuda.so.570.86.15"), "cuda").unwrap();
+    let bin = node._tmp.path().join("driver/usr/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let control = bin.join("nvidia-cuda-mps-control");
+    std::fs::write(&control, FAKE_MPS_CONTROL).unwrap();
+    std::fs::set_permissions(&control, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mps_dir = node._tmp.path().join("mps");
+    let mut settings = node.settings();
+    settings.share = Some(MpsShare {
+        memory_step: "1Gi".into(),
+        dir: mps_dir.clone(),
+        host_dir: Some(PathBuf::from("/host/mps")),
+    });
+    let backend = NvidiaBackend::start("nvidia.com/gpu", &settings).unwrap();
+    tokio::time::timeout(WAIT, backend.discovered())
+        .await
+        .unwrap();
+    let list = backend.devices().borrow().clone();
+    let gpu = &list.devices()[0];
+    let attrs = gpu.dra_attributes();
+    assert!(attrs.is_shared() && attrs.check().is_ok(), "{attrs:?}");
+    assert_eq!(attrs.capacity["cores"], 100);
+    assert!(attrs.capacity["memory"] > 1 << 30, "{attrs:?}");
+    let uuid = node.uuid(0);
+    assert_eq!(gpu.id, uuid);
+
+    // The first share starts the GPU's daemon and gets its limits; the second reuses it.
+    let consumed = BTreeMap::from([("cores".to_owned(), 40), ("memory".to_owned(), 4 << 30)]);
+    let edits = backend.allocate_share(&uuid, &consumed).unwrap();
+    assert_eq!(edits.envs["NVIDIA_VISIBLE_DEVICES"], uuid);
+    assert_eq!(edits.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "40");
+    assert_eq!(edits.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=4096M");
+    assert_eq!(edits.envs["CUDA_MPS_PIPE_DIRECTORY"], "/run/nvidia-mps");
+    assert!(edits
+        .mounts
+        .iter()
+        .any(|m| m.host_path == format!("/host/mps/{uuid}/pipe") && !m.read_only));
+    let pipe = mps_dir.join(&uuid).join("pipe");
+    assert!(pipe.join("control").exists(), "the daemon was started");
+    let half = BTreeMap::from([("cores".to_owned(), 50), ("memory".to_owned(), 1 << 30)]);
+    let second = backend.allocate_share(&uuid, &half).unwrap();
+    assert_eq!(second.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50");
+    let calls = std::fs::read_to_string(bin.join("mps-calls.log")).unwrap();
+    let starts: Vec<&str> = calls.lines().filter(|l| l.starts_with("start")).collect();
+    assert_eq!(starts.len(), 1, "one daemon per GPU: {calls}");
+    assert_eq!(
+        starts[0],
+        format!(
+            "start {uuid} {} {} {}",
+            pipe.display(),
+            mps_dir.join(&uuid).join("log").display(),
+            node.lib_dir.display()
+        )
+    );
+
+    // The last share released: the daemon is told to quit.
+    backend.release_shares(&uuid);
+    let calls = std::fs::read_to_string(bin.join("mps-calls.log")).unwrap();
+    assert!(
+        calls
+            .lines()
+            .any(|l| l == format!("quit {}", pipe.display())),
+        "{calls}"
+    );
+    assert!(!pipe.join("control").exists());
+
+    // Without the driver's program, a share is refused with the reason.
+    std::fs::remove_file(&control).unwrap();
+    let mut no_program = settings.clone();
+    no_program.cdi_dir = node.tree.path("cdi-2");
+    let backend = NvidiaBackend::start("nvidia.com/gpu", &no_program).unwrap();
+    tokio::time::timeout(WAIT, backend.discovered())
+        .await
+        .unwrap();
+    let err = backend.allocate_share(&uuid, &consumed).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("nvidia-cuda-mps-control was not found"),
+        "{err}"
+    );
+}

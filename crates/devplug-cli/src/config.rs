@@ -350,17 +350,23 @@ impl ResourceConfig {
             );
         }
         self.settings_check()?;
-        let shared = self
+        let shared = if self
             .virtual_devices
             .as_ref()
-            .is_some_and(|v| v.share.is_some());
-        if shared && self.serves_device_plugin() {
-            return Err(
-                "virtual.share: devices shared by capacity are served by DRA only (the device \
-                 plugin API counts whole devices); add dra: { driver: ... } without \
-                 device_plugin, or remove share"
-                    .into(),
-            );
+            .is_some_and(|v| v.share.is_some())
+        {
+            Some("virtual.share")
+        } else if self.nvidia.as_ref().is_some_and(|n| n.share.is_some()) {
+            Some("nvidia.share")
+        } else {
+            None
+        };
+        if let Some(field) = shared.filter(|_| self.serves_device_plugin()) {
+            return Err(format!(
+                "{field}: devices shared by capacity are served by DRA only (the device plugin \
+                 API counts whole devices); add dra: {{ driver: ... }} without device_plugin, or \
+                 remove share"
+            ));
         }
         if let Some(dra) = &self.dra {
             if self.advertise.is_some() {
@@ -894,6 +900,8 @@ resources:
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1, share: { cores: 100 } }\n", "resources[0] (a.com/x): virtual.share: devices shared by capacity are served by DRA only"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1, share: {} }\n    dra: { driver: x.a.com, device_plugin: true }\n", "virtual.share: devices shared by capacity are served by DRA only"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1, share: { memory: 16GB } }\n    dra: { driver: x.a.com }\n", "resources[0] (a.com/x): virtual.share.memory: \"16GB\" is not a whole quantity"),
+            ("resources:\n  - name: a.com/x\n    nvidia: { share: {} }\n", "resources[0] (a.com/x): nvidia.share: devices shared by capacity are served by DRA only"),
+            ("resources:\n  - name: a.com/x\n    nvidia: { share: {}, replicas: 2 }\n    dra: { driver: x.a.com }\n", "nvidia.share: GPUs are shared either by time-slicing replicas or by capacity"),
             ("resource: []\n", "resource"),
             ("resources: []\n", "the list is empty"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: many }\n", "count"),

@@ -71,6 +71,10 @@ const TABLES: &[(&str, &str)] = &[
         "resources:\n  - name: example.com/x\n    nvidia: { replica_overrides: [ { gpus: [\"0\"], replicas: 1, zz_unknown: 1 } ] }\n",
     ),
     (
+        "#### `nvidia` sharing through MPS (`share`)",
+        "resources:\n  - name: example.com/x\n    nvidia: { share: { zz_unknown: 1 } }\n",
+    ),
+    (
         "### `vfio`",
         "resources:\n  - name: example.com/x\n    vfio: { pci: [], zz_unknown: 1 }\n",
     ),

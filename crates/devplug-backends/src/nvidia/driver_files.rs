@@ -71,6 +71,8 @@ pub struct DriverFiles {
     pub version: String,
     /// The driver root on the host (the paths given to the runtime start here).
     pub host_root: PathBuf,
+    /// The same root as devplug sees it (where devplug itself runs the driver's programs).
+    pub root: PathBuf,
     /// The files, in mount order.
     pub files: Vec<DriverFile>,
 }
@@ -155,8 +157,25 @@ impl DriverFiles {
         DriverFiles {
             version: version.to_owned(),
             host_root: host_root.to_owned(),
+            root: root.to_owned(),
             files,
         }
+    }
+
+    /// The driver's program `name` (`nvidia-cuda-mps-control`) as devplug sees it, if found.
+    pub fn program(&self, name: &str) -> Option<PathBuf> {
+        self.files
+            .iter()
+            .find(|f| f.container_path == Path::new(CONTAINER_BIN_DIR).join(name))
+            .map(|f| self.root.join(&f.rel))
+    }
+
+    /// The folder of the driver's libraries as devplug sees it (for the programs it runs).
+    pub fn lib_dir(&self) -> Option<PathBuf> {
+        self.files
+            .iter()
+            .find(|f| f.container_path.starts_with(CONTAINER_LIB_DIR))
+            .and_then(|f| self.root.join(&f.rel).parent().map(Path::to_path_buf))
     }
 
     /// True if the driver's CUDA library was found (without it, nothing here makes CUDA work).

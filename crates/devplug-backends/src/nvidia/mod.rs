@@ -7,6 +7,8 @@
 //! - `health`: one state per physical GPU, recovering on a positive signal.
 //! - `worker`: the dedicated thread that owns NVML.
 //! - `settings`: the config keys.
+//! - [`mps`]: GPUs shared by capacity (DRA): an MPS control daemon per shared GPU, and each
+//!   share's limits.
 //!
 //! - `mig_ids`: the one module with `unsafe`: a MIG device's GPU- and compute-instance ids.
 //!
@@ -21,6 +23,7 @@
 mod driver_files;
 mod health;
 mod mig_ids;
+pub mod mps;
 mod nvml;
 pub mod seam;
 pub mod settings;
@@ -33,7 +36,7 @@ pub use nvml::{sysfs_bus_id, NvmlDriver};
 pub use seam::{
     mig_profile, DriverInfo, GpuDriver, GpuInfo, GpuSession, MigInfo, PcieLevel, Snapshot,
 };
-pub use settings::{ListStrategy, MigStrategy, NvidiaSettings, DEFAULT_IGNORED_XIDS};
+pub use settings::{ListStrategy, MigStrategy, MpsShare, NvidiaSettings, DEFAULT_IGNORED_XIDS};
 pub use view::{parse_mig_minors, CDI_KIND, MIG_MINORS, NVLINK_SCORE};
 
 use crate::cdi::{qualified_name, CdiWriter};
@@ -43,7 +46,8 @@ use crate::settings::SettingsError;
 use crate::sysfs::dev_node;
 use devplug::{AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest};
 use inotify::WatchMask;
-use std::collections::{BTreeSet, HashMap, HashSet};
+use mps::MpsDaemons;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
@@ -60,6 +64,7 @@ pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
 pub struct NvidiaBackend {
     settings: Arc<NvidiaSettings>,
     shared: Arc<Shared>,
+    mps: Option<MpsDaemons>,
     wake: Sender<()>,
     _watch: DropGuard,
 }
@@ -77,6 +82,7 @@ impl NvidiaBackend {
             shared.set_not_ready(Some(why));
             shared.set_discovered();
             return Ok(NvidiaBackend {
+                mps: Self::mps_daemons(&settings),
                 settings,
                 shared,
                 wake: std::sync::mpsc::channel().0,
@@ -111,11 +117,20 @@ impl NvidiaBackend {
             .spawn(move || worker::run(driver, for_thread.0, for_thread.1, wake_rx))
             .map_err(|e| SettingsError::new("", format!("cannot start the NVML thread: {e}")))?;
         Ok(NvidiaBackend {
+            mps: Self::mps_daemons(&settings),
             settings,
             shared,
             wake,
             _watch: stop.drop_guard(),
         })
+    }
+
+    /// The MPS daemons of a resource whose GPUs are shared by capacity.
+    fn mps_daemons(settings: &NvidiaSettings) -> Option<MpsDaemons> {
+        settings
+            .share
+            .as_ref()
+            .map(|s| MpsDaemons::new(&s.dir, s.host_dir.as_deref().unwrap_or(&s.dir)))
     }
 
     /// What the NVML thread and the backend share, before anything is found.
@@ -240,6 +255,45 @@ async fn watch_driver(
     }
 }
 
+impl NvidiaBackend {
+    /// The MPS daemons, the driver's MPS program and the GPU's UUID for a share of `id`.
+    fn mps_for(&self, id: &str) -> Result<(&MpsDaemons, mps::MpsProgram, String), AllocateError> {
+        let mps = self.mps.as_ref().ok_or_else(|| {
+            AllocateError::InvalidRequest(format!(
+                "GPU {id} was allocated as a share, and this resource has no `share:`"
+            ))
+        })?;
+        let view = self.view();
+        let gpu = view
+            .index
+            .get(id)
+            .and_then(|&i| view.gpus.get(i))
+            .ok_or_else(|| {
+                AllocateError::InvalidRequest(format!("device {id:?} is no longer present"))
+            })?;
+        if gpu.mig.is_some() {
+            return Err(AllocateError::InvalidRequest(format!(
+                "{id} is a MIG device: only whole GPUs are shared through MPS"
+            )));
+        }
+        let driver = view.driver.as_ref();
+        let program = driver
+            .and_then(|d| d.program(mps::MPS_CONTROL))
+            .map(|control| mps::MpsProgram {
+                control,
+                lib_dir: driver.and_then(|d| d.lib_dir()),
+            })
+            .ok_or_else(|| {
+                AllocateError::Failed(format!(
+                    "the driver's {} was not found under its root (sharing through MPS needs \
+                     driver_files on and the driver's programs)",
+                    mps::MPS_CONTROL
+                ))
+            })?;
+        Ok((mps, program, gpu.uuid().to_owned()))
+    }
+}
+
 impl Backend for NvidiaBackend {
     fn devices(&self) -> watch::Receiver<DeviceList> {
         self.shared.devices.subscribe()
@@ -301,6 +355,28 @@ impl Backend for NvidiaBackend {
                 .collect();
         }
         Ok(edits)
+    }
+
+    /// A share of a whole GPU: the GPU as [`Backend::allocate`] gives it, on the GPU's MPS
+    /// daemon (started now if this is its first share), with the share's limits.
+    fn allocate_share(
+        &self,
+        id: &str,
+        consumed: &BTreeMap<String, u64>,
+    ) -> Result<ContainerEdits, AllocateError> {
+        let (mps, program, uuid) = self.mps_for(id)?;
+        mps.ensure(&program, &uuid).map_err(AllocateError::Failed)?;
+        let gpu = self.allocate(&[id.to_owned()])?;
+        let cores = consumed.get(view::MPS_CORES).copied();
+        let memory = consumed.get("memory").copied();
+        Ok(gpu.merge(mps.share_edits(&uuid, cores, memory)))
+    }
+
+    fn release_shares(&self, id: &str) {
+        match self.mps_for(id) {
+            Ok((mps, program, uuid)) => mps.stop(&program, &uuid),
+            Err(err) => tracing::warn!(gpu = id, %err, "cannot stop the GPU's MPS daemon"),
+        }
     }
 
     fn preferred(&self, request: &PreferenceRequest<'_>) -> Vec<String> {

@@ -101,6 +101,54 @@ pub struct NvidiaSettings {
     /// comes after 500 ms, then doubling).
     #[serde(default = "default_retry_max_ms")]
     pub retry_max_ms: u64,
+    /// Share each whole GPU by capacity between DRA claims, through MPS (DRA only; replicas
+    /// and MIG devices are not shared this way).
+    #[serde(default)]
+    pub share: Option<MpsShare>,
+}
+
+/// GPUs shared by capacity through NVIDIA MPS: each GPU is published with `cores` (100, a
+/// percentage of its SMs) and `memory` (its bytes, in steps of `memory_step`); a claim's share
+/// reaches its container as MPS limits, with devplug running one MPS control daemon per shared
+/// GPU while it has shares.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MpsShare {
+    /// The unit memory is shared in, a quantity (`1Gi`; default `1Gi`).
+    #[serde(default = "default_memory_step")]
+    pub memory_step: String,
+    /// Where devplug keeps each GPU's MPS pipe and log folders (`<dir>/<uuid>/pipe`, `/log`),
+    /// as devplug sees it (default `/run/devplug/mps`; mount the host's folder there).
+    #[serde(default = "default_mps_dir")]
+    pub dir: PathBuf,
+    /// The same folder as the host names it, for the containers' mounts (default: `dir`).
+    #[serde(default)]
+    pub host_dir: Option<PathBuf>,
+}
+
+fn default_memory_step() -> String {
+    "1Gi".to_owned()
+}
+
+fn default_mps_dir() -> PathBuf {
+    PathBuf::from("/run/devplug/mps")
+}
+
+impl MpsShare {
+    /// The memory step in bytes, or what is wrong with it.
+    pub fn memory_step_bytes(&self) -> Result<u64, SettingsError> {
+        devplug::quantity::parse_quantity(&self.memory_step)
+            .filter(|&b| b > 0)
+            .ok_or_else(|| {
+                SettingsError::new(
+                    "share.memory_step",
+                    format!(
+                        "{:?} is not a whole quantity above 0, such as 1Gi or 512Mi",
+                        self.memory_step
+                    ),
+                )
+            })
+    }
 }
 
 /// How GPUs in MIG mode are served (NVIDIA's `--mig-strategy`).
@@ -190,6 +238,7 @@ impl Default for NvidiaSettings {
             dev_root: default_dev_root(),
             sys_root: default_sys_root(),
             retry_max_ms: default_retry_max_ms(),
+            share: None,
         }
     }
 }
@@ -328,6 +377,20 @@ impl NvidiaSettings {
         }
         check_absolute("dev_root", &self.dev_root)?;
         check_absolute("proc_root", &self.proc_root)?;
+        if let Some(share) = &self.share {
+            share.memory_step_bytes()?;
+            check_absolute("share.dir", &share.dir)?;
+            if let Some(host) = &share.host_dir {
+                check_absolute("share.host_dir", host)?;
+            }
+            if self.replicas > 1 || !self.replica_overrides.is_empty() {
+                return Err(SettingsError::new(
+                    "share",
+                    "GPUs are shared either by time-slicing replicas or by capacity through \
+                     MPS, not both: remove replicas or share",
+                ));
+            }
+        }
         check_absolute("sys_root", &self.sys_root)
     }
 

@@ -11,7 +11,7 @@ use crate::cdi::Spec;
 use crate::dra_attributes::Attributes;
 use crate::placement::PairMatrix;
 use crate::sysfs::{dev_node, numa_node};
-use devplug::attributes::DeviceAttributes;
+use devplug::attributes::{DeviceAttributes, SharePolicy};
 use devplug::ContainerEdits;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -170,12 +170,16 @@ fn units(settings: &NvidiaSettings, snapshot: &Snapshot) -> Result<Vec<Unit>, St
     }
 }
 
+/// The capacity of a GPU shared through MPS that stands for its SMs, in percent.
+pub const MPS_CORES: &str = "cores";
+
 /// The DRA attributes of a GPU or a MIG device of it ([`crate::dra_attributes`]), named as
 /// NVIDIA's DRA driver names them; `sysfs` is the GPU's canonical sysfs folder.
 fn dra_attributes(
     gpu: &GpuInfo,
     mig: Option<&MigInfo>,
     sysfs: &Path,
+    memory_step: Option<u64>,
 ) -> Option<Box<DeviceAttributes>> {
     let common = Attributes::default()
         .string("productName", &gpu.name)
@@ -183,6 +187,16 @@ fn dra_attributes(
         .int("minor", i64::from(gpu.minor))
         .pci(&gpu.bus_id, Some(sysfs));
     match mig {
+        // A whole GPU shared through MPS: 100 cores (percent of its SMs) and its memory.
+        None if memory_step.is_some() => common
+            .string("type", "gpu")
+            .string("uuid", &gpu.uuid)
+            .shared(MPS_CORES, 100, SharePolicy::steps_of(1))
+            .shared(
+                "memory",
+                gpu.memory_bytes,
+                SharePolicy::steps_of(memory_step.unwrap_or(1)),
+            ),
         None => common
             .string("type", "gpu")
             .string("uuid", &gpu.uuid)
@@ -310,7 +324,11 @@ impl View {
             let device = settings.sys_root.join("bus/pci/devices").join(&info.bus_id);
             let device = std::fs::canonicalize(&device).unwrap_or(device);
             let numa = numa_node(&settings.sys_root, &device);
-            let attributes = dra_attributes(&info, unit.mig.as_ref(), &device);
+            let memory_step = settings
+                .share
+                .as_ref()
+                .and_then(|s| s.memory_step_bytes().ok());
+            let attributes = dra_attributes(&info, unit.mig.as_ref(), &device, memory_step);
             let n = replicas_for(settings, &info);
             shared |= n > 1;
             let ids: Vec<String> = if n == 1 {

@@ -95,6 +95,7 @@ vendor's GPU resource and gpu.extraResources. Everything that looks at the resou
 {{- end -}}
 {{- $settings = mergeOverwrite $settings (deepCopy (default dict .Values.gpu.settings)) -}}
 {{- $resource := dict "name" (default (get $names $vendor) .Values.gpu.resourceName) (get $backends $vendor) $settings -}}
+{{- with .Values.gpu.dra }}{{ $_ := set $resource "dra" (deepCopy .) }}{{ end -}}
 {{- $_ := set $config "resources" (concat (list $resource) (default list .Values.gpu.extraResources)) -}}
 {{- end -}}
 {{- toYaml $config -}}
@@ -133,6 +134,17 @@ GPU operator (PCI labels by vendor alone), AMD's and Intel's NodeFeatureRules.
 backends (nvidia, amdgpu, intel_gpu write a spec by default), whether from gpu.vendor or listed
 in config.resources.
 */}}
+{{/*
+The folder of the MPS daemons of GPUs shared by capacity (the first nvidia resource with
+`share:`; its `dir`, default /run/devplug/mps), mounted from the host at the same path; "" when
+none is shared.
+*/}}
+{{- define "devplug.mpsDir" -}}
+{{- $dir := "" -}}
+{{- range (include "devplug.config" . | fromYaml).resources }}{{ if and (not $dir) .nvidia }}{{ if and (hasKey .nvidia "share") (not (kindIs "invalid" .nvidia.share)) }}{{ $dir = default "/run/devplug/mps" (get .nvidia.share "dir") }}{{ end }}{{ end }}{{ end -}}
+{{- $dir -}}
+{{- end }}
+
 {{- define "devplug.cdi" -}}
 {{- range (include "devplug.config" . | fromYaml).resources }}{{ if or .dra .nvidia .amdgpu .intel_gpu .vfio .qat .ascend .fpga }}true{{ end }}{{ end }}
 {{- end }}

@@ -1,0 +1,204 @@
+//! NVIDIA MPS for GPUs shared by capacity: one MPS control daemon per shared GPU, started when
+//! its first share is prepared and told to quit when its last share is released, and the edits
+//! that put a container on it with its share's limits.
+//!
+//! Each GPU gets `<dir>/<uuid>/pipe` and `<dir>/<uuid>/log`. The daemon is the driver's own
+//! `nvidia-cuda-mps-control -d`, run with `CUDA_VISIBLE_DEVICES=<uuid>` (so its clients see that
+//! GPU alone, as device 0), `CUDA_MPS_PIPE_DIRECTORY` and `CUDA_MPS_LOG_DIRECTORY`. A container
+//! gets both folders mounted (the pipe read-write, the log read-only), the pipe folder in
+//! `CUDA_MPS_PIPE_DIRECTORY`, its share of the SMs in `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and its
+//! memory in `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`0=<MiB>M`), as NVIDIA's MPS documentation
+//! names them. The kernel tells nothing about another process's readiness here; `-d` returns
+//! once the daemon has forked, and clients come seconds later, when their containers start.
+
+use devplug::{ContainerEdits, Mount};
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+
+/// The MPS control program, among the driver's programs.
+pub const MPS_CONTROL: &str = "nvidia-cuda-mps-control";
+
+/// Where a container finds the pipe folder.
+pub const CONTAINER_PIPE_DIR: &str = "/run/nvidia-mps";
+
+/// Where a container finds the log folder.
+pub const CONTAINER_LOG_DIR: &str = "/var/log/nvidia-mps";
+
+/// The driver's program and libraries, as devplug runs them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MpsProgram {
+    /// `nvidia-cuda-mps-control`.
+    pub control: PathBuf,
+    /// The driver's library folder (`LD_LIBRARY_PATH` of the daemon and the server it starts).
+    pub lib_dir: Option<PathBuf>,
+}
+
+/// The MPS daemons devplug runs, one per shared GPU.
+#[derive(Debug)]
+pub struct MpsDaemons {
+    dir: PathBuf,
+    host_dir: PathBuf,
+    running: Mutex<BTreeSet<String>>,
+}
+
+impl MpsDaemons {
+    /// Daemons with their folders under `dir` (devplug's view), `host_dir` on the host.
+    pub fn new(dir: &Path, host_dir: &Path) -> MpsDaemons {
+        MpsDaemons {
+            dir: dir.to_owned(),
+            host_dir: host_dir.to_owned(),
+            running: Mutex::new(BTreeSet::new()),
+        }
+    }
+
+    fn folders(&self, root: &Path, uuid: &str) -> (PathBuf, PathBuf) {
+        let gpu = root.join(uuid);
+        (gpu.join("pipe"), gpu.join("log"))
+    }
+
+    /// The GPUs with a daemon started by this process and not stopped.
+    pub fn running(&self) -> Vec<String> {
+        self.running
+            .lock()
+            .map(|r| r.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Starts the daemon of GPU `uuid` unless this process already did.
+    pub fn ensure(&self, program: &MpsProgram, uuid: &str) -> Result<(), String> {
+        let mut running = self
+            .running
+            .lock()
+            .map_err(|_| "the MPS daemon table is poisoned".to_owned())?;
+        if running.contains(uuid) {
+            return Ok(());
+        }
+        let (pipe, log) = self.folders(&self.dir, uuid);
+        for folder in [&pipe, &log] {
+            std::fs::create_dir_all(folder)
+                .map_err(|e| format!("cannot create the MPS folder {}: {e}", folder.display()))?;
+        }
+        // The containers' processes connect to the pipes whatever their user.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&pipe, std::fs::Permissions::from_mode(0o777))
+            .map_err(|e| format!("cannot open up {}: {e}", pipe.display()))?;
+        let out = self
+            .command(program, &pipe)
+            .arg("-d")
+            .env("CUDA_VISIBLE_DEVICES", uuid)
+            .env("CUDA_MPS_LOG_DIRECTORY", &log)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", program.control.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "{} -d for GPU {uuid} failed ({}): {}",
+                program.control.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        tracing::info!(gpu = uuid, pipe = %pipe.display(), "MPS control daemon started");
+        running.insert(uuid.to_owned());
+        Ok(())
+    }
+
+    /// Tells the daemon of GPU `uuid` to quit (its last share is gone). Errors are logged: the
+    /// daemon may have died with its GPU.
+    pub fn stop(&self, program: &MpsProgram, uuid: &str) {
+        let Ok(mut running) = self.running.lock() else {
+            return;
+        };
+        if !running.remove(uuid) {
+            return;
+        }
+        let (pipe, _) = self.folders(&self.dir, uuid);
+        let quit = self
+            .command(program, &pipe)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .and_then(|mut child| {
+                if let Some(mut stdin) = child.stdin.take() {
+                    stdin.write_all(b"quit\n")?;
+                }
+                child.wait_with_output()
+            });
+        match quit {
+            Ok(out) if out.status.success() => {
+                tracing::info!(gpu = uuid, "MPS control daemon told to quit: no share left");
+            }
+            Ok(out) => tracing::warn!(gpu = uuid, status = %out.status,
+                stderr = %String::from_utf8_lossy(&out.stderr).trim(),
+                "the MPS control daemon did not take quit"),
+            Err(err) => {
+                tracing::warn!(gpu = uuid, %err, "cannot tell the MPS control daemon to quit")
+            }
+        }
+    }
+
+    fn command(&self, program: &MpsProgram, pipe: &Path) -> Command {
+        let mut command = Command::new(&program.control);
+        command.env("CUDA_MPS_PIPE_DIRECTORY", pipe);
+        if let Some(lib) = &program.lib_dir {
+            command.env("LD_LIBRARY_PATH", lib);
+        }
+        command
+    }
+
+    /// What a container with a share of GPU `uuid` needs beside the GPU itself: the daemon's
+    /// folders and the share's limits (`cores` percent of the SMs, `memory` bytes).
+    pub fn share_edits(
+        &self,
+        uuid: &str,
+        cores: Option<u64>,
+        memory: Option<u64>,
+    ) -> ContainerEdits {
+        let (pipe, log) = self.folders(&self.host_dir, uuid);
+        let mut edits =
+            ContainerEdits::default().env("CUDA_MPS_PIPE_DIRECTORY", CONTAINER_PIPE_DIR);
+        if let Some(cores) = cores {
+            edits = edits.env(
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+                cores.clamp(1, 100).to_string(),
+            );
+        }
+        if let Some(memory) = memory {
+            // MiB, rounded down: the limit never exceeds what the scheduler counted.
+            let mib = (memory / (1 << 20)).max(1);
+            edits = edits.env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", format!("0={mib}M"));
+        }
+        edits.mounts.push(Mount {
+            host_path: pipe.display().to_string(),
+            container_path: CONTAINER_PIPE_DIR.to_owned(),
+            read_only: false,
+        });
+        edits.mounts.push(Mount {
+            host_path: log.display().to_string(),
+            container_path: CONTAINER_LOG_DIR.to_owned(),
+            read_only: true,
+        });
+        edits
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_share_gets_its_limits_and_the_daemons_folders() {
+        let daemons = MpsDaemons::new(Path::new("/run/devplug/mps"), Path::new("/host/mps"));
+        let edits = daemons.share_edits("GPU-1", Some(40), Some(4 << 30));
+        assert_eq!(edits.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "40");
+        assert_eq!(edits.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=4096M");
+        assert_eq!(edits.envs["CUDA_MPS_PIPE_DIRECTORY"], CONTAINER_PIPE_DIR);
+        assert_eq!(edits.mounts[0].host_path, "/host/mps/GPU-1/pipe");
+        assert!(!edits.mounts[0].read_only && edits.mounts[1].read_only);
+        assert_eq!(edits.mounts[1].host_path, "/host/mps/GPU-1/log");
+    }
+}
