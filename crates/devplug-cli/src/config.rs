@@ -133,6 +133,11 @@ pub struct DraSettings {
     /// while moving a node from one to the other.
     #[serde(default)]
     pub device_plugin: bool,
+    /// How long a device stays unhealthy before its taint turns from `NoSchedule` to
+    /// `NoExecute` (e.g. `10m`), so that the cluster evicts the pods using it that do not
+    /// tolerate the taint; default: never.
+    #[serde(default, deserialize_with = "crate::duration::deserialize_opt")]
+    pub no_execute_after: Option<std::time::Duration>,
 }
 
 impl ResourceConfig {
@@ -378,6 +383,16 @@ impl ResourceConfig {
             }
             devplug::attributes::check_dns_subdomain(&dra.driver)
                 .map_err(|e| format!("dra.driver: {e}"))?;
+            if dra
+                .no_execute_after
+                .is_some_and(|d| d < std::time::Duration::from_secs(1))
+            {
+                return Err(
+                    "dra.no_execute_after: must be at least 1s (e.g. 10m); leave it out \
+                            to never evict"
+                        .into(),
+                );
+            }
             if let Some(first) = drivers.insert(dra.driver.as_str(), index) {
                 return Err(format!(
                     "dra.driver: {} is already the driver of resources[{first}]; each driver \
@@ -756,7 +771,7 @@ mod tests {
     #[test]
     fn dra_parses_and_decides_the_device_plugin() {
         let config = parse(
-            "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.example.com }\n  - name: example.com/both\n    virtual: { count: 2 }\n    dra: { driver: both.example.com, device_plugin: true }\n  - name: example.com/dp\n    virtual: { count: 2 }\n",
+            "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.example.com }\n  - name: example.com/both\n    virtual: { count: 2 }\n    dra: { driver: both.example.com, device_plugin: true, no_execute_after: 10m }\n  - name: example.com/dp\n    virtual: { count: 2 }\n",
         )
         .unwrap();
         let serves: Vec<bool> = config
@@ -769,8 +784,16 @@ mod tests {
             config.resources[0].dra,
             Some(DraSettings {
                 driver: "npu.example.com".into(),
-                device_plugin: false
+                device_plugin: false,
+                no_execute_after: None,
             })
+        );
+        assert_eq!(
+            config.resources[1]
+                .dra
+                .as_ref()
+                .and_then(|d| d.no_execute_after),
+            Some(std::time::Duration::from_secs(600))
         );
     }
 
@@ -901,6 +924,7 @@ resources:
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1, share: {} }\n    dra: { driver: x.a.com, device_plugin: true }\n", "virtual.share: devices shared by capacity are served by DRA only"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1, share: { memory: 16GB } }\n    dra: { driver: x.a.com }\n", "resources[0] (a.com/x): virtual.share.memory: \"16GB\" is not a whole quantity"),
             ("resources:\n  - name: a.com/x\n    nvidia: { share: {} }\n", "resources[0] (a.com/x): nvidia.share: devices shared by capacity are served by DRA only"),
+            ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    dra: { driver: x.a.com, no_execute_after: 10ms }\n", "resources[0] (a.com/x): dra.no_execute_after: must be at least 1s"),
             ("resources:\n  - name: a.com/x\n    nvidia: { share: {}, replicas: 2 }\n    dra: { driver: x.a.com }\n", "nvidia.share: GPUs are shared either by time-slicing replicas or by capacity"),
             ("resource: []\n", "resource"),
             ("resources: []\n", "the list is empty"),

@@ -237,6 +237,7 @@ async fn walk(assets: &Path, dir: &Path) -> anyhow::Result<()> {
         node: NODE.into(),
         dirs: dirs.clone(),
         cdi_dir: dir.join("cdi"),
+        no_execute_after: None,
     };
     let started = Instant::now();
     let driver = DraDriver::start(settings.clone(), npus, client.clone())

@@ -181,6 +181,7 @@ impl DraDrivers {
             node,
             dirs: self.setup.dirs.clone(),
             cdi_dir: self.setup.cdi_dir.clone(),
+            no_execute_after: dra.no_execute_after,
         };
         let driver = match DraDriver::start(settings, backend, client).await {
             Ok(driver) => driver,

@@ -5,7 +5,7 @@ use super::checkpoint::{CheckpointError, PreparedClaim};
 use super::claims::KubeClaims;
 use super::kubelet::{KubeletDirs, KubeletSide, Registered};
 use super::prepare::{PrepareFiles, Preparer};
-use super::slices::{SliceError, SlicePublisher};
+use super::slices::{SliceError, SliceOptions, SlicePublisher};
 use devplug::Backend;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -24,6 +24,8 @@ pub struct DraDriverSettings {
     pub dirs: KubeletDirs,
     /// The folder of dynamic CDI specs (`/var/run/cdi`).
     pub cdi_dir: PathBuf,
+    /// How long a device stays unhealthy before its taint turns `NoExecute` (none: never).
+    pub no_execute_after: Option<std::time::Duration>,
 }
 
 /// Why a driver could not start.
@@ -64,12 +66,15 @@ impl DraDriver {
     ) -> Result<DraDriver, DraStartError> {
         let driver = settings.driver.clone();
         let stop = CancellationToken::new();
-        let slices = SlicePublisher::spawn(
+        let slices = SlicePublisher::spawn_with(
             client.clone(),
             &driver,
             &settings.node,
             backend.devices(),
             &stop,
+            SliceOptions {
+                no_execute_after: settings.no_execute_after,
+            },
         )?;
         let files = PrepareFiles {
             cdi_dir: settings.cdi_dir.clone(),

@@ -108,6 +108,7 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
         node: NODE.into(),
         dirs: KubeletDirs::beside(&device_plugins),
         cdi_dir: root.path().join("cdi"),
+        no_execute_after: None,
     };
     let driver = DraDriver::start(settings.clone(), backend.clone(), client.clone())
         .await

@@ -96,6 +96,7 @@ async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
         node: NODE.into(),
         dirs: KubeletDirs::beside(&device_plugins),
         cdi_dir: root.path().join("cdi"),
+        no_execute_after: None,
     };
     let driver = DraDriver::start(driver_settings.clone(), backend, client.clone())
         .await

@@ -9,7 +9,7 @@
 
 use devplug::attributes::AttributeValue;
 use devplug::{Device, DeviceList, Health};
-use devplug_dra::slices::{SlicePublisher, MAX_DEVICES_PER_SLICE};
+use devplug_dra::slices::{SliceOptions, SlicePublisher, MAX_DEVICES_PER_SLICE};
 use devplug_testkit::api_server::{admin, new_node};
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Node;
@@ -340,6 +340,78 @@ async fn a_change_bumps_the_generation_and_unhealthy_devices_are_tainted_until_t
     let published = publisher.wait_published(&last).await.unwrap();
     assert!(published.generation < 4 + 20, "{}", published.generation);
     assert_eq!(device_names(&slices(&s.api, &s.node).await).len(), 4);
+}
+
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
+)]
+#[tokio::test]
+async fn a_device_unhealthy_for_no_execute_after_gets_a_no_execute_taint_until_it_recovers() {
+    let Some(s) = setup(
+        "a_device_unhealthy_for_no_execute_after_gets_a_no_execute_taint_until_it_recovers",
+        "slices-noexec",
+    )
+    .await
+    else {
+        return;
+    };
+    let healthy = DeviceList::new(npus(2));
+    let (tx, rx) = watch::channel(healthy.clone());
+    let after = Duration::from_secs(2);
+    let publisher = SlicePublisher::spawn_with(
+        s.client.clone(),
+        DRIVER,
+        &s.node,
+        rx,
+        &CancellationToken::new(),
+        SliceOptions {
+            no_execute_after: Some(after),
+        },
+    )
+    .unwrap();
+    publisher.wait_published(&healthy).await.unwrap();
+    let effects = |all: &BTreeMap<String, ResourceSlice>| -> Vec<(String, String)> {
+        all.values()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .flat_map(|d| {
+                d.taints
+                    .iter()
+                    .flatten()
+                    .map(|t| (d.name.clone(), t.effect.clone()))
+            })
+            .collect()
+    };
+    let mut sick = healthy.clone();
+    sick.set_health("npu-1", Health::unhealthy("ECC"));
+    let broke = std::time::Instant::now();
+    tx.send_replace(sick.clone());
+    publisher.wait_published(&sick).await.unwrap();
+    assert_eq!(
+        effects(&slices(&s.api, &s.node).await),
+        [("npu-1".to_owned(), "NoSchedule".to_owned())]
+    );
+    // After `after`, with no new list from the backend, the taint turns NoExecute.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let all = slices(&s.api, &s.node).await;
+        if effects(&all) == [("npu-1".to_owned(), "NoExecute".to_owned())] {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no NoExecute taint: {:?}",
+            effects(&all)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = broke.elapsed();
+    eprintln!("NoSchedule → NoExecute after {took:?} (no_execute_after {after:?})");
+    assert!(took >= after, "not before no_execute_after: {took:?}");
+    // Recovery removes it.
+    tx.send_replace(healthy.clone());
+    publisher.wait_published(&healthy).await.unwrap();
+    assert!(effects(&slices(&s.api, &s.node).await).is_empty());
 }
 
 #[cfg_attr(

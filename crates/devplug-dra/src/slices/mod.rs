@@ -60,7 +60,9 @@ mod spec;
 mod validate;
 
 pub use api_device::NUMA_ATTRIBUTE;
-pub use publisher::{delete_slices, Published, SliceCounters, SliceError, SlicePublisher};
+pub use publisher::{
+    delete_slices, Published, SliceCounters, SliceError, SliceOptions, SlicePublisher,
+};
 pub use spec::{
     slice_specs, unhealthy_taint_key, Skipped, SliceSpecs, MAX_DEVICES_PER_SLICE,
     MAX_TAINTED_PER_SLICE,

@@ -35,6 +35,15 @@ pub struct SliceCounters {
     pub last_success_unix: AtomicU64,
 }
 
+/// How a publisher publishes, beyond its driver and node.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SliceOptions {
+    /// How long a device stays unhealthy before its taint turns from `NoSchedule` to
+    /// `NoExecute` (pods using it that do not tolerate the taint are then evicted by the
+    /// cluster's device taint controller); `None`: never.
+    pub no_execute_after: Option<std::time::Duration>,
+}
+
 /// What the API server holds, as last confirmed by the publisher.
 #[derive(Debug, Clone)]
 pub struct Published {
@@ -139,6 +148,18 @@ impl SlicePublisher {
         devices: watch::Receiver<DeviceList>,
         stop: &CancellationToken,
     ) -> Result<SlicePublisher, SliceError> {
+        Self::spawn_with(client, driver, node, devices, stop, SliceOptions::default())
+    }
+
+    /// [`SlicePublisher::spawn`] with `options`.
+    pub fn spawn_with(
+        client: kube::Client,
+        driver: &str,
+        node: &str,
+        devices: watch::Receiver<DeviceList>,
+        stop: &CancellationToken,
+        options: SliceOptions,
+    ) -> Result<SlicePublisher, SliceError> {
         check_driver_name(driver)?;
         let stop = stop.child_token();
         let counters = Arc::new(SliceCounters::default());
@@ -149,6 +170,7 @@ impl SlicePublisher {
             node,
             counters.clone(),
             published_tx,
+            options.no_execute_after,
         );
         let task = tokio::spawn(run.run(client.clone(), devices, stop.clone()));
         Ok(SlicePublisher {

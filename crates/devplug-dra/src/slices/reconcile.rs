@@ -85,6 +85,12 @@ pub(super) struct Run {
     restart_watches: bool,
     /// When each unhealthy device was first seen so (its taint's `timeAdded`).
     unhealthy_since: BTreeMap<String, Time>,
+    /// The same, on the monotonic clock: when its taint turns `NoExecute`.
+    unhealthy_at: BTreeMap<String, Instant>,
+    /// The unhealthy devices whose taint is `NoExecute`, since when.
+    no_execute_since: BTreeMap<String, Time>,
+    /// How long a device stays unhealthy before its taint turns `NoExecute` (none: never).
+    no_execute_after: Option<Duration>,
     /// False once the API server dropped the taints we wrote: unhealthy devices left out.
     taints_kept: bool,
     /// Set when the content changed after a write (taints dropped): publish again.
@@ -100,6 +106,7 @@ impl Run {
         node: &str,
         counters: Arc<SliceCounters>,
         published: watch::Sender<Option<Published>>,
+        no_execute_after: Option<Duration>,
     ) -> Run {
         Run {
             api,
@@ -120,6 +127,9 @@ impl Run {
             changed_at: None,
             restart_watches: false,
             unhealthy_since: BTreeMap::new(),
+            unhealthy_at: BTreeMap::new(),
+            no_execute_since: BTreeMap::new(),
+            no_execute_after,
             taints_kept: true,
             republish: false,
         }
@@ -165,6 +175,9 @@ impl Run {
             let probe_due =
                 probe_at.unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400));
             let due = retry_at.unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400));
+            let escalation = self.escalation_due();
+            let escalation_due =
+                escalation.unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400));
             tokio::select! {
                 () = stop.cancelled() => return,
                 changed = devices.changed(), if devices_open => match changed {
@@ -249,6 +262,12 @@ impl Run {
                     retry_at = None;
                     dirty = true;
                 }
+                () = tokio::time::sleep_until(escalation_due), if escalation.is_some() => {
+                    // A device unhealthy for no_execute_after: its taint turns NoExecute.
+                    let list = self.list.clone();
+                    self.set_list(list);
+                    dirty = true;
+                }
                 () = tokio::time::sleep_until(probe_due), if probe_at.is_some() => {
                     let answered = tokio::select! {
                         () = stop.cancelled() => return,
@@ -317,6 +336,16 @@ impl Run {
         }
     }
 
+    /// When the next unhealthy device's taint turns `NoExecute`, if one will.
+    fn escalation_due(&self) -> Option<Instant> {
+        let after = self.no_execute_after?;
+        self.unhealthy_at
+            .iter()
+            .filter(|(id, _)| !self.no_execute_since.contains_key(*id))
+            .filter_map(|(_, at)| at.checked_add(after))
+            .min()
+    }
+
     /// Takes a new device list: its pool content, and one WARN for each new problem.
     fn set_list(&mut self, list: DeviceList) {
         // Seconds, as the API server keeps a time: what we write is what we read back.
@@ -326,11 +355,25 @@ impl Run {
             )
             .unwrap_or_else(|_| k8s_openapi::jiff::Timestamp::now()),
         );
-        self.unhealthy_since
-            .retain(|id, _| list.get(id).is_some_and(|d| !d.health.is_healthy()));
+        let still = |id: &String| list.get(id).is_some_and(|d| !d.health.is_healthy());
+        self.unhealthy_since.retain(|id, _| still(id));
+        self.unhealthy_at.retain(|id, _| still(id));
+        self.no_execute_since.retain(|id, _| still(id));
+        let instant = Instant::now();
         for device in list.devices() {
             if !device.health.is_healthy() && !self.unhealthy_since.contains_key(&device.id) {
                 self.unhealthy_since.insert(device.id.clone(), now.clone());
+                self.unhealthy_at.insert(device.id.clone(), instant);
+            }
+        }
+        if let Some(after) = self.no_execute_after {
+            for (id, at) in &self.unhealthy_at {
+                let due = at.checked_add(after).is_some_and(|due| due <= instant);
+                if due && !self.no_execute_since.contains_key(id) {
+                    tracing::warn!(driver = %self.driver, device = %id, after = ?after,
+                        "device unhealthy for no_execute_after: its taint is now NoExecute (pods that do not tolerate it are evicted)");
+                    self.no_execute_since.insert(id.clone(), now.clone());
+                }
             }
         }
         let key = unhealthy_taint_key(&self.driver);
@@ -338,6 +381,7 @@ impl Run {
             Unhealthy::Taint {
                 key: &key,
                 since: &self.unhealthy_since,
+                no_execute: &self.no_execute_since,
             }
         } else {
             Unhealthy::LeaveOut

@@ -27,10 +27,12 @@ pub fn unhealthy_taint_key(driver: &str) -> String {
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Unhealthy<'a> {
     /// Kept, with a `NoSchedule` taint `key` whose value is the reason, added at the time in
-    /// `since` (none: the API server sets it).
+    /// `since` (none: the API server sets it); a device in `no_execute` has a `NoExecute` taint
+    /// instead, added at the time given there.
     Taint {
         key: &'a str,
         since: &'a BTreeMap<String, Time>,
+        no_execute: &'a BTreeMap<String, Time>,
     },
     /// Left out of the pool (an API server that keeps no taints: the `DRADeviceTaints`
     /// feature off, as before Kubernetes 1.36).
@@ -60,16 +62,26 @@ fn label_value(reason: &str) -> Option<String> {
     (!trimmed.is_empty()).then(|| trimmed.to_owned())
 }
 
-/// The taint an unhealthy device carries.
-fn taint(device: &Device, key: &str, since: &BTreeMap<String, Time>) -> Option<api::DeviceTaint> {
+/// The taint an unhealthy device carries: `NoSchedule` since it was first seen unhealthy, or
+/// `NoExecute` once it is in `no_execute` (since then).
+fn taint(
+    device: &Device,
+    key: &str,
+    since: &BTreeMap<String, Time>,
+    no_execute: &BTreeMap<String, Time>,
+) -> Option<api::DeviceTaint> {
     let Health::Unhealthy { reason } = &device.health else {
         return None;
+    };
+    let (effect, time_added) = match no_execute.get(&device.id) {
+        Some(at) => ("NoExecute", Some(at.clone())),
+        None => ("NoSchedule", since.get(&device.id).cloned()),
     };
     Some(api::DeviceTaint {
         key: key.to_owned(),
         value: label_value(reason),
-        effect: "NoSchedule".to_owned(),
-        time_added: since.get(&device.id).cloned(),
+        effect: effect.to_owned(),
+        time_added,
     })
 }
 
@@ -113,6 +125,7 @@ pub fn slice_specs(driver: &str, node: &str, generation: i64, list: &DeviceList)
         Unhealthy::Taint {
             key: &key,
             since: &since,
+            no_execute: &since,
         },
     );
     let count = content.slices.len();
@@ -155,7 +168,11 @@ pub(super) fn pool_content(list: &DeviceList, unhealthy: Unhealthy<'_>) -> PoolC
         let taint = match unhealthy {
             _ if device.health.is_healthy() => None,
             Unhealthy::LeaveOut => continue,
-            Unhealthy::Taint { key, since } => taint(device, key, since),
+            Unhealthy::Taint {
+                key,
+                since,
+                no_execute,
+            } => taint(device, key, since, no_execute),
         };
         let name = names::device_name(&device.id);
         if let Some(first) = names_taken.get(&name) {
