@@ -1079,14 +1079,15 @@ async fn the_drivers_files_reach_allocate_and_the_cdi_spec_at_host_paths() {
     assert!(backend.allocate(&[first]).unwrap().mounts.is_empty());
 }
 
-/// A stand-in for the driver's `nvidia-cuda-mps-control`: `-d` records a start (GPU, folders,
-/// library path) and makes the pipe folder's `control`; otherwise it reads one command from
-/// stdin, records it, and on `quit` removes `control`.
+/// A stand-in for the driver's `nvidia-cuda-mps-control`: `-f` records a start (GPU, folders,
+/// library path), makes the pipe folder's `control` and runs until it is gone; otherwise it
+/// reads one command from stdin, records it, and on `quit` removes `control`.
 const FAKE_MPS_CONTROL: &str = r#"#!/bin/sh
 log="$(dirname "$0")/mps-calls.log"
-if [ "$1" = "-d" ]; then
+if [ "$1" = "-f" ]; then
   echo "start $CUDA_VISIBLE_DEVICES $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY $LD_LIBRARY_PATH" >> "$log"
   : > "$CUDA_MPS_PIPE_DIRECTORY/control"
+  while [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; do sleep 0.05; done
 else
   read -r cmd
   echo "$cmd $CUDA_MPS_PIPE_DIRECTORY" >> "$log"
@@ -1138,7 +1139,14 @@ async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares(
         .iter()
         .any(|m| m.host_path == format!("/host/mps/{uuid}/pipe") && !m.read_only));
     let pipe = mps_dir.join(&uuid).join("pipe");
-    assert!(pipe.join("control").exists(), "the daemon was started");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !pipe.join("control").exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon was not started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let half = BTreeMap::from([("cores".to_owned(), 50), ("memory".to_owned(), 1 << 30)]);
     let second = backend.allocate_share(&uuid, &half).unwrap();
     assert_eq!(second.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50");

@@ -1,8 +1,8 @@
 //! MPS on a real NVIDIA GPU: devplug's `MpsDaemons` starts the driver's own
-//! `nvidia-cuda-mps-control -d` for one GPU, a CUDA client (`tests/gpu/mps_client.py`, the
+//! `nvidia-cuda-mps-control -f` for one GPU (as its own child), a CUDA client (`tests/gpu/mps_client.py`, the
 //! driver's libcuda through ctypes) runs through it with the limits a 40-core, 1 GiB share gets,
 //! an allocation within the limit succeeds and one beyond it fails, and the daemon quits when
-//! told. Needs a GPU and its driver, so it is ignored unless asked for:
+//! told (and is reaped: no zombie is left). Needs a GPU and its driver, so it is ignored unless asked for:
 //! `DEVPLUG_MPS_CONTROL=/usr/bin/nvidia-cuda-mps-control DEVPLUG_GPU_UUID=GPU-... \
 //!  cargo test -p devplug-backends --test nvidia_mps_gpu -- --ignored --nocapture`.
 

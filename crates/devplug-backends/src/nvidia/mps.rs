@@ -3,19 +3,21 @@
 //! that put a container on it with its share's limits.
 //!
 //! Each GPU gets `<dir>/<uuid>/pipe` and `<dir>/<uuid>/log`. The daemon is the driver's own
-//! `nvidia-cuda-mps-control -d`, run with `CUDA_VISIBLE_DEVICES=<uuid>` (so its clients see that
-//! GPU alone, as device 0), `CUDA_MPS_PIPE_DIRECTORY` and `CUDA_MPS_LOG_DIRECTORY`. A container
+//! `nvidia-cuda-mps-control`, run with `CUDA_VISIBLE_DEVICES=<uuid>` (so its clients see that
+//! GPU alone, as device 0), `CUDA_MPS_PIPE_DIRECTORY` and `CUDA_MPS_LOG_DIRECTORY`, in the
+//! foreground (`-f`) as devplug's own child: with `-d` it would fork away and, devplug being
+//! PID 1 of its container, end as a zombie nobody reaps once it quits (seen on a real GPU). A
+//! container
 //! gets both folders mounted (the pipe read-write, the log read-only), the pipe folder in
 //! `CUDA_MPS_PIPE_DIRECTORY`, its share of the SMs in `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and its
 //! memory in `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`0=<MiB>M`), as NVIDIA's MPS documentation
-//! names them. The kernel tells nothing about another process's readiness here; `-d` returns
-//! once the daemon has forked, and clients come seconds later, when their containers start.
+//! names them. Clients come seconds after the daemon starts, when their containers start.
 
 use devplug::{ContainerEdits, Mount};
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 
 /// The MPS control program, among the driver's programs.
@@ -41,7 +43,7 @@ pub struct MpsProgram {
 pub struct MpsDaemons {
     dir: PathBuf,
     host_dir: PathBuf,
-    running: Mutex<BTreeSet<String>>,
+    running: Mutex<BTreeMap<String, Child>>,
 }
 
 impl MpsDaemons {
@@ -50,7 +52,7 @@ impl MpsDaemons {
         MpsDaemons {
             dir: dir.to_owned(),
             host_dir: host_dir.to_owned(),
-            running: Mutex::new(BTreeSet::new()),
+            running: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -63,7 +65,7 @@ impl MpsDaemons {
     pub fn running(&self) -> Vec<String> {
         self.running
             .lock()
-            .map(|r| r.iter().cloned().collect())
+            .map(|r| r.keys().cloned().collect())
             .unwrap_or_default()
     }
 
@@ -73,8 +75,16 @@ impl MpsDaemons {
             .running
             .lock()
             .map_err(|_| "the MPS daemon table is poisoned".to_owned())?;
-        if running.contains(uuid) {
-            return Ok(());
+        if let Some(child) = running.get_mut(uuid) {
+            match child.try_wait() {
+                Ok(None) => return Ok(()),
+                // It ended (its GPU lost, killed): start it again below.
+                Ok(Some(status)) => {
+                    tracing::warn!(gpu = uuid, %status, "the MPS control daemon had ended; starting it again");
+                }
+                Err(err) => return Err(format!("cannot check the MPS daemon of {uuid}: {err}")),
+            }
+            running.remove(uuid);
         }
         let (pipe, log) = self.folders(&self.dir, uuid);
         for folder in [&pipe, &log] {
@@ -85,24 +95,30 @@ impl MpsDaemons {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&pipe, std::fs::Permissions::from_mode(0o777))
             .map_err(|e| format!("cannot open up {}: {e}", pipe.display()))?;
-        let out = self
+        let console = std::fs::File::create(log.join("devplug-console.log"))
+            .map_err(|e| format!("cannot create a log in {}: {e}", log.display()))?;
+        let console_err = console
+            .try_clone()
+            .map_err(|e| format!("cannot create a log in {}: {e}", log.display()))?;
+        let mut child = self
             .command(program, &pipe)
-            .arg("-d")
+            .arg("-f")
             .env("CUDA_VISIBLE_DEVICES", uuid)
             .env("CUDA_MPS_LOG_DIRECTORY", &log)
             .stdin(Stdio::null())
-            .output()
+            .stdout(console)
+            .stderr(console_err)
+            .spawn()
             .map_err(|e| format!("cannot run {}: {e}", program.control.display()))?;
-        if !out.status.success() {
+        if let Ok(Some(status)) = child.try_wait() {
             return Err(format!(
-                "{} -d for GPU {uuid} failed ({}): {}",
+                "{} -f for GPU {uuid} ended at once ({status}); see {}",
                 program.control.display(),
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
+                log.join("devplug-console.log").display()
             ));
         }
-        tracing::info!(gpu = uuid, pipe = %pipe.display(), "MPS control daemon started");
-        running.insert(uuid.to_owned());
+        tracing::info!(gpu = uuid, pid = child.id(), pipe = %pipe.display(), "MPS control daemon started");
+        running.insert(uuid.to_owned(), child);
         Ok(())
     }
 
@@ -112,9 +128,9 @@ impl MpsDaemons {
         let Ok(mut running) = self.running.lock() else {
             return;
         };
-        if !running.remove(uuid) {
+        let Some(mut daemon) = running.remove(uuid) else {
             return;
-        }
+        };
         let (pipe, _) = self.folders(&self.dir, uuid);
         let quit = self
             .command(program, &pipe)
@@ -130,13 +146,27 @@ impl MpsDaemons {
             });
         match quit {
             Ok(out) if out.status.success() => {
-                tracing::info!(gpu = uuid, "MPS control daemon told to quit: no share left");
+                // It exits once its servers have: reaped here, not left a zombie.
+                match daemon.wait() {
+                    Ok(status) => {
+                        tracing::info!(gpu = uuid, %status, "MPS control daemon quit: no share left")
+                    }
+                    Err(err) => {
+                        tracing::warn!(gpu = uuid, %err, "cannot reap the MPS control daemon")
+                    }
+                }
             }
-            Ok(out) => tracing::warn!(gpu = uuid, status = %out.status,
-                stderr = %String::from_utf8_lossy(&out.stderr).trim(),
-                "the MPS control daemon did not take quit"),
+            Ok(out) => {
+                tracing::warn!(gpu = uuid, status = %out.status,
+                    stderr = %String::from_utf8_lossy(&out.stderr).trim(),
+                    "the MPS control daemon did not take quit; killing it");
+                let _ = daemon.kill();
+                let _ = daemon.wait();
+            }
             Err(err) => {
-                tracing::warn!(gpu = uuid, %err, "cannot tell the MPS control daemon to quit")
+                tracing::warn!(gpu = uuid, %err, "cannot tell the MPS control daemon to quit; killing it");
+                let _ = daemon.kill();
+                let _ = daemon.wait();
             }
         }
     }
