@@ -3,7 +3,8 @@
 //! `target/k8s-assets`), a Node, the kubelet simulator with its plugin watcher, and devplug's DRA
 //! driver over 4 virtual NPUs on 2 NUMA nodes; then a DeviceClass, a ResourceClaim with a CEL
 //! selector, a Pod, the scheduler's allocation, NodePrepareResources and the CDI spec it writes,
-//! the pod's deletion and NodeUnprepareResources. Everything lives in one temp folder, removed
+//! the pod's deletion and NodeUnprepareResources; then one GPU shared by capacity between pods
+//! (`demo_dra_sharing.rs`). Everything lives in one temp folder, removed
 //! at the end or on Ctrl-C, and the control plane is stopped either way.
 
 use crate::demo::{detail, ms, step};
@@ -445,12 +446,31 @@ async fn walk(assets: &Path, dir: &Path) -> anyhow::Result<()> {
 
     step(
         10,
+        &format!(
+            "sharing by capacity: driver {} with one GPU that claims share, packed by the scheduler",
+            crate::demo_dra_sharing::DRIVER
+        ),
+    );
+    let sharing = crate::demo_dra_sharing::walk(
+        &client,
+        &kubelet,
+        &dirs,
+        NODE,
+        NAMESPACE,
+        &settings.cdi_dir,
+        WAIT,
+    )
+    .await?;
+
+    step(
+        11,
         "devplug stops (sockets and the node's ResourceSlices removed), then the control plane",
     );
     let started = Instant::now();
-    let problems = driver.shutdown().await;
+    let mut problems = driver.shutdown().await;
+    problems.extend(sharing.shutdown().await);
     if !problems.is_empty() {
-        anyhow::bail!("the DRA driver did not clean up: {}", problems.join("; "));
+        anyhow::bail!("the DRA drivers did not clean up: {}", problems.join("; "));
     }
     let left = slice_count(&client).await?;
     detail(&format!(

@@ -20,6 +20,8 @@ mod config;
 mod demo;
 #[cfg(all(feature = "cluster", feature = "tools"))]
 mod demo_dra;
+#[cfg(all(feature = "cluster", feature = "tools"))]
+mod demo_dra_sharing;
 #[cfg(feature = "tools")]
 mod demo_nvidia;
 #[cfg(feature = "cluster")]

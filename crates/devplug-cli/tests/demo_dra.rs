@@ -96,12 +96,21 @@ fn the_dra_demo_walks_the_whole_path_and_cleans_up() {
         "device node /dev/npu3 (rw)",
         "NodeUnprepareResources",
         ".json: removed",
+        "driver gpu.example.com publishes gpu-0 with allowMultipleAllocations",
+        "consumed cores 40, memory 4Gi",
+        ": pending, 20 cores left",
+        "GPU_VISIBLE_DEVICES=gpu-0 GPU_VISIBLE_DEVICES_CORES=40 GPU_VISIBLE_DEVICES_MEMORY=4294967296",
         "ResourceSlices left for demo-node: 0",
         "etcd, kube-apiserver and kube-scheduler stopped in",
         "done.",
     ] {
         assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
     }
+    assert_eq!(
+        stdout.matches(": gpu-0 share ").count(),
+        2,
+        "two pods share the GPU:\n{stdout}"
+    );
     let folder = folder_of(&stdout);
     assert!(
         !folder.exists(),
