@@ -13,7 +13,7 @@
 use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, DeviceList, Health};
 use devplug_dra::kubelet::{KubeletDirs, Registered};
 use devplug_dra::{DraDriver, DraDriverSettings};
-use devplug_testkit::api_server::{self, ApiServer};
+use devplug_testkit::api_server::{self, until, ApiServer};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, PostParams};
@@ -44,21 +44,6 @@ fn npu(i: i64) -> Device {
         .with_numa_nodes([i / 2])
         .with_attribute("model", AttributeValue::String("dummy-x1".into()))
         .with_capacity("memory", 16 << 30)
-}
-
-async fn until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 async fn slice_devices(slices: &Api<ResourceSlice>) -> Vec<String> {

@@ -12,7 +12,7 @@ use devplug::Backend;
 use devplug_backends::virtual_devices::{VirtualBackend, VirtualSettings, VirtualShare};
 use devplug_dra::kubelet::{KubeletDirs, Registered};
 use devplug_dra::{DraDriver, DraDriverSettings};
-use devplug_testkit::api_server::{self, ApiServer};
+use devplug_testkit::api_server::{self, until, ApiServer};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::resource::v1::{
     DeviceClass, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice,
@@ -28,21 +28,6 @@ use std::time::{Duration, Instant};
 const DRIVER: &str = "gpu.example.com";
 const NODE: &str = "dra-sharing-node";
 const NS: &str = "dra-sharing";
-
-async fn until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// The claim's one result, once the scheduler allocated it.
 async fn allocation(

@@ -170,6 +170,26 @@ pub async fn new_node(nodes: &kube::Api<k8s_openapi::api::core::v1::Node>, prefi
     name
 }
 
+/// Waits until `check` gives a value, asking every 100 ms; panics naming `what` after
+/// `timeout` (a test helper: what an API server test waits for, a binding, an allocation).
+pub async fn until<T, F, Fut>(what: &str, timeout: std::time::Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
 /// Creates a Node named `name` that the scheduler places pods on: Ready, 4 cpu, 8Gi, 110 pods,
 /// the not-ready taint added at admission removed (as a node controller would once the kubelet
 /// reports Ready). Panics on an API error (a test helper).

@@ -264,13 +264,7 @@ impl NvidiaBackend {
             ))
         })?;
         let view = self.view();
-        let gpu = view
-            .index
-            .get(id)
-            .and_then(|&i| view.gpus.get(i))
-            .ok_or_else(|| {
-                AllocateError::InvalidRequest(format!("device {id:?} is no longer present"))
-            })?;
+        let gpu = view.served(id)?;
         if gpu.mig.is_some() {
             return Err(AllocateError::InvalidRequest(format!(
                 "{id} is a MIG device: only whole GPUs are shared through MPS"
@@ -311,13 +305,7 @@ impl Backend for NvidiaBackend {
         let mut gpus = Vec::new();
         let mut seen = HashSet::new();
         for id in ids {
-            let gpu = view
-                .index
-                .get(id)
-                .and_then(|&i| view.gpus.get(i))
-                .ok_or_else(|| {
-                    AllocateError::InvalidRequest(format!("device {id:?} is no longer present"))
-                })?;
+            let gpu = view.served(id)?;
             if seen.insert(gpu.uuid()) {
                 gpus.push(gpu);
             }

@@ -280,6 +280,18 @@ fn nvlinks(a: &GpuInfo, b: &GpuInfo, gpu_addresses: &[&str]) -> u32 {
 }
 
 impl View {
+    /// The GPU (or MIG device) served as `id`, or the error a request naming it gets.
+    pub fn served(&self, id: &str) -> Result<&ServedGpu, devplug::AllocateError> {
+        self.index
+            .get(id)
+            .and_then(|&i| self.gpus.get(i))
+            .ok_or_else(|| {
+                devplug::AllocateError::InvalidRequest(format!(
+                    "device {id:?} is no longer present"
+                ))
+            })
+    }
+
     /// The view of `snapshot` for a resource with these settings.
     pub fn build(settings: &NvidiaSettings, snapshot: &Snapshot) -> View {
         let addresses: Vec<&str> = snapshot.gpus.iter().map(|g| g.bus_id.as_str()).collect();

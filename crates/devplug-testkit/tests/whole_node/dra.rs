@@ -141,16 +141,7 @@ async fn shared_by_capacity(node: &Node, client: &kube::Client) -> Result<(), St
         "two distinct shares of gpu-0: {shares:?}"
     );
     for pod in ["dra-share-a", "dra-share-b"] {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let out = loop {
-            let log = node
-                .container_log("default", pod, "demo")
-                .unwrap_or_default();
-            if log.contains("PATH=") || Instant::now() > deadline {
-                break log;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        let out = printed_env(node, pod).await;
         for want in [
             "GPU_VISIBLE_DEVICES=gpu-0",
             "GPU_VISIBLE_DEVICES_CORES=50",
@@ -364,18 +355,22 @@ async fn run_example(
     assert_eq!(results.len(), 1, "one device allocated: {results:?}");
     assert_eq!(results[0].driver, DRIVER);
     let device = results[0].device.clone();
-    // What the container printed: its env, ending with PATH.
+    Ok((device, printed_env(node, pod).await))
+}
+
+/// What the example pod's `demo` container printed: its env (`env | sort`, so once PATH is
+/// there it is all there), waiting up to 30 s.
+async fn printed_env(node: &Node, pod: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(30);
-    let out = loop {
+    loop {
         let log = node
             .container_log("default", pod, "demo")
             .unwrap_or_default();
         if log.contains("PATH=") || Instant::now() > deadline {
-            break log;
+            return log;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    Ok((device, out))
+    }
 }
 
 fn remove_example(node: &Node, name: &str) -> Result<(), String> {
