@@ -10,7 +10,10 @@
 //! derives it from the NUMA node when it writes the slice, at no cost here.
 
 use crate::settings::{check_env_name, SettingsError};
-use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList, Health, SharePolicy};
+use devplug::{
+    AllocateError, AttributeValue, Backend, ContainerEdits, CounterSet, Device, DeviceList, Health,
+    SharePolicy,
+};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use tokio::sync::watch;
@@ -37,6 +40,35 @@ pub struct VirtualSettings {
     /// whole devices).
     #[serde(default)]
     pub share: Option<VirtualShare>,
+    /// Make each device partitionable (DRA only): published whole and in parts that the
+    /// scheduler never gives out overlapping.
+    #[serde(default)]
+    pub partitions: Option<VirtualPartitions>,
+}
+
+/// How each virtual device splits: into `slices` equal parts, offered whole and as partitions
+/// of each of `sizes` slices at aligned offsets (`<id>-s<size>-<offset>`, e.g. `virtual-0-s2-2`:
+/// slices 2 and 3). Each device is a counter set of `slices` counters (`slice-0` …); a
+/// partition consumes its slices, the whole device all of them, so the scheduler never gives
+/// out two that overlap. A container finds its devices in `<env>` and their slices in
+/// `<env>_SLICES` (`2-3`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VirtualPartitions {
+    /// How many slices a device has.
+    pub slices: u32,
+    /// The partition sizes offered besides the whole device, in slices; each divides `slices`.
+    pub sizes: Vec<u32>,
+}
+
+/// The counter of one slice of a partitionable virtual device.
+fn slice_counter(slice: u32) -> String {
+    format!("slice-{slice}")
+}
+
+/// A partition's id: `<parent>-s<size>-<offset>`.
+fn partition_id(parent: &str, size: u32, offset: u32) -> String {
+    format!("{parent}-s{size}-{offset}")
 }
 
 /// How each virtual device is shared by capacity: `cores` compute units in steps of 1, and
@@ -119,6 +151,7 @@ impl VirtualSettings {
             id_prefix: default_prefix(),
             numa_nodes: 0,
             share: None,
+            partitions: None,
         }
     }
 
@@ -150,8 +183,85 @@ impl VirtualSettings {
         if let Some(share) = &self.share {
             share.capacities()?;
         }
+        if let Some(partitions) = &self.partitions {
+            self.check_partitions(partitions)?;
+        }
         Ok(())
     }
+
+    fn check_partitions(&self, partitions: &VirtualPartitions) -> Result<(), SettingsError> {
+        use devplug::attributes::{check_label, MAX_COUNTERS, MAX_COUNTER_SETS};
+        if self.share.is_some() {
+            return Err(SettingsError::new(
+                "partitions",
+                "a device is shared by capacity or split into partitions, not both: remove \
+                 share or partitions",
+            ));
+        }
+        if self.count > MAX_COUNTER_SETS {
+            return Err(SettingsError::new(
+                "partitions",
+                format!(
+                    "{} devices; at most {MAX_COUNTER_SETS} can be partitionable (a \
+                     ResourceSlice holds at most {MAX_COUNTER_SETS} counter sets)",
+                    self.count
+                ),
+            ));
+        }
+        let slices = partitions.slices;
+        if !(2..=MAX_COUNTERS as u32).contains(&slices) {
+            return Err(SettingsError::new(
+                "partitions.slices",
+                format!("must be between 2 and {MAX_COUNTERS}, got {slices}"),
+            ));
+        }
+        if partitions.sizes.is_empty() {
+            return Err(SettingsError::new(
+                "partitions.sizes",
+                "is empty: name at least one partition size, e.g. [1, 2]",
+            ));
+        }
+        for (i, &size) in partitions.sizes.iter().enumerate() {
+            if size == 0 || size >= slices || !slices.is_multiple_of(size) {
+                return Err(SettingsError::new(
+                    format!("partitions.sizes[{i}]"),
+                    format!("{size} must be less than slices ({slices}) and divide it"),
+                ));
+            }
+            if partitions.sizes[..i].contains(&size) {
+                return Err(SettingsError::new(
+                    format!("partitions.sizes[{i}]"),
+                    format!("{size} is listed twice"),
+                ));
+            }
+        }
+        let last = format!("{}{}", self.id_prefix, self.count.saturating_sub(1));
+        let smallest = partitions.sizes.iter().min().copied().unwrap_or(1);
+        let longest = partition_id(&last, smallest, slices.saturating_sub(smallest));
+        check_label(&last)
+            .and_then(|()| check_label(&longest))
+            .map_err(|e| {
+                SettingsError::new(
+                    "id_prefix",
+                    format!("with partitions, ids name counter sets and devices: {longest:?} {e}"),
+                )
+            })?;
+        Ok(())
+    }
+}
+
+/// `device` as the partition of `size` slices at `offset` of the partitionable device `parent`
+/// of `slices` slices (the whole device: offset 0, all slices).
+fn partition(device: Device, parent: &str, slices: u32, offset: u32, size: u32) -> Device {
+    let consumed = (offset..offset.saturating_add(size))
+        .map(|s| (slice_counter(s), 1))
+        .collect();
+    device
+        .with_attribute("parent", AttributeValue::String(parent.to_owned()))
+        .with_attribute("slices", AttributeValue::Int(i64::from(size)))
+        .with_attribute("offset", AttributeValue::Int(i64::from(offset)))
+        .with_attribute("whole", AttributeValue::Bool(size == slices))
+        .consuming(parent, consumed)
 }
 
 /// Software-only devices.
@@ -168,19 +278,38 @@ impl VirtualBackend {
             Some(share) => share.capacities()?,
             None => Vec::new(),
         };
-        let devices = (0..settings.count).map(|i| {
-            let mut device = Device::new(format!("{}{i}", settings.id_prefix));
+        let mut devices = Vec::new();
+        let mut counter_sets = Vec::new();
+        for i in 0..settings.count {
+            let id = format!("{}{i}", settings.id_prefix);
+            let numa = match settings.numa_nodes {
+                0 => None,
+                n => Some((i as u64 % u64::from(n)) as i64),
+            };
+            let mut device = Device::new(&id).with_numa_nodes(numa);
             for (name, value, policy) in &shared {
                 device = device.with_shared_capacity(*name, *value, *policy);
             }
-            match settings.numa_nodes {
-                0 => device,
-                n => device.with_numa_nodes([(i as u64 % u64::from(n)) as i64]),
+            let Some(partitions) = &settings.partitions else {
+                devices.push(device);
+                continue;
+            };
+            let slices = partitions.slices;
+            counter_sets.push(CounterSet {
+                name: id.clone(),
+                counters: (0..slices).map(|s| (slice_counter(s), 1)).collect(),
+            });
+            devices.push(partition(device, &id, slices, 0, slices));
+            for &size in &partitions.sizes {
+                for offset in (0..slices).step_by(size.max(1) as usize) {
+                    let part = Device::new(partition_id(&id, size, offset)).with_numa_nodes(numa);
+                    devices.push(partition(part, &id, slices, offset, size));
+                }
             }
-        });
+        }
         Ok(VirtualBackend {
             env: settings.env.clone(),
-            devices: watch::Sender::new(DeviceList::new(devices)),
+            devices: watch::Sender::new(DeviceList::new(devices).with_counter_sets(counter_sets)),
         })
     }
 
@@ -198,7 +327,24 @@ impl Backend for VirtualBackend {
     }
 
     fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
-        Ok(ContainerEdits::default().env(&self.env, ids.join(",")))
+        let edits = ContainerEdits::default().env(&self.env, ids.join(","));
+        let list = self.devices.borrow();
+        if list.counter_sets().is_empty() {
+            return Ok(edits);
+        }
+        let slices: Vec<String> = ids
+            .iter()
+            .filter_map(|id| list.get(id))
+            .map(|d| {
+                let int = |name: &str| match d.dra_attributes().attributes.get(name) {
+                    Some(AttributeValue::Int(v)) => *v,
+                    _ => 0,
+                };
+                let (offset, size) = (int("offset"), int("slices"));
+                format!("{offset}-{}", offset.saturating_add(size).saturating_sub(1))
+            })
+            .collect();
+        Ok(edits.env(format!("{}_SLICES", self.env), slices.join(",")))
     }
 
     /// The device in `<env>`, and what the share got of each capacity in `<env>_<NAME>`.
@@ -284,6 +430,71 @@ mod tests {
         assert_eq!(field(share(100, Some("1Gi"), "1.5Mi")), "share.memory_step");
         assert_eq!(field(share(100, Some("1Gi"), "1Gi")), "share.memory_step");
         assert!(share(100, Some("16Gi"), "256Mi").validate().is_ok());
+    }
+
+    #[test]
+    fn partitionable_devices_are_counter_sets_with_whole_and_partition_devices() {
+        let settings = VirtualSettings {
+            id_prefix: "gpu-".into(),
+            partitions: Some(VirtualPartitions {
+                slices: 4,
+                sizes: vec![2, 1],
+            }),
+            ..VirtualSettings::new(2)
+        };
+        let backend = VirtualBackend::new(&settings).unwrap();
+        let list = backend.devices().borrow().clone();
+        let ids: Vec<&str> = list.devices().iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(
+            &ids[..7],
+            [
+                "gpu-0",
+                "gpu-0-s2-0",
+                "gpu-0-s2-2",
+                "gpu-0-s1-0",
+                "gpu-0-s1-1",
+                "gpu-0-s1-2",
+                "gpu-0-s1-3"
+            ]
+        );
+        assert_eq!(list.len(), 14);
+        let sets = list.counter_sets();
+        assert_eq!(sets.len(), 2);
+        assert_eq!(sets[0].name, "gpu-0");
+        assert_eq!(sets[0].counters.len(), 4);
+        let consumed = |id: &str| -> Vec<String> {
+            let attrs = list.get(id).unwrap().dra_attributes();
+            assert!(attrs.check().is_ok(), "{attrs:?}");
+            assert_eq!(attrs.consumes[0].set, id[..5]);
+            attrs.consumes[0].counters.keys().cloned().collect()
+        };
+        assert_eq!(
+            consumed("gpu-0"),
+            ["slice-0", "slice-1", "slice-2", "slice-3"]
+        );
+        assert_eq!(consumed("gpu-1-s2-2"), ["slice-2", "slice-3"]);
+        let edits = backend
+            .allocate(&["gpu-1-s2-2".into(), "gpu-0-s1-1".into()])
+            .unwrap();
+        assert_eq!(edits.envs["VIRTUAL_DEVICES"], "gpu-1-s2-2,gpu-0-s1-1");
+        assert_eq!(edits.envs["VIRTUAL_DEVICES_SLICES"], "2-3,1-1");
+
+        let with = |slices: u32, sizes: Vec<u32>, count: usize| VirtualSettings {
+            partitions: Some(VirtualPartitions { slices, sizes }),
+            ..VirtualSettings::new(count)
+        };
+        let field = |s: VirtualSettings| s.validate().unwrap_err().field;
+        assert_eq!(field(with(1, vec![1], 1)), "partitions.slices");
+        assert_eq!(field(with(4, vec![], 1)), "partitions.sizes");
+        assert_eq!(field(with(4, vec![3], 1)), "partitions.sizes[0]");
+        assert_eq!(field(with(4, vec![2, 2], 1)), "partitions.sizes[1]");
+        assert_eq!(field(with(4, vec![4], 1)), "partitions.sizes[0]");
+        assert_eq!(field(with(4, vec![2], 9)), "partitions");
+        let upper = VirtualSettings {
+            id_prefix: "GPU".into(),
+            ..with(4, vec![2], 1)
+        };
+        assert_eq!(field(upper), "id_prefix");
     }
 
     #[test]

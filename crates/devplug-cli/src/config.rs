@@ -355,22 +355,21 @@ impl ResourceConfig {
             );
         }
         self.settings_check()?;
-        let shared = if self
-            .virtual_devices
-            .as_ref()
-            .is_some_and(|v| v.share.is_some())
-        {
+        let virt = self.virtual_devices.as_ref();
+        let dra_only = if virt.is_some_and(|v| v.share.is_some()) {
             Some("virtual.share")
+        } else if virt.is_some_and(|v| v.partitions.is_some()) {
+            Some("virtual.partitions")
         } else if self.nvidia.as_ref().is_some_and(|n| n.share.is_some()) {
             Some("nvidia.share")
         } else {
             None
         };
-        if let Some(field) = shared.filter(|_| self.serves_device_plugin()) {
+        if let Some(field) = dra_only.filter(|_| self.serves_device_plugin()) {
             return Err(format!(
-                "{field}: devices shared by capacity are served by DRA only (the device plugin \
-                 API counts whole devices); add dra: {{ driver: ... }} without device_plugin, or \
-                 remove share"
+                "{field}: devices shared by capacity or split into partitions are served by DRA \
+                 only (the device plugin API counts whole devices); add dra: {{ driver: ... }} \
+                 without device_plugin, or remove it"
             ));
         }
         if let Some(dra) = &self.dra {
@@ -920,10 +919,11 @@ resources:
             ("resources:\n  - name: a.com/x\n    files: { dir: colas }\n", "resources[0] (a.com/x): files.dir: colas must be an absolute path"),
             ("resources:\n  - name: a.com/x\n    files: { dir: /x, missing: sometimes }\n", "missing"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1, env: 'A-B' }\n", "virtual.env"),
-            ("resources:\n  - name: a.com/x\n    virtual: { count: 1, share: { cores: 100 } }\n", "resources[0] (a.com/x): virtual.share: devices shared by capacity are served by DRA only"),
-            ("resources:\n  - name: a.com/x\n    virtual: { count: 1, share: {} }\n    dra: { driver: x.a.com, device_plugin: true }\n", "virtual.share: devices shared by capacity are served by DRA only"),
+            ("resources:\n  - name: a.com/x\n    virtual: { count: 1, share: { cores: 100 } }\n", "resources[0] (a.com/x): virtual.share: devices shared by capacity or split into partitions are served by DRA only"),
+            ("resources:\n  - name: a.com/x\n    virtual: { count: 1, share: {} }\n    dra: { driver: x.a.com, device_plugin: true }\n", "virtual.share: devices shared by capacity or split into partitions are served by DRA only"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1, share: { memory: 16GB } }\n    dra: { driver: x.a.com }\n", "resources[0] (a.com/x): virtual.share.memory: \"16GB\" is not a whole quantity"),
-            ("resources:\n  - name: a.com/x\n    nvidia: { share: {} }\n", "resources[0] (a.com/x): nvidia.share: devices shared by capacity are served by DRA only"),
+            ("resources:\n  - name: a.com/x\n    nvidia: { share: {} }\n", "resources[0] (a.com/x): nvidia.share: devices shared by capacity or split into partitions are served by DRA only"),
+            ("resources:\n  - name: a.com/x\n    virtual: { count: 1, partitions: { slices: 4, sizes: [2] } }\n", "resources[0] (a.com/x): virtual.partitions: devices shared by capacity or split into partitions are served by DRA only"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    dra: { driver: x.a.com, no_execute_after: 10ms }\n", "resources[0] (a.com/x): dra.no_execute_after: must be at least 1s"),
             ("resources:\n  - name: a.com/x\n    nvidia: { share: {}, replicas: 2 }\n    dra: { driver: x.a.com }\n", "nvidia.share: GPUs are shared either by time-slicing replicas or by capacity"),
             ("resource: []\n", "resource"),

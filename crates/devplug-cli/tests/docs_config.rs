@@ -27,6 +27,10 @@ const TABLES: &[(&str, &str)] = &[
         "resources:\n  - name: example.com/x\n    virtual: { count: 1, share: { zz_unknown: 1 } }\n",
     ),
     (
+        "#### `virtual` partitions (`partitions`)",
+        "resources:\n  - name: example.com/x\n    virtual: { count: 1, partitions: { slices: 4, sizes: [2], zz_unknown: 1 } }\n",
+    ),
+    (
         "### `files`",
         "resources:\n  - name: example.com/x\n    files: { dir: /x, zz_unknown: 1 }\n",
     ),

@@ -4,12 +4,16 @@
 //! 40 and 70 cores. The scheduler packs the first three (two share one device, the third gets
 //! the other) and leaves the fourth unallocated (20 and 60 cores are left). The kubelet
 //! simulator prepares two shares of one device: each container's CDI edits carry the device and
-//! what that share got. Skips loudly without `KUBEBUILDER_ASSETS`.
+//! what that share got. And partitions: one GPU of 4 slices published whole, in halves and in
+//! quarters, consuming a shared counter set; the scheduler never gives out two that overlap.
+//! Skips loudly without `KUBEBUILDER_ASSETS`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
 use devplug::Backend;
-use devplug_backends::virtual_devices::{VirtualBackend, VirtualSettings, VirtualShare};
+use devplug_backends::virtual_devices::{
+    VirtualBackend, VirtualPartitions, VirtualSettings, VirtualShare,
+};
 use devplug_dra::kubelet::{KubeletDirs, Registered};
 use devplug_dra::{DraDriver, DraDriverSettings};
 use devplug_testkit::api_server::{self, until, ApiServer};
@@ -269,6 +273,229 @@ async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
         assert!(!spec_path.exists());
     }
 
+    assert!(driver.shutdown().await.is_empty());
+    kubelet.stop().await;
+}
+
+/// One claim for a device of `class` where `selector` holds, and a pod using it.
+async fn claim_and_pod(client: &kube::Client, ns: &str, name: &str, class: &str, selector: &str) {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    claims
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": name },
+                "spec": { "devices": { "requests": [{
+                    "name": "part",
+                    "exactly": {
+                        "deviceClassName": class,
+                        "selectors": [{ "cel": { "expression": selector } }],
+                    },
+                }] } },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    pods.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({
+            "metadata": { "name": name },
+            "spec": {
+                "resourceClaims": [{ "name": "part", "resourceClaimName": name }],
+                "containers": [{ "name": "main", "image": "example.invalid/job",
+                                 "resources": { "claims": [{ "name": "part" }] } }],
+            },
+        }))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+}
+
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
+)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scheduler_never_gives_out_overlapping_partitions() {
+    const DRIVER: &str = "part.example.com";
+    const NODE: &str = "dra-partition-node";
+    const NS: &str = "dra-partitions";
+    let Some(server) = ApiServer::shared("the_scheduler_never_gives_out_overlapping_partitions")
+    else {
+        return;
+    };
+    server.start_scheduler().unwrap();
+    let client = api_server::client(&server.kubeconfig).await.unwrap();
+    api_server::schedulable_node(&client, NODE).await;
+    let root = tempfile::tempdir().unwrap();
+    let device_plugins = root.path().join("device-plugins");
+    std::fs::create_dir_all(&device_plugins).unwrap();
+    let config = SimConfig {
+        watcher_reconcile: Duration::from_millis(50),
+        ..SimConfig::default()
+    }
+    .with_watcher_beside(&device_plugins);
+    let kubelet = Kubelet::start_with(&device_plugins, config).await.unwrap();
+    // One GPU of 4 slices: whole, in halves (s2) and in quarters (s1).
+    let settings = VirtualSettings {
+        env: "GPU_VISIBLE_DEVICES".into(),
+        id_prefix: "gpu-".into(),
+        partitions: Some(VirtualPartitions {
+            slices: 4,
+            sizes: vec![2, 1],
+        }),
+        ..VirtualSettings::new(1)
+    };
+    let backend: Arc<dyn Backend> = Arc::new(VirtualBackend::new(&settings).unwrap());
+    let driver_settings = DraDriverSettings {
+        driver: DRIVER.into(),
+        node: NODE.into(),
+        dirs: KubeletDirs::beside(&device_plugins),
+        cdi_dir: root.path().join("cdi"),
+        no_execute_after: None,
+    };
+    let driver = DraDriver::start(driver_settings.clone(), backend, client.clone())
+        .await
+        .unwrap();
+    let mut registered = driver.registered();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        registered.wait_for(|r| *r == Registered::Yes),
+    )
+    .await
+    .expect("registered")
+    .unwrap();
+
+    // The pool: a slice with the GPU's counter set, a slice with its 7 devices.
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let pool = until("the pool's 2 slices", Duration::from_secs(20), || async {
+        let list = slices
+            .list(
+                &ListParams::default()
+                    .fields(&format!("spec.nodeName={NODE},spec.driver={DRIVER}")),
+            )
+            .await
+            .ok()?;
+        (list.items.len() == 2).then_some(list.items)
+    })
+    .await;
+    let sets: Vec<_> = pool
+        .iter()
+        .flat_map(|s| s.spec.shared_counters.iter().flatten())
+        .collect();
+    assert_eq!(sets.len(), 1);
+    assert_eq!(
+        (sets[0].name.as_str(), sets[0].counters.len()),
+        ("gpu-0", 4)
+    );
+    let devices: usize = pool
+        .iter()
+        .map(|s| s.spec.devices.iter().flatten().count())
+        .sum();
+    assert_eq!(devices, 7);
+
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({ "metadata": { "name": NS } })).unwrap(),
+        )
+        .await
+        .unwrap();
+    let classes: Api<DeviceClass> = Api::all(client.clone());
+    classes
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": "gpu-part" },
+                "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == \"{DRIVER}\"") } }] },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
+    let size = |n: i64| format!("device.attributes[\"{DRIVER}\"].slices == {n}");
+    let offset = |r: &DeviceRequestAllocationResult| -> u32 {
+        r.device.rsplit('-').next().unwrap().parse().unwrap()
+    };
+    // A quarter, then a half: the half is the one the quarter is not in.
+    claim_and_pod(&client, NS, "quarter-1", "gpu-part", &size(1)).await;
+    let q1 = until("quarter-1 allocated", Duration::from_secs(60), || {
+        allocation(&claims, "quarter-1")
+    })
+    .await;
+    claim_and_pod(&client, NS, "half-1", "gpu-part", &size(2)).await;
+    let h1 = until("half-1 allocated", Duration::from_secs(60), || {
+        allocation(&claims, "half-1")
+    })
+    .await;
+    assert!(
+        q1.device.starts_with("gpu-0-s1-") && h1.device.starts_with("gpu-0-s2-"),
+        "{q1:?} {h1:?}"
+    );
+    assert!(
+        offset(&q1) / 2 != offset(&h1) / 2,
+        "{} overlaps {}",
+        h1.device,
+        q1.device
+    );
+    // No second half and no whole GPU fit; another quarter does, beside the first.
+    claim_and_pod(&client, NS, "half-2", "gpu-part", &size(2)).await;
+    claim_and_pod(
+        &client,
+        NS,
+        "whole",
+        "gpu-part",
+        &format!("device.attributes[\"{DRIVER}\"].whole"),
+    )
+    .await;
+    claim_and_pod(&client, NS, "quarter-2", "gpu-part", &size(1)).await;
+    let q2 = until("quarter-2 allocated", Duration::from_secs(60), || {
+        allocation(&claims, "quarter-2")
+    })
+    .await;
+    assert_eq!(
+        offset(&q2) / 2,
+        offset(&q1) / 2,
+        "the free quarter of the first half: {q2:?}"
+    );
+    assert_ne!(q2.device, q1.device);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        allocation(&claims, "half-2").await.is_none(),
+        "no half is free"
+    );
+    assert!(
+        allocation(&claims, "whole").await.is_none(),
+        "the GPU is not whole any more"
+    );
+
+    // The kubelet prepares the half: its container is told the partition and its slices.
+    let claim = claims.get("half-1").await.unwrap();
+    let uid = claim.metadata.uid.clone().unwrap();
+    let sim_claim = DraClaim::new(NS, "half-1", &uid);
+    let answer = kubelet
+        .dra_prepare(DRIVER, std::slice::from_ref(&sim_claim))
+        .await
+        .unwrap();
+    assert_eq!(answer[&uid].as_ref().unwrap()[0].device_name, h1.device);
+    let spec_path = devplug_dra::prepare::spec_path(&driver_settings.cdi_dir, DRIVER, &uid);
+    let spec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&spec_path).unwrap()).unwrap();
+    let env = spec["devices"][0]["containerEdits"]["env"].to_string();
+    let first = offset(&h1);
+    assert!(
+        env.contains(&format!("GPU_VISIBLE_DEVICES={}", h1.device)),
+        "{env}"
+    );
+    assert!(
+        env.contains(&format!("GPU_VISIBLE_DEVICES_SLICES={first}-{}", first + 1)),
+        "{env}"
+    );
     assert!(driver.shutdown().await.is_empty());
     kubelet.stop().await;
 }

@@ -77,6 +77,33 @@ impl SharePolicy {
     }
 }
 
+/// A named set of counters that devices of a pool consume when they are allocated: the parts of
+/// a partitionable device (`resource.k8s.io/v1` `CounterSet`, Kubernetes' partitionable
+/// devices). The scheduler allocates a device only while what it consumes is left, so devices
+/// that overlap (a whole GPU and its halves) are never given out together.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CounterSet {
+    /// The set's name, a DNS label, unique in the pool.
+    pub name: String,
+    /// Counters (DNS labels) and how much of each there is.
+    pub counters: BTreeMap<String, u64>,
+}
+
+/// What a device consumes of one [`CounterSet`] when it is allocated.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CounterConsumption {
+    /// The counter set's name.
+    pub set: String,
+    /// Counters and how much of each.
+    pub counters: BTreeMap<String, u64>,
+}
+
+/// The most counter sets a ResourceSlice holds (`ResourceSliceSpec.sharedCounters`).
+pub const MAX_COUNTER_SETS: usize = 8;
+
+/// The most counters one set, or one device's consumption of it, may have.
+pub const MAX_COUNTERS: usize = 32;
+
 /// A device's attributes and capacities, by name. A name is a C identifier of at most 32
 /// characters (the driver's own domain), or `domain/identifier` for a name another driver or
 /// Kubernetes defines (`resource.kubernetes.io/pciBusID`).
@@ -90,12 +117,18 @@ pub struct DeviceAttributes {
     /// policies, one for every capacity, and several claims hold it at once (the DRA driver
     /// publishes it with `allowMultipleAllocations`). Empty: the device goes to one claim.
     pub shared: BTreeMap<String, SharePolicy>,
+    /// The counters of its list's [`CounterSet`]s the device consumes when allocated (a
+    /// partition of a partitionable device, or the whole of it). Empty: none.
+    pub consumes: Vec<CounterConsumption>,
 }
 
 impl DeviceAttributes {
     /// True when there is nothing to publish.
     pub fn is_empty(&self) -> bool {
-        self.attributes.is_empty() && self.capacity.is_empty() && self.shared.is_empty()
+        self.attributes.is_empty()
+            && self.capacity.is_empty()
+            && self.shared.is_empty()
+            && self.consumes.is_empty()
     }
 
     /// Whether claims share the device by capacity.
@@ -122,6 +155,20 @@ impl DeviceAttributes {
             policy
                 .check(*value)
                 .map_err(|e| format!("shared capacity {name}: {e}"))?;
+        }
+        for consumption in &self.consumes {
+            check_label(&consumption.set)
+                .map_err(|e| format!("counter set {:?}: {e}", consumption.set))?;
+            if consumption.counters.len() > MAX_COUNTERS {
+                return Err(format!(
+                    "{} counters of set {}; a device consumes at most {MAX_COUNTERS} of one set",
+                    consumption.counters.len(),
+                    consumption.set
+                ));
+            }
+            for counter in consumption.counters.keys() {
+                check_label(counter).map_err(|e| format!("counter {counter:?}: {e}"))?;
+            }
         }
         if self.is_shared() {
             if let Some(name) = self.capacity.keys().find(|n| !self.shared.contains_key(*n)) {
@@ -167,6 +214,27 @@ pub fn check_name(name: &str) -> Result<(), String> {
         check_dns_subdomain(domain).map_err(|e| format!("attribute name {name:?}: {e}"))?;
     }
     Ok(())
+}
+
+/// Checks a DNS label (RFC 1123: lower-case letters, digits and '-', at most 63 characters,
+/// starting and ending with a letter or digit), as counter and counter set names must be.
+pub fn check_label(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !name.starts_with('-')
+        && !name.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(
+            "must be a DNS label: lower-case letters, digits and '-', at most 63, starting and \
+             ending with a letter or digit"
+                .to_owned(),
+        )
+    }
 }
 
 /// Checks a DNS subdomain (RFC 1123: lower-case letters, digits, '-' and '.', at most 253

@@ -1,10 +1,13 @@
 //! The device model: a device's id, health, NUMA nodes and (for DRA) attributes, and the list a
 //! backend publishes.
 
-use crate::attributes::{AttributeValue, DeviceAttributes, SharePolicy};
+use crate::attributes::{
+    AttributeValue, CounterConsumption, CounterSet, DeviceAttributes, SharePolicy,
+};
 use devplug_proto::constants::{HEALTHY, MAX_RECV_MESSAGE_BYTES, UNHEALTHY};
 use devplug_proto::v1beta1 as pb;
 use prost::Message;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
@@ -141,12 +144,26 @@ impl Device {
         self
     }
 
+    /// The same device consuming `counters` of the list's counter set `set` when allocated
+    /// (DRA only: a partition of a partitionable device).
+    pub fn consuming(mut self, set: impl Into<String>, counters: BTreeMap<String, u64>) -> Self {
+        self.attributes
+            .get_or_insert_with(Box::default)
+            .consumes
+            .push(CounterConsumption {
+                set: set.into(),
+                counters,
+            });
+        self
+    }
+
     /// The device's DRA attributes and capacities (empty when it has none).
     pub fn dra_attributes(&self) -> &DeviceAttributes {
         static NONE: DeviceAttributes = DeviceAttributes {
             attributes: std::collections::BTreeMap::new(),
             capacity: std::collections::BTreeMap::new(),
             shared: std::collections::BTreeMap::new(),
+            consumes: Vec::new(),
         };
         self.attributes.as_deref().unwrap_or(&NONE)
     }
@@ -187,11 +204,14 @@ pub struct DeviceList {
 struct ListInner {
     devices: Vec<Device>,
     by_id: Vec<u32>,
+    counter_sets: Vec<CounterSet>,
 }
 
 impl PartialEq for DeviceList {
     fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner) || self.inner.devices == other.inner.devices
+        Arc::ptr_eq(&self.inner, &other.inner)
+            || (self.inner.devices == other.inner.devices
+                && self.inner.counter_sets == other.inner.counter_sets)
     }
 }
 
@@ -224,8 +244,24 @@ impl DeviceList {
         }
         devices.shrink_to_fit();
         DeviceList {
-            inner: Arc::new(ListInner { devices, by_id }),
+            inner: Arc::new(ListInner {
+                devices,
+                by_id,
+                counter_sets: Vec::new(),
+            }),
         }
+    }
+
+    /// The same list with the counter sets its devices consume (DRA only: partitionable
+    /// devices, see [`Device::consuming`]).
+    pub fn with_counter_sets(mut self, sets: Vec<CounterSet>) -> Self {
+        Arc::make_mut(&mut self.inner).counter_sets = sets;
+        self
+    }
+
+    /// The counter sets of the list (empty for most).
+    pub fn counter_sets(&self) -> &[CounterSet] {
+        &self.inner.counter_sets
     }
 
     /// The devices, in the backend's order.

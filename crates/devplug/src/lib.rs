@@ -23,7 +23,9 @@ pub mod podresources;
 pub mod quantity;
 mod signal;
 
-pub use attributes::{AttributeValue, DeviceAttributes, SharePolicy};
+pub use attributes::{
+    AttributeValue, CounterConsumption, CounterSet, DeviceAttributes, SharePolicy,
+};
 pub use backend::{
     AllocateError, Backend, BackendWarning, BoxFuture, Options, PreStartError, PreferenceRequest,
 };

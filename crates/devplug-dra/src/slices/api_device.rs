@@ -69,8 +69,33 @@ pub(super) fn api_device(device: &Device, name: String, skipped: &mut Vec<Skippe
         attributes: (!attributes.is_empty()).then_some(attributes),
         capacity: (!capacity.is_empty()).then_some(capacity),
         allow_multiple_allocations: given.is_shared().then_some(true),
+        consumes_counters: (!given.consumes.is_empty()).then(|| {
+            given
+                .consumes
+                .iter()
+                .map(|c| api::DeviceCounterConsumption {
+                    counter_set: c.set.clone(),
+                    counters: counters(&c.counters),
+                })
+                .collect()
+        }),
         ..Default::default()
     }
+}
+
+/// Counters as the API has them.
+pub(super) fn counters(values: &BTreeMap<String, u64>) -> BTreeMap<String, api::Counter> {
+    values
+        .iter()
+        .map(|(name, &value)| {
+            (
+                name.clone(),
+                api::Counter {
+                    value: quantity(value),
+                },
+            )
+        })
+        .collect()
 }
 
 /// A share policy as the API's request policy: a range from `min` in `step`s, and the default.

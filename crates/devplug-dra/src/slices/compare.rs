@@ -40,6 +40,24 @@ pub(super) fn normalized(spec: &api::ResourceSliceSpec) -> api::ResourceSliceSpe
                 capacity.value = quantity(value);
             }
         }
+        for consumption in device.consumes_counters.iter_mut().flatten() {
+            canonical_counters(&mut consumption.counters);
+        }
+    }
+    if spec.shared_counters.as_ref().is_some_and(Vec::is_empty) {
+        spec.shared_counters = None;
+    }
+    for set in spec.shared_counters.iter_mut().flatten() {
+        canonical_counters(&mut set.counters);
     }
     spec
+}
+
+/// Counter values in canonical form.
+fn canonical_counters(counters: &mut BTreeMap<String, api::Counter>) {
+    for counter in counters.values_mut() {
+        if let Some(value) = parse_quantity(&counter.value.0) {
+            counter.value = quantity(value);
+        }
+    }
 }

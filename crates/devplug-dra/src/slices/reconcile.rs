@@ -14,7 +14,7 @@
 
 use super::compare::{is_newer, normalized};
 use super::publisher::{selector, Published, SliceCounters};
-use super::spec::{pool_content, spec, unhealthy_taint_key, PoolContent, Unhealthy};
+use super::spec::{pool_content, unhealthy_taint_key, PoolContent, Unhealthy};
 use devplug::DeviceList;
 use futures_util::future::join_all;
 use futures_util::StreamExt;
@@ -76,7 +76,7 @@ pub(super) struct Run {
     content: PoolContent,
     /// The pool generation we write, and the content it stands for.
     generation: i64,
-    generation_content: Option<Vec<Vec<api::Device>>>,
+    generation_content: Option<(Vec<api::CounterSet>, Vec<Vec<api::Device>>)>,
     /// (device, attribute) pairs already warned about.
     warned: HashSet<(String, String)>,
     /// When the newest list was noticed, until it is published.
@@ -538,12 +538,12 @@ impl Run {
     }
 
     fn targets(&self, generation: i64) -> Vec<api::ResourceSliceSpec> {
-        let count = self.content.slices.len();
-        self.content
-            .slices
-            .iter()
-            .map(|devices| spec(&self.driver, &self.node, generation, count, devices))
-            .collect()
+        self.content.specs(&self.driver, &self.node, generation)
+    }
+
+    /// What a pool generation stands for: the counter sets and the devices' slices.
+    fn layout(&self) -> (Vec<api::CounterSet>, Vec<Vec<api::Device>>) {
+        (self.content.counters.clone(), self.content.slices.clone())
     }
 
     /// The writes that turn the cache into `targets`: slices already right are kept, others of
@@ -610,7 +610,7 @@ impl Run {
         if let Some(generation) = newest {
             if self.plan(&self.targets(generation), &owner).is_empty() {
                 self.generation = generation;
-                self.generation_content = Some(self.content.slices.clone());
+                self.generation_content = Some(self.layout());
                 self.confirm(false);
                 return Ok(());
             }
@@ -618,11 +618,12 @@ impl Run {
         // New content, or someone wrote a newer generation: a new generation. The same
         // content (a slice deleted or edited by someone, a retry after an error) is written at
         // the generation it already has.
-        if self.generation_content.as_ref() != Some(&self.content.slices)
+        let layout = self.layout();
+        if self.generation_content.as_ref() != Some(&layout)
             || newest.is_some_and(|g| g > self.generation)
         {
             self.generation = self.generation.max(newest.unwrap_or(0)).saturating_add(1);
-            self.generation_content = Some(self.content.slices.clone());
+            self.generation_content = Some(layout);
         }
         let targets = self.targets(self.generation);
         let writes = self.plan(&targets, &owner);
@@ -724,7 +725,7 @@ impl Run {
     /// Records that the API server shows the newest list.
     fn confirm(&mut self, wrote: bool) {
         let devices = self.content.slices.iter().map(Vec::len).sum();
-        let slices = self.content.slices.len();
+        let slices = self.content.slice_count();
         if wrote {
             self.counters.publishes.fetch_add(1, Relaxed);
             if let Some(at) = self.changed_at.take() {

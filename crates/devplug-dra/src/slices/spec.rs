@@ -108,8 +108,43 @@ pub struct SliceSpecs {
 /// The pool content of a device list: the devices of each slice, and what was left out.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub(super) struct PoolContent {
+    /// The pool's counter sets (partitionable devices), in a slice of their own ahead of the
+    /// devices' slices; empty for most pools.
+    pub(super) counters: Vec<api::CounterSet>,
     pub(super) slices: Vec<Vec<api::Device>>,
     pub(super) skipped: Vec<Skipped>,
+}
+
+impl PoolContent {
+    /// How many slices the pool has.
+    pub(super) fn slice_count(&self) -> usize {
+        self.slices
+            .len()
+            .saturating_add(usize::from(!self.counters.is_empty()))
+    }
+
+    /// The specs of the pool at `generation`: the counter sets' slice first (when there are
+    /// any), then the devices'.
+    pub(super) fn specs(
+        &self,
+        driver: &str,
+        node: &str,
+        generation: i64,
+    ) -> Vec<api::ResourceSliceSpec> {
+        let count = self.slice_count();
+        let counters = (!self.counters.is_empty()).then(|| api::ResourceSliceSpec {
+            shared_counters: Some(self.counters.clone()),
+            ..spec(driver, node, generation, count, &[])
+        });
+        counters
+            .into_iter()
+            .chain(
+                self.slices
+                    .iter()
+                    .map(|devices| spec(driver, node, generation, count, devices)),
+            )
+            .collect()
+    }
 }
 
 /// The ResourceSlice specs for `list`, published by `driver` on `node` at pool `generation`:
@@ -128,13 +163,8 @@ pub fn slice_specs(driver: &str, node: &str, generation: i64, list: &DeviceList)
             no_execute: &since,
         },
     );
-    let count = content.slices.len();
     SliceSpecs {
-        specs: content
-            .slices
-            .iter()
-            .map(|devices| spec(driver, node, generation, count, devices))
-            .collect(),
+        specs: content.specs(driver, node, generation),
         skipped: content.skipped,
     }
 }
@@ -191,7 +221,10 @@ pub(super) fn pool_content(list: &DeviceList, unhealthy: Unhealthy<'_>) -> PoolC
     let mut slices: Vec<Vec<api::Device>> = Vec::new();
     for device in devices {
         let full = slices.last().is_none_or(|slice| {
-            let tainted = device.taints.is_some() || slice.iter().any(|d| d.taints.is_some());
+            // The API server's limit is lower for a slice with a taint or a device that
+            // consumes counters.
+            let special = |d: &api::Device| d.taints.is_some() || d.consumes_counters.is_some();
+            let tainted = special(&device) || slice.iter().any(special);
             let limit = if tainted {
                 MAX_TAINTED_PER_SLICE
             } else {
@@ -209,7 +242,19 @@ pub(super) fn pool_content(list: &DeviceList, unhealthy: Unhealthy<'_>) -> PoolC
     if slices.is_empty() {
         slices.push(Vec::new());
     }
-    PoolContent { slices, skipped }
+    let counters = list
+        .counter_sets()
+        .iter()
+        .map(|set| api::CounterSet {
+            name: set.name.clone(),
+            counters: super::api_device::counters(&set.counters),
+        })
+        .collect();
+    PoolContent {
+        counters,
+        slices,
+        skipped,
+    }
 }
 
 #[cfg(test)]

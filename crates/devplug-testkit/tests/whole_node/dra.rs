@@ -29,6 +29,7 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
         health_in_pod_status(&client, "dra-npu-demo", &device).await?;
         remove_example(node, "basic")?;
         shared_by_capacity(node, &client).await?;
+        partitioned(node, &client).await?;
         // A pod written for the device plugin (limits, no claim) served by the DRA driver
         // through its DeviceClass's extended resource name.
         let (device, out) =
@@ -155,6 +156,55 @@ async fn shared_by_capacity(node: &Node, client: &kube::Client) -> Result<(), St
     }
     figure("sharing example: both containers see GPU_VISIBLE_DEVICES=gpu-0, _CORES=50, _MEMORY=4294967296");
     remove_example(node, "sharing")
+}
+
+/// The `partitions` example: a quarter and a half of one 4-slice device, both Running, each
+/// container told its partition and slices, the two not overlapping.
+async fn partitioned(node: &Node, client: &kube::Client) -> Result<(), String> {
+    let created = Instant::now();
+    node.kubectl(&["apply", "-f", &example("partitions")], None)?;
+    let mut slices = Vec::new();
+    for pod in ["dra-part-quarter", "dra-part-half"] {
+        support::wait_pod(
+            client,
+            "default",
+            pod,
+            Duration::from_secs(90),
+            support::running,
+        )
+        .await
+        .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
+        let out = printed_env(node, pod).await;
+        let device = support::env_value(&out, "PART_VISIBLE_DEVICES")
+            .ok_or_else(|| format!("{pod}: no PART_VISIBLE_DEVICES:\n{out}"))?
+            .to_owned();
+        let range = support::env_value(&out, "PART_VISIBLE_DEVICES_SLICES")
+            .ok_or_else(|| format!("{pod}: no PART_VISIBLE_DEVICES_SLICES:\n{out}"))?
+            .to_owned();
+        let (first, last) = range
+            .split_once('-')
+            .and_then(|(a, b)| Some((a.parse::<u32>().ok()?, b.parse::<u32>().ok()?)))
+            .ok_or_else(|| format!("{pod}: slices {range:?}"))?;
+        slices.push((device, first, last));
+    }
+    figure(&format!(
+        "partitions example: a quarter and a half of one device created → Running: {:.1} s; {slices:?}",
+        created.elapsed().as_secs_f64()
+    ));
+    let (quarter, half) = (&slices[0], &slices[1]);
+    assert!(
+        quarter.0.starts_with("part-0-s1-") && quarter.1 == quarter.2,
+        "{quarter:?}"
+    );
+    assert!(
+        half.0.starts_with("part-0-s2-") && half.2 == half.1 + 1,
+        "{half:?}"
+    );
+    assert!(
+        quarter.1 < half.1 || quarter.1 > half.2,
+        "the quarter {quarter:?} overlaps the half {half:?}"
+    );
+    remove_example(node, "partitions")
 }
 
 /// The node switched to a containerd without CDI (Debian 12's 1.6.20): the claim is allocated
