@@ -1174,6 +1174,12 @@ async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares(
     );
     assert!(!pipe.join("control").exists());
 
+    // After a restart with shares still prepared, the daemon is started again.
+    backend.shares_restored(&uuid);
+    let calls = std::fs::read_to_string(bin.join("mps-calls.log")).unwrap();
+    assert_eq!(calls.lines().filter(|l| l.starts_with("start")).count(), 2, "{calls}");
+    backend.release_shares(&uuid);
+
     // Without the driver's program, a share is refused with the reason.
     std::fs::remove_file(&control).unwrap();
     let mut no_program = settings.clone();

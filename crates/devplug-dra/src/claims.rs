@@ -40,6 +40,9 @@ pub struct AllocatedDevice {
     pub share_id: Option<String>,
     /// What the share consumed of each capacity (empty for a whole device).
     pub consumed: BTreeMap<String, u64>,
+    /// The request tolerates the driver's `<driver>/unhealthy` taint (a toleration with that
+    /// key, or one for every key): it may have the device while it is unhealthy.
+    pub tolerates_unhealthy: bool,
     /// Allocated with admin access (monitoring, maintenance): such a claim may have a device
     /// that other claims have too.
     pub admin_access: bool,
@@ -148,12 +151,18 @@ pub fn our_devices(
                 })?;
                 consumed.insert(name.clone(), value);
             }
+            let taint = crate::slices::unhealthy_taint_key(driver);
+            let tolerates_unhealthy = r.tolerations.iter().flatten().any(|t| match &t.key {
+                Some(key) => *key == taint,
+                None => t.operator.as_deref() == Some("Exists"),
+            });
             Ok(AllocatedDevice {
                 request: r.request.clone(),
                 pool: r.pool.clone(),
                 device: r.device.clone(),
                 share_id: r.share_id.clone(),
                 consumed,
+                tolerates_unhealthy,
                 admin_access: r.admin_access.unwrap_or(false),
             })
         })
@@ -226,5 +235,49 @@ mod tests {
         assert!(err.contains("not allocated"), "{err}");
         let err = our_devices(&found, &want, "gpu.example.com").unwrap_err();
         assert!(err.contains("no device of driver gpu.example.com"), "{err}");
+    }
+
+    #[test]
+    fn shares_consumed_capacity_and_tolerations_are_read() {
+        use k8s_openapi::api::resource::v1::DeviceToleration;
+        use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+        let want = ClaimRef {
+            namespace: "ns".into(),
+            name: "c".into(),
+            uid: "u1".into(),
+        };
+        let toleration = |key: Option<&str>, operator: &str| DeviceToleration {
+            key: key.map(str::to_owned),
+            operator: Some(operator.to_owned()),
+            ..Default::default()
+        };
+        let with =
+            |tolerations: Vec<DeviceToleration>, cores: &str| DeviceRequestAllocationResult {
+                share_id: Some("s".into()),
+                consumed_capacity: Some(BTreeMap::from([(
+                    "cores".to_owned(),
+                    Quantity(cores.into()),
+                )])),
+                tolerations: Some(tolerations),
+                ..result("npu.example.com", "npu-1")
+            };
+        let read = |r: DeviceRequestAllocationResult| {
+            our_devices(&claim("u1", Some(vec![r])), &want, "npu.example.com")
+        };
+        let ours = read(with(
+            vec![toleration(Some("npu.example.com/unhealthy"), "Exists")],
+            "40",
+        ))
+        .unwrap();
+        assert_eq!(ours[0].consumed["cores"], 40);
+        assert!(ours[0].tolerates_unhealthy);
+        assert!(read(with(vec![toleration(None, "Exists")], "1k")).unwrap()[0].tolerates_unhealthy);
+        let other = read(with(vec![toleration(Some("x.io/other"), "Exists")], "1")).unwrap();
+        assert!(!other[0].tolerates_unhealthy);
+        let err = read(with(vec![], "0.5")).unwrap_err();
+        assert!(
+            err.contains("consumed cores \"0.5\", not a whole number"),
+            "{err}"
+        );
     }
 }

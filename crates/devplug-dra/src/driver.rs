@@ -88,6 +88,18 @@ impl DraDriver {
             claims,
             files,
         )?);
+        // Devices with shares prepared before a restart: the backend starts what serves them
+        // again (an MPS daemon), once it has found its devices.
+        let restored = preparer.shared_devices().await;
+        if !restored.is_empty() {
+            let backend = backend.clone();
+            tokio::spawn(async move {
+                backend.discovered().await;
+                for id in restored {
+                    backend.shares_restored(&id);
+                }
+            });
+        }
         let kubelet = KubeletSide::start(preparer.clone(), &settings.dirs).map_err(|source| {
             DraStartError::Sockets {
                 driver: driver.clone(),

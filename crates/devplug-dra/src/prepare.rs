@@ -111,6 +111,19 @@ impl Preparer {
         self.state.lock().await.claims.clone()
     }
 
+    /// The backend ids of the devices prepared claims hold shares of.
+    pub async fn shared_devices(&self) -> std::collections::BTreeSet<String> {
+        self.state
+            .lock()
+            .await
+            .claims
+            .values()
+            .flat_map(|claim| &claim.devices)
+            .filter(|d| d.share_id.is_some())
+            .map(|d| d.id.clone())
+            .collect()
+    }
+
     /// Prepares every claim; one result per distinct claim UID.
     pub async fn prepare(&self, claims: &[ClaimRef]) -> ClaimResults<Vec<PreparedDevice>> {
         let mut distinct: Vec<&ClaimRef> = Vec::new();
@@ -304,7 +317,11 @@ impl Preparer {
                 )
             })?;
             if let devplug::Health::Unhealthy { reason } = &device.health {
-                return Err(format!("device {} is unhealthy: {reason}", result.device));
+                if !result.tolerates_unhealthy {
+                    return Err(format!("device {} is unhealthy: {reason}", result.device));
+                }
+                tracing::warn!(driver = %self.driver, claim = %claim, device = %result.device,
+                    %reason, "preparing an unhealthy device: the claim tolerates its taint");
             }
             let index = match requests.iter().position(|r| r.name == result.request) {
                 Some(index) => index,
@@ -640,6 +657,36 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_unhealthy_device_is_prepared_only_for_a_claim_that_tolerates_its_taint() {
+        let dir = tempfile::tempdir().unwrap();
+        let sick = Device::new("npu-0").with_health(Health::unhealthy("ECC"));
+        let (tx, _) = watch::channel(DeviceList::new([sick]));
+        let claims = Fixed(HashMap::from([
+            ("plain".to_owned(), vec![allocated("a", "npu-0")]),
+            (
+                "tolerant".to_owned(),
+                vec![AllocatedDevice {
+                    tolerates_unhealthy: true,
+                    ..allocated("a", "npu-0")
+                }],
+            ),
+        ]));
+        let preparer = Preparer::new(
+            "npu.example.com",
+            "node-a",
+            Arc::new(Npus(tx)),
+            Arc::new(claims),
+            files_in(dir.path()),
+        )
+        .unwrap();
+        let plain = preparer.prepare(&[claim("plain")]).await;
+        let err = plain["plain"].as_ref().unwrap_err();
+        assert!(err.contains("npu-0 is unhealthy: ECC"), "{err}");
+        let tolerant = preparer.prepare(&[claim("tolerant")]).await;
+        assert!(tolerant["tolerant"].is_ok(), "{tolerant:?}");
+    }
+
+    #[tokio::test]
     async fn a_device_that_is_not_shareable_is_prepared_for_one_claim_at_a_time() {
         let dir = tempfile::tempdir().unwrap();
         let (tx, _) = watch::channel(DeviceList::new([Device::new("npu-0")]));
@@ -684,6 +731,19 @@ mod tests {
         assert!(shares.values().all(Result::is_ok), "{shares:?}");
         let spec = std::fs::read_to_string(preparer.spec_path("share-1")).unwrap();
         assert!(spec.contains("NPU_CORES=40"), "the share's limit: {spec}");
+        // A restart finds which devices have shares, for the backend to serve them again.
+        let again = Preparer::new(
+            "npu.example.com",
+            "node-a",
+            Arc::new(Npus(tx.clone())),
+            Arc::new(Fixed(HashMap::new())),
+            files.clone(),
+        )
+        .unwrap();
+        assert_eq!(
+            again.shared_devices().await,
+            std::collections::BTreeSet::from(["npu-0".to_owned()])
+        );
         // The backend hears of it when the last share of a device goes, not before.
         preparer.unprepare(&[claim("share-1")]).await;
         assert!(tx.borrow().get("npu-0").unwrap().health.is_healthy());
@@ -792,6 +852,7 @@ mod tests {
             device: device.into(),
             share_id: None,
             consumed: BTreeMap::new(),
+            tolerates_unhealthy: false,
             admin_access: false,
         }
     }

@@ -48,6 +48,7 @@ fn device(request: &str, name: &str) -> AllocatedDevice {
         device: name.into(),
         share_id: None,
         consumed: Default::default(),
+        tolerates_unhealthy: false,
         admin_access: false,
     }
 }

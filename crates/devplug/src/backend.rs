@@ -41,6 +41,14 @@ pub trait Backend: Send + Sync + 'static {
         )))
     }
 
+    /// Called at start for each device with shares prepared before this process started and
+    /// not released (read from the DRA driver's checkpoint), once the first discovery has
+    /// ended: a backend that runs something per shared device (a sharing daemon) starts it
+    /// again. The default does nothing.
+    fn shares_restored(&self, id: &str) {
+        let _ = id;
+    }
+
     /// Called when the last prepared share of device `id` is released (its claims
     /// unprepared): a backend that runs something per shared device (a sharing daemon) stops
     /// it here. The default does nothing.

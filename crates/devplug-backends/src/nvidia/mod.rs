@@ -360,6 +360,15 @@ impl Backend for NvidiaBackend {
         Ok(gpu.merge(mps.share_edits(&uuid, cores, memory)))
     }
 
+    fn shares_restored(&self, id: &str) {
+        let started = self.mps_for(id).and_then(|(mps, program, uuid)| {
+            mps.ensure(&program, &uuid).map_err(AllocateError::Failed)
+        });
+        if let Err(err) = started {
+            tracing::warn!(gpu = id, %err, "cannot start the MPS daemon of a GPU with shares from before the restart");
+        }
+    }
+
     fn release_shares(&self, id: &str) {
         match self.mps_for(id) {
             Ok((mps, program, uuid)) => mps.stop(&program, &uuid),
