@@ -1176,8 +1176,20 @@ async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares(
 
     // After a restart with shares still prepared, the daemon is started again.
     backend.shares_restored(&uuid);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !pipe.join("control").exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon was not started again"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let calls = std::fs::read_to_string(bin.join("mps-calls.log")).unwrap();
-    assert_eq!(calls.lines().filter(|l| l.starts_with("start")).count(), 2, "{calls}");
+    assert_eq!(
+        calls.lines().filter(|l| l.starts_with("start")).count(),
+        2,
+        "{calls}"
+    );
     backend.release_shares(&uuid);
 
     // Without the driver's program, a share is refused with the reason.
