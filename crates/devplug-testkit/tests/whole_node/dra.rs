@@ -30,6 +30,7 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
         remove_example(node, "basic")?;
         shared_by_capacity(node, &client).await?;
         partitioned(node, &client).await?;
+        taints_and_health(node, &client).await?;
         // A pod written for the device plugin (limits, no claim) served by the DRA driver
         // through its DeviceClass's extended resource name.
         let (device, out) =
@@ -45,7 +46,9 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
 }
 
 /// The kubelet shows the health devplug streams (`DRAResourceHealth`) in the pod's status: the
-/// claim's device `Healthy` (without the stream it would read `Unknown`).
+/// claim's device `Healthy` (without the stream it would read `Unknown`). The kubelet names the
+/// device by the CDI id devplug returned for it (one per request), so the claim's one device is
+/// found by the claim's name.
 async fn health_in_pod_status(
     client: &kube::Client,
     pod: &str,
@@ -65,7 +68,7 @@ async fn health_in_pod_status(
     assert!(
         health
             .iter()
-            .any(|(name, id, h)| name == "claim:npu" && id.contains(device) && h == "Healthy"),
+            .any(|(name, _, h)| name == "claim:npu" && h == "Healthy"),
         "the claim's device {device} Healthy in the pod's status: {health:?}"
     );
     figure(&format!(
@@ -205,6 +208,99 @@ async fn partitioned(node: &Node, client: &kube::Client) -> Result<(), String> {
         "the quarter {quarter:?} overlaps the half {half:?}"
     );
     remove_example(node, "partitions")
+}
+
+/// The `taints` example's boards (files whose first line is their health).
+const BOARDS: &str = "/var/lib/devplug/boards";
+
+/// The `taints` example: board-b says it is broken, so its slice entry carries a NoSchedule
+/// taint and the example's pod gets board-a; then board-a breaks while the pod runs, and the
+/// kubelet shows it Unhealthy, with the reason, in the pod's status (devplug's health stream),
+/// and Healthy again once it recovers.
+async fn taints_and_health(node: &Node, client: &kube::Client) -> Result<(), String> {
+    let write = |board: &str, line: &str| {
+        let path = format!("{BOARDS}/{board}");
+        std::fs::write(&path, format!("{line}\n")).map_err(|e| format!("{path}: {e}"))
+    };
+    std::fs::create_dir_all(BOARDS).map_err(|e| format!("{BOARDS}: {e}"))?;
+    write("board-a", "Healthy")?;
+    write("board-b", "fan failure")?;
+    let outcome = async {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let taints = node.kubectl(
+                &[
+                    "get",
+                    "resourceslices",
+                    "-o",
+                    "jsonpath={range .items[*].spec.devices[*]}{.name} {.taints[*].effect} {.taints[*].value}{\"\\n\"}{end}",
+                ],
+                None,
+            )?;
+            if taints.lines().any(|l| l == "board-b NoSchedule fan-failure") {
+                figure(&format!("taints example: board-b tainted in its ResourceSlice: {:?}", taints.lines().filter(|l| l.starts_with("board-")).collect::<Vec<_>>()));
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "board-b has no NoSchedule taint in 60 s:\n{taints}\n{}",
+                    support::devplug_log(node)
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let (device, out) = run_example_of(node, client, "taints", "board-user", "boards.example.com").await?;
+        assert_eq!(device, "board-a", "never the tainted board");
+        assert!(
+            out.lines().any(|l| l == "BOARDS=board-a"),
+            "BOARDS=board-a in the container:\n{out}"
+        );
+        let broke = Instant::now();
+        write("board-a", "overheated")?;
+        let shows = |want: &'static str| {
+            move |p: &k8s_openapi::api::core::v1::Pod| {
+                p.status
+                    .iter()
+                    .flat_map(|s| s.container_statuses.iter().flatten())
+                    .flat_map(|c| c.allocated_resources_status.iter().flatten())
+                    .filter(|r| r.name == "claim:board")
+                    .flat_map(|r| r.resources.iter().flatten())
+                    .any(|h| {
+                        h.health.as_deref() == Some(want)
+                            && (want == "Healthy"
+                                || h.message.as_deref().is_some_and(|m| m.contains("overheated")))
+                    })
+            }
+        };
+        let unhealthy = support::wait_pod(
+            client,
+            "default",
+            "board-user",
+            Duration::from_secs(60),
+            shows("Unhealthy"),
+        )
+        .await
+        .map_err(|e| format!("board-a Unhealthy (overheated) in the pod's status: {e}"))?;
+        figure(&format!(
+            "DRA health in the pod's status: board-a Unhealthy with its reason {:.1} s after its file said so: {:?}",
+            broke.elapsed().as_secs_f64(),
+            device_health(&unhealthy)
+        ));
+        write("board-a", "Healthy")?;
+        support::wait_pod(
+            client,
+            "default",
+            "board-user",
+            Duration::from_secs(60),
+            shows("Healthy"),
+        )
+        .await
+        .map_err(|e| format!("board-a Healthy again in the pod's status: {e}"))?;
+        remove_example(node, "taints")
+    }
+    .await;
+    let _ = std::fs::remove_dir_all(BOARDS);
+    outcome
 }
 
 /// The node switched to a containerd without CDI (Debian 12's 1.6.20): the claim is allocated
@@ -359,6 +455,17 @@ async fn run_example(
     name: &str,
     pod: &str,
 ) -> Result<(String, String), String> {
+    run_example_of(node, client, name, pod, DRIVER).await
+}
+
+/// [`run_example`] for an example whose claim is of `driver`.
+async fn run_example_of(
+    node: &Node,
+    client: &kube::Client,
+    name: &str,
+    pod: &str,
+    driver: &str,
+) -> Result<(String, String), String> {
     // The example's pod runs busybox:1.36: the test image under that name.
     node.ctr(&[
         "images",
@@ -403,7 +510,7 @@ async fn run_example(
         .and_then(|d| d.results)
         .unwrap_or_default();
     assert_eq!(results.len(), 1, "one device allocated: {results:?}");
-    assert_eq!(results[0].driver, DRIVER);
+    assert_eq!(results[0].driver, driver);
     let device = results[0].device.clone();
     Ok((device, printed_env(node, pod).await))
 }
