@@ -704,3 +704,65 @@ npu-2  Healthy  -     -
     );
     host.shutdown().await;
 }
+
+/// A DRA driver's health stream on a real socket (devplug's `DRAResourceHealth` service over a
+/// device list), inspected once as a table and as JSON; and a device plugin socket, which has
+/// no such stream, said so in words.
+#[cfg(feature = "cluster")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dra_health_shows_each_devices_health_and_reason() {
+    use devplug::{Device, DeviceList};
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("dra.sock");
+    let list = DeviceList::new([
+        Device::new("board-a"),
+        Device::new("board-b").with_health(Health::unhealthy("fan failure")),
+    ]);
+    let (_tx, rx) = tokio::sync::watch::channel(list);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let router = tonic::transport::Server::builder().add_service(
+        devplug_dra::device_health::DeviceHealthService::server("node-a", rx, stop.clone()),
+    );
+    let listener = devplug::bind_socket(&socket).unwrap();
+    devplug_proto::uds::spawn_server(
+        router,
+        listener,
+        stop.clone().cancelled_owned(),
+        "test health".into(),
+    );
+    let out = devplug(&["inspect", "--socket", path(&socket), "--dra-health"]).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("DRA device health: 2 devices (1 not Healthy)"),
+        "{text}"
+    );
+    assert!(text.contains("node-a  board-a  Healthy    60s"), "{text}");
+    assert!(
+        text.contains("node-a  board-b  Unhealthy  60s      fan failure"),
+        "{text}"
+    );
+    let out = devplug(&[
+        "inspect",
+        "--socket",
+        path(&socket),
+        "--dra-health",
+        "--json",
+    ])
+    .await;
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rows[1]["health"], "Unhealthy");
+    assert_eq!(rows[1]["message"], "fan failure");
+
+    // A device plugin's socket has no health stream.
+    let ours = ours().await;
+    let out = devplug(&["inspect", "--socket", path(&ours.socket), "--dra-health"]).await;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("serves no DRA device health stream"), "{err}");
+    stop.cancel();
+}

@@ -112,15 +112,7 @@ pub type DeviceStream = Streaming<pb::ListAndWatchResponse>;
 impl Plugin {
     /// Connects to the socket at `path` as the kubelet does, waiting at most `timeout`.
     pub async fn connect(path: &Path, timeout: Duration) -> Result<Plugin, InspectError> {
-        check_socket(path)?;
-        let channel = tokio::time::timeout(timeout, uds::connect(path, timeout))
-            .await
-            .map_err(|_| InspectError::Timeout {
-                secs: timeout.as_secs(),
-                what: "connecting to",
-                path: path.to_owned(),
-            })?
-            .map_err(|err| connect_error(path, &err))?;
+        let channel = channel(path, timeout).await?;
         Ok(Plugin {
             path: path.to_owned(),
             timeout,
@@ -273,6 +265,20 @@ pub fn check_socket(path: &Path) -> Result<(), InspectError> {
             detail: one_line(&err.to_string()),
         }),
     }
+}
+
+/// A gRPC channel to the socket at `path`, as the kubelet dials it, waiting at most `timeout`;
+/// the errors say what is wrong with the path (no socket, refused, not a socket…).
+pub async fn channel(path: &Path, timeout: Duration) -> Result<Channel, InspectError> {
+    check_socket(path)?;
+    tokio::time::timeout(timeout, uds::connect(path, timeout))
+        .await
+        .map_err(|_| InspectError::Timeout {
+            secs: timeout.as_secs(),
+            what: "connecting to",
+            path: path.to_owned(),
+        })?
+        .map_err(|err| connect_error(path, &err))
 }
 
 /// Maps a failed dial to one of the errors above, by the I/O error underneath.

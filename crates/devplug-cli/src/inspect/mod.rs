@@ -5,11 +5,12 @@
 //!
 //! Files: `client` (the kubelet-like client and its one-line errors), `model` (what is shown,
 //! serializable), `render` (text tables), `watch` (`--watch`), `discover` (the folder listing),
-//! `clock` (UTC timestamps).
+//! `clock` (UTC timestamps), `dra_health` (`--dra-health`: a DRA driver's device health stream).
 
 mod client;
 mod clock;
 mod discover;
+mod dra_health;
 mod model;
 mod render;
 mod watch;
@@ -52,6 +53,10 @@ pub struct InspectArgs {
     /// Ask GetPreferredAllocation for N of the healthy devices and print the choice.
     #[arg(long, value_name = "N", requires = "socket", value_parser = clap::value_parser!(u32).range(1..))]
     pub preferred: Option<u32>,
+    /// The socket is a DRA driver's (`<plugins>/<driver>/dra.sock`): show its device health
+    /// stream, as the kubelet reads it (with --watch, every message).
+    #[arg(long, requires = "socket", conflicts_with_all = ["allocate", "preferred", "resource"])]
+    pub dra_health: bool,
     /// Machine-readable output: one JSON document (with --watch, one JSON object per line).
     #[arg(long)]
     pub json: bool,
@@ -82,6 +87,9 @@ pub async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
         emit(&text)?;
         return Ok(());
     };
+    if args.dra_health {
+        return dra_health::show(socket, timeout, args.watch, args.json).await;
+    }
     if args.watch {
         return watch::watch(socket, timeout, args.json).await;
     }
