@@ -165,14 +165,43 @@ impl Preparer {
 
         let mut results = BTreeMap::new();
         let mut state = self.state.lock().await;
+        // The claims prepared by this call, recorded in one checkpoint write at the end (a
+        // write a claim would write the whole checkpoint n times for n claims).
+        let mut new: Vec<&ClaimRef> = Vec::new();
         for (claim, allocation) in distinct.into_iter().zip(read) {
+            let known = state.claims.contains_key(&claim.uid);
             let result = self
                 .prepare_one(&mut state, claim, allocation, &released)
                 .await;
-            if let Err(err) = &result {
-                tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot prepare the claim");
+            match &result {
+                Err(err) => {
+                    tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot prepare the claim");
+                }
+                Ok(_) if !known => new.push(claim),
+                Ok(_) => {}
             }
             results.insert(claim.uid.clone(), result);
+        }
+        if new.is_empty() {
+            return results;
+        }
+        if let Err(err) = state.save(&self.files.checkpoint) {
+            let err = format!(
+                "cannot write the checkpoint {}: {err}",
+                self.files.checkpoint.display()
+            );
+            for claim in new {
+                if let Some(undone) = state.claims.remove(&claim.uid) {
+                    let _ = std::fs::remove_file(&undone.cdi_spec);
+                }
+                tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot prepare the claim");
+                results.insert(claim.uid.clone(), Err(err.clone()));
+            }
+            return results;
+        }
+        for claim in new {
+            let devices = state.claims.get(&claim.uid).map_or(0, |c| c.devices.len());
+            tracing::info!(driver = %self.driver, claim = %claim, devices, "claim prepared");
         }
         results
     }
@@ -229,7 +258,8 @@ impl Preparer {
     }
 
     /// Prepares one claim, given its allocation as read (`None`: it was prepared already when
-    /// the call began) and the holders of its devices that the API server no longer has.
+    /// the call began) and the holders of its devices that the API server no longer has. A new
+    /// claim is in `state` but not yet in the checkpoint file: the caller writes it.
     async fn prepare_one(
         &self,
         state: &mut Checkpoint,
@@ -276,15 +306,6 @@ impl Preparer {
                 cdi_spec_json: Some(spec_json),
             },
         );
-        if let Err(err) = state.save(&self.files.checkpoint) {
-            state.claims.remove(&claim.uid);
-            let _ = std::fs::remove_file(&spec_path);
-            return Err(format!(
-                "cannot write the checkpoint {}: {err}",
-                self.files.checkpoint.display()
-            ));
-        }
-        tracing::info!(driver = %self.driver, claim = %claim, devices = devices.len(), "claim prepared");
         Ok(devices)
     }
 
@@ -388,19 +409,62 @@ impl Preparer {
     pub async fn unprepare(&self, claims: &[ClaimRef]) -> ClaimResults<()> {
         let mut results = BTreeMap::new();
         let mut state = self.state.lock().await;
+        // Removed from `state` here, from the checkpoint file in one write at the end.
+        let mut removed: Vec<(&ClaimRef, PreparedClaim)> = Vec::new();
         for claim in claims {
             let result = self.unprepare_one(&mut state, claim);
-            if let Err(err) = &result {
-                tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot unprepare the claim");
+            match result {
+                Err(err) => {
+                    tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot unprepare the claim");
+                    results.insert(claim.uid.clone(), Err(err));
+                }
+                Ok(gone) => {
+                    removed.extend(gone.map(|g| (claim, g)));
+                    results.insert(claim.uid.clone(), Ok(()));
+                }
             }
-            results.insert(claim.uid.clone(), result);
+        }
+        if removed.is_empty() {
+            return results;
+        }
+        if let Err(err) = state.save(&self.files.checkpoint) {
+            let err = format!(
+                "cannot write the checkpoint {}: {err}",
+                self.files.checkpoint.display()
+            );
+            for (claim, gone) in removed {
+                state.claims.insert(claim.uid.clone(), gone);
+                tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot unprepare the claim");
+                results.insert(claim.uid.clone(), Err(err.clone()));
+            }
+            return results;
+        }
+        for (claim, gone) in &removed {
+            for released in &gone.devices {
+                let still_shared = state.claims.values().any(|other| {
+                    other
+                        .devices
+                        .iter()
+                        .any(|d| d.id == released.id && d.share_id.is_some())
+                });
+                if released.share_id.is_some() && !still_shared {
+                    self.backend.release_shares(&released.id);
+                }
+            }
+            tracing::info!(driver = %self.driver, claim = %claim, "claim unprepared");
         }
         results
     }
 
-    fn unprepare_one(&self, state: &mut Checkpoint, claim: &ClaimRef) -> Result<(), String> {
+    /// Removes one claim's CDI spec and takes it out of `state`; what was taken out (`None`:
+    /// it was not prepared). The caller writes the checkpoint.
+    fn unprepare_one(
+        &self,
+        state: &mut Checkpoint,
+        claim: &ClaimRef,
+    ) -> Result<Option<PreparedClaim>, String> {
         let Some(prepared) = state.claims.get(&claim.uid) else {
-            return Ok(());
+            return Ok(None);
         };
         match std::fs::remove_file(&prepared.cdi_spec) {
             Ok(()) => {}
@@ -412,29 +476,7 @@ impl Preparer {
                 ))
             }
         }
-        let Some(removed) = state.claims.remove(&claim.uid) else {
-            return Ok(());
-        };
-        if let Err(err) = state.save(&self.files.checkpoint) {
-            state.claims.insert(claim.uid.clone(), removed);
-            return Err(format!(
-                "cannot write the checkpoint {}: {err}",
-                self.files.checkpoint.display()
-            ));
-        }
-        for released in &removed.devices {
-            let still_shared = state.claims.values().any(|other| {
-                other
-                    .devices
-                    .iter()
-                    .any(|d| d.id == released.id && d.share_id.is_some())
-            });
-            if released.share_id.is_some() && !still_shared {
-                self.backend.release_shares(&released.id);
-            }
-        }
-        tracing::info!(driver = %self.driver, claim = %claim, "claim unprepared");
-        Ok(())
+        Ok(state.claims.remove(&claim.uid))
     }
 
     /// The CDI kind of this driver's claim specs: `<driver>/claim`.
@@ -654,6 +696,64 @@ mod tests {
             let found = self.0.get(&claim.uid).cloned();
             Box::pin(async move { found.ok_or_else(|| "no such claim".to_owned()) })
         }
+    }
+
+    #[tokio::test]
+    async fn a_checkpoint_that_cannot_be_written_undoes_the_whole_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = PrepareFiles {
+            cdi_dir: dir.path().join("cdi"),
+            checkpoint: dir.path().join("driver/checkpoint.json"),
+        };
+        let list = DeviceList::new((0..3).map(|i| Device::new(format!("npu-{i}"))));
+        let (tx, _) = watch::channel(list);
+        let claims = Fixed(HashMap::from([
+            ("a".to_owned(), vec![allocated("x", "npu-0")]),
+            ("b".to_owned(), vec![allocated("x", "npu-1")]),
+            ("c".to_owned(), vec![allocated("x", "npu-2")]),
+        ]));
+        let preparer = Preparer::new(
+            "npu.example.com",
+            "node-a",
+            Arc::new(Npus(tx)),
+            Arc::new(claims),
+            files.clone(),
+        )
+        .unwrap();
+        assert!(preparer.prepare(&[claim("a")]).await["a"].is_ok());
+        // The checkpoint's folder turns into a file: no write can succeed.
+        let folder = dir.path().join("driver");
+        std::fs::rename(&folder, dir.path().join("driver-moved")).unwrap();
+        std::fs::write(&folder, "not a folder").unwrap();
+        let both = preparer
+            .prepare(&[claim("b"), claim("c"), claim("a")])
+            .await;
+        for uid in ["b", "c"] {
+            let err = both[uid].as_ref().unwrap_err();
+            assert!(err.contains("cannot write the checkpoint"), "{err}");
+            assert!(!spec_path(&files.cdi_dir, "npu.example.com", uid).exists());
+        }
+        assert!(both["a"].is_ok(), "prepared before: answered from memory");
+        assert_eq!(preparer.prepared().await.len(), 1);
+        let gone = preparer.unprepare(&[claim("a")]).await;
+        assert!(gone["a"]
+            .as_ref()
+            .unwrap_err()
+            .contains("cannot write the checkpoint"));
+        assert_eq!(preparer.prepared().await.len(), 1, "still prepared");
+        std::fs::remove_file(&folder).unwrap();
+        std::fs::rename(dir.path().join("driver-moved"), &folder).unwrap();
+        assert!(preparer
+            .prepare(&[claim("b"), claim("c")])
+            .await
+            .values()
+            .all(Result::is_ok));
+        assert!(preparer
+            .unprepare(&[claim("a"), claim("b"), claim("c")])
+            .await
+            .values()
+            .all(Result::is_ok));
+        assert!(preparer.prepared().await.is_empty());
     }
 
     #[tokio::test]
