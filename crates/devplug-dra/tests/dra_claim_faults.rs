@@ -9,11 +9,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
+mod common;
+
 use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList};
 use devplug_dra::claims::{ClaimRef, KubeClaims};
 use devplug_dra::prepare::{PrepareFiles, Preparer};
 use devplug_testkit::api_server::{self, ApiServer};
-use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::Api;
@@ -87,14 +88,7 @@ async fn each_bad_claim_gets_its_own_error_and_nothing_prepared_is_lost() {
         return;
     };
     let client = api_server::client(&server.kubeconfig).await.unwrap();
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({ "metadata": { "name": NS } })).unwrap(),
-        )
-        .await
-        .unwrap();
+    common::namespace(&client, NS).await;
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
     let root = tempfile::tempdir().unwrap();
     let files = PrepareFiles {

@@ -10,15 +10,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
+mod common;
+
 use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, DeviceList, Health};
-use devplug_dra::kubelet::{KubeletDirs, Registered};
-use devplug_dra::{DraDriver, DraDriverSettings};
 use devplug_testkit::api_server::{self, until, ApiServer};
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::Api;
-use kubelet_sim::{DraClaim, Kubelet, SimConfig};
+use kubelet_sim::DraClaim;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -77,35 +77,14 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
     api_server::schedulable_node(&client, NODE).await;
 
     // The node's kubelet (the simulator, with its plugin watcher) and devplug's driver.
-    let root = tempfile::tempdir().unwrap();
-    let device_plugins = root.path().join("device-plugins");
-    std::fs::create_dir_all(&device_plugins).unwrap();
-    let config = SimConfig {
-        watcher_reconcile: Duration::from_millis(50),
-        ..SimConfig::default()
-    }
-    .with_watcher_beside(&device_plugins);
-    let kubelet = Kubelet::start_with(&device_plugins, config).await.unwrap();
     let (devices, _) = watch::channel(DeviceList::new((0..4).map(npu)));
     let backend: Arc<dyn Backend> = Arc::new(Npus(devices.clone()));
-    let settings = DraDriverSettings {
-        driver: DRIVER.into(),
-        node: NODE.into(),
-        dirs: KubeletDirs::beside(&device_plugins),
-        cdi_dir: root.path().join("cdi"),
-        no_execute_after: None,
-    };
-    let driver = DraDriver::start(settings.clone(), backend.clone(), client.clone())
-        .await
-        .unwrap();
-    let mut registered = driver.registered();
-    tokio::time::timeout(
-        Duration::from_secs(10),
-        registered.wait_for(|r| *r == Registered::Yes),
-    )
-    .await
-    .expect("the kubelet registered the driver")
-    .unwrap();
+    let common::DraNode {
+        root: _root,
+        kubelet,
+        settings,
+        driver,
+    } = common::start(&client, NODE, DRIVER, backend.clone()).await;
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let published = until(
         "4 devices in the slices",
@@ -119,14 +98,7 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
     assert_eq!(published, ["npu-0", "npu-1", "npu-2", "npu-3"]);
 
     // A class, a claim for 2 devices on NUMA node 1, and a pod using it.
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({ "metadata": { "name": NS } })).unwrap(),
-        )
-        .await
-        .unwrap();
+    common::namespace(&client, NS).await;
     let classes: Api<DeviceClass> = Api::all(client.clone());
     classes
         .create(
@@ -232,17 +204,7 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
 
     // devplug restarts mid-way: the prepared claim is kept, not prepared again.
     assert!(driver.shutdown().await.is_empty());
-    let driver = DraDriver::start(settings.clone(), backend.clone(), client.clone())
-        .await
-        .unwrap();
-    let mut registered = driver.registered();
-    tokio::time::timeout(
-        Duration::from_secs(10),
-        registered.wait_for(|r| *r == Registered::Yes),
-    )
-    .await
-    .expect("registered again")
-    .unwrap();
+    let driver = common::start_driver(&settings, backend.clone(), &client).await;
     let again = kubelet
         .dra_prepare(DRIVER, std::slice::from_ref(&sim_claim))
         .await

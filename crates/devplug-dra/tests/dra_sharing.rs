@@ -10,20 +10,20 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
+mod common;
+
 use devplug::Backend;
 use devplug_backends::virtual_devices::{
     VirtualBackend, VirtualPartitions, VirtualSettings, VirtualShare,
 };
-use devplug_dra::kubelet::{KubeletDirs, Registered};
-use devplug_dra::{DraDriver, DraDriverSettings};
 use devplug_testkit::api_server::{self, until, ApiServer};
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice,
 };
 use kube::api::{ListParams, PostParams};
 use kube::Api;
-use kubelet_sim::{DraClaim, Kubelet, SimConfig};
+use kubelet_sim::DraClaim;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -60,15 +60,6 @@ async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
     api_server::schedulable_node(&client, NODE).await;
 
     // The node's kubelet (the simulator) and devplug's driver for two shared virtual GPUs.
-    let root = tempfile::tempdir().unwrap();
-    let device_plugins = root.path().join("device-plugins");
-    std::fs::create_dir_all(&device_plugins).unwrap();
-    let config = SimConfig {
-        watcher_reconcile: Duration::from_millis(50),
-        ..SimConfig::default()
-    }
-    .with_watcher_beside(&device_plugins);
-    let kubelet = Kubelet::start_with(&device_plugins, config).await.unwrap();
     let settings = VirtualSettings {
         env: "GPU_VISIBLE_DEVICES".into(),
         id_prefix: "gpu-".into(),
@@ -80,24 +71,8 @@ async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
         ..VirtualSettings::new(2)
     };
     let backend: Arc<dyn Backend> = Arc::new(VirtualBackend::new(&settings).unwrap());
-    let driver_settings = DraDriverSettings {
-        driver: DRIVER.into(),
-        node: NODE.into(),
-        dirs: KubeletDirs::beside(&device_plugins),
-        cdi_dir: root.path().join("cdi"),
-        no_execute_after: None,
-    };
-    let driver = DraDriver::start(driver_settings.clone(), backend, client.clone())
-        .await
-        .unwrap();
-    let mut registered = driver.registered();
-    tokio::time::timeout(
-        Duration::from_secs(10),
-        registered.wait_for(|r| *r == Registered::Yes),
-    )
-    .await
-    .expect("the kubelet registered the driver")
-    .unwrap();
+    let dra = common::start(&client, NODE, DRIVER, backend).await;
+    let (kubelet, driver_settings) = (&dra.kubelet, &dra.settings);
 
     // Both devices are published as shareable, with their capacities' policies.
     let slices: Api<ResourceSlice> = Api::all(client.clone());
@@ -127,14 +102,7 @@ async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
     }
 
     // A class, four claims (40, 40, 40 and 70 cores; the first also 4Gi of memory), a pod each.
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({ "metadata": { "name": NS } })).unwrap(),
-        )
-        .await
-        .unwrap();
+    common::namespace(&client, NS).await;
     let classes: Api<DeviceClass> = Api::all(client.clone());
     classes
         .create(
@@ -273,8 +241,8 @@ async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
         assert!(!spec_path.exists());
     }
 
-    assert!(driver.shutdown().await.is_empty());
-    kubelet.stop().await;
+    assert!(dra.driver.shutdown().await.is_empty());
+    dra.kubelet.stop().await;
 }
 
 /// One claim for a device of `class` where `selector` holds, and a pod using it.
@@ -330,15 +298,6 @@ async fn the_scheduler_never_gives_out_overlapping_partitions() {
     server.start_scheduler().unwrap();
     let client = api_server::client(&server.kubeconfig).await.unwrap();
     api_server::schedulable_node(&client, NODE).await;
-    let root = tempfile::tempdir().unwrap();
-    let device_plugins = root.path().join("device-plugins");
-    std::fs::create_dir_all(&device_plugins).unwrap();
-    let config = SimConfig {
-        watcher_reconcile: Duration::from_millis(50),
-        ..SimConfig::default()
-    }
-    .with_watcher_beside(&device_plugins);
-    let kubelet = Kubelet::start_with(&device_plugins, config).await.unwrap();
     // One GPU of 4 slices: whole, in halves (s2) and in quarters (s1).
     let settings = VirtualSettings {
         env: "GPU_VISIBLE_DEVICES".into(),
@@ -350,24 +309,8 @@ async fn the_scheduler_never_gives_out_overlapping_partitions() {
         ..VirtualSettings::new(1)
     };
     let backend: Arc<dyn Backend> = Arc::new(VirtualBackend::new(&settings).unwrap());
-    let driver_settings = DraDriverSettings {
-        driver: DRIVER.into(),
-        node: NODE.into(),
-        dirs: KubeletDirs::beside(&device_plugins),
-        cdi_dir: root.path().join("cdi"),
-        no_execute_after: None,
-    };
-    let driver = DraDriver::start(driver_settings.clone(), backend, client.clone())
-        .await
-        .unwrap();
-    let mut registered = driver.registered();
-    tokio::time::timeout(
-        Duration::from_secs(10),
-        registered.wait_for(|r| *r == Registered::Yes),
-    )
-    .await
-    .expect("registered")
-    .unwrap();
+    let dra = common::start(&client, NODE, DRIVER, backend).await;
+    let (kubelet, driver_settings) = (&dra.kubelet, &dra.settings);
 
     // The pool: a slice with the GPU's counter set, a slice with its 7 devices.
     let slices: Api<ResourceSlice> = Api::all(client.clone());
@@ -397,14 +340,7 @@ async fn the_scheduler_never_gives_out_overlapping_partitions() {
         .sum();
     assert_eq!(devices, 7);
 
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({ "metadata": { "name": NS } })).unwrap(),
-        )
-        .await
-        .unwrap();
+    common::namespace(&client, NS).await;
     let classes: Api<DeviceClass> = Api::all(client.clone());
     classes
         .create(
@@ -496,6 +432,6 @@ async fn the_scheduler_never_gives_out_overlapping_partitions() {
         env.contains(&format!("GPU_VISIBLE_DEVICES_SLICES={first}-{}", first + 1)),
         "{env}"
     );
-    assert!(driver.shutdown().await.is_empty());
-    kubelet.stop().await;
+    assert!(dra.driver.shutdown().await.is_empty());
+    dra.kubelet.stop().await;
 }

@@ -1,0 +1,92 @@
+//! What the DRA tests against the real API server share: a node's kubelet (the simulator, its
+//! plugin watcher in a temp folder) with devplug's DRA driver registered to it, and a
+//! namespace. Each test binary uses what it needs of it.
+
+#![allow(dead_code)] // not every test binary uses every helper
+
+use devplug::Backend;
+use devplug_dra::kubelet::{KubeletDirs, Registered};
+use devplug_dra::{DraDriver, DraDriverSettings};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::PostParams;
+use kube::Api;
+use kubelet_sim::{Kubelet, SimConfig};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A node's kubelet and devplug's driver on it.
+pub struct DraNode {
+    /// The kubelet's folders and the CDI folder; removed on drop.
+    pub root: tempfile::TempDir,
+    /// The node's kubelet.
+    pub kubelet: Kubelet,
+    /// The driver's settings (to start it again).
+    pub settings: DraDriverSettings,
+    /// The driver, registered with the kubelet.
+    pub driver: DraDriver,
+}
+
+/// Starts the kubelet simulator for `node` and devplug's driver `driver` over `backend`, and
+/// waits (10 s at most) until the kubelet has registered the driver.
+pub async fn start(
+    client: &kube::Client,
+    node: &str,
+    driver: &str,
+    backend: Arc<dyn Backend>,
+) -> DraNode {
+    let root = tempfile::tempdir().unwrap();
+    let device_plugins = root.path().join("device-plugins");
+    std::fs::create_dir_all(&device_plugins).unwrap();
+    let config = SimConfig {
+        watcher_reconcile: Duration::from_millis(50),
+        ..SimConfig::default()
+    }
+    .with_watcher_beside(&device_plugins);
+    let kubelet = Kubelet::start_with(&device_plugins, config).await.unwrap();
+    let settings = DraDriverSettings {
+        driver: driver.into(),
+        node: node.into(),
+        dirs: KubeletDirs::beside(&device_plugins),
+        cdi_dir: root.path().join("cdi"),
+        no_execute_after: None,
+    };
+    let driver = start_driver(&settings, backend, client).await;
+    DraNode {
+        root,
+        kubelet,
+        settings,
+        driver,
+    }
+}
+
+/// Starts the driver of `settings` and waits until the kubelet has registered it.
+pub async fn start_driver(
+    settings: &DraDriverSettings,
+    backend: Arc<dyn Backend>,
+    client: &kube::Client,
+) -> DraDriver {
+    let driver = DraDriver::start(settings.clone(), backend, client.clone())
+        .await
+        .unwrap();
+    let mut registered = driver.registered();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        registered.wait_for(|r| *r == Registered::Yes),
+    )
+    .await
+    .expect("the kubelet registered the driver within 10 s")
+    .unwrap();
+    driver
+}
+
+/// Creates namespace `name`.
+pub async fn namespace(client: &kube::Client, name: &str) {
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({ "metadata": { "name": name } })).unwrap(),
+        )
+        .await
+        .unwrap();
+}
