@@ -59,10 +59,11 @@ fn a_share_runs_through_the_gpus_mps_daemon_within_its_memory_limit() {
     );
     let servers = query(&program, &pipe, "get_server_list");
     eprintln!("get_server_list: {servers:?}");
-    daemons.stop(&program, &uuid);
-    let log =
-        std::fs::read_to_string(dir.path().join(&uuid).join("log/control.log")).unwrap_or_default();
-    eprintln!("control.log:\n{log}");
+    let reaper = daemons.stop(&program, &uuid).expect("the daemon took quit");
+    reaper.join().unwrap();
+    let log = std::fs::read_to_string(dir.path().join(&uuid).join("log/devplug-console.log"))
+        .unwrap_or_default();
+    eprintln!("the daemon's console:\n{log}");
     assert!(out.status.success(), "the client ran");
     assert!(
         printed.contains("cuCtxCreate 0"),

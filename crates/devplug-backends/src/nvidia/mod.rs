@@ -371,7 +371,7 @@ impl Backend for NvidiaBackend {
 
     fn release_shares(&self, id: &str) {
         match self.mps_for(id) {
-            Ok((mps, program, uuid)) => mps.stop(&program, &uuid),
+            Ok((mps, program, uuid)) => drop(mps.stop(&program, &uuid)),
             Err(err) => tracing::warn!(gpu = id, %err, "cannot stop the GPU's MPS daemon"),
         }
     }

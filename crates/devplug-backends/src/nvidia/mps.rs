@@ -124,13 +124,13 @@ impl MpsDaemons {
 
     /// Tells the daemon of GPU `uuid` to quit (its last share is gone). Errors are logged: the
     /// daemon may have died with its GPU.
-    pub fn stop(&self, program: &MpsProgram, uuid: &str) {
+    /// Returns the thread that reaps it once it has quit (`None` when it was killed and reaped
+    /// here, or was not running); nobody needs to wait for it but a test.
+    pub fn stop(&self, program: &MpsProgram, uuid: &str) -> Option<std::thread::JoinHandle<()>> {
         let Ok(mut running) = self.running.lock() else {
-            return;
+            return None;
         };
-        let Some(mut daemon) = running.remove(uuid) else {
-            return;
-        };
+        let mut daemon = running.remove(uuid)?;
         let (pipe, _) = self.folders(&self.dir, uuid);
         let quit = self
             .command(program, &pipe)
@@ -146,13 +146,25 @@ impl MpsDaemons {
             });
         match quit {
             Ok(out) if out.status.success() => {
-                // It exits once its servers have: reaped here, not left a zombie.
-                match daemon.wait() {
-                    Ok(status) => {
-                        tracing::info!(gpu = uuid, %status, "MPS control daemon quit: no share left")
-                    }
+                // It exits once its servers and their clients have, which a stuck client can
+                // delay without end: reaped by a thread of its own (not left a zombie), so
+                // that this call, made under the DRA driver's lock, never waits for it.
+                let gpu = uuid.to_owned();
+                let reaper = std::thread::Builder::new()
+                    .name("mps-reap".into())
+                    .spawn(move || match daemon.wait() {
+                        Ok(status) => {
+                            tracing::info!(gpu, %status, "MPS control daemon quit: no share left")
+                        }
+                        Err(err) => {
+                            tracing::warn!(gpu, %err, "cannot reap the MPS control daemon")
+                        }
+                    });
+                match reaper {
+                    Ok(reaper) => Some(reaper),
                     Err(err) => {
-                        tracing::warn!(gpu = uuid, %err, "cannot reap the MPS control daemon")
+                        tracing::warn!(gpu = uuid, %err, "cannot start a thread to reap the MPS control daemon");
+                        None
                     }
                 }
             }
@@ -162,11 +174,13 @@ impl MpsDaemons {
                     "the MPS control daemon did not take quit; killing it");
                 let _ = daemon.kill();
                 let _ = daemon.wait();
+                None
             }
             Err(err) => {
                 tracing::warn!(gpu = uuid, %err, "cannot tell the MPS control daemon to quit; killing it");
                 let _ = daemon.kill();
                 let _ = daemon.wait();
+                None
             }
         }
     }
