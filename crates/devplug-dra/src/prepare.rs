@@ -185,11 +185,7 @@ impl Preparer {
         if new.is_empty() {
             return results;
         }
-        if let Err(err) = state.save(&self.files.checkpoint) {
-            let err = format!(
-                "cannot write the checkpoint {}: {err}",
-                self.files.checkpoint.display()
-            );
+        if let Err(err) = self.save(&state) {
             for claim in new {
                 if let Some(undone) = state.claims.remove(&claim.uid) {
                     let _ = std::fs::remove_file(&undone.cdi_spec);
@@ -427,11 +423,7 @@ impl Preparer {
         if removed.is_empty() {
             return results;
         }
-        if let Err(err) = state.save(&self.files.checkpoint) {
-            let err = format!(
-                "cannot write the checkpoint {}: {err}",
-                self.files.checkpoint.display()
-            );
+        if let Err(err) = self.save(&state) {
             for (claim, gone) in removed {
                 state.claims.insert(claim.uid.clone(), gone);
                 tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot unprepare the claim");
@@ -477,6 +469,16 @@ impl Preparer {
             }
         }
         Ok(state.claims.remove(&claim.uid))
+    }
+
+    /// Writes `state` to the checkpoint file; the error as each claim of the call is told it.
+    fn save(&self, state: &Checkpoint) -> Result<(), String> {
+        state.save(&self.files.checkpoint).map_err(|err| {
+            format!(
+                "cannot write the checkpoint {}: {err}",
+                self.files.checkpoint.display()
+            )
+        })
     }
 
     /// The CDI kind of this driver's claim specs: `<driver>/claim`.

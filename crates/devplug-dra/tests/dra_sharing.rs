@@ -124,37 +124,9 @@ async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
         ("share-4", json!({ "cores": "70" })),
     ];
     for (name, requests) in &asks {
-        claims
-            .create(
-                &PostParams::default(),
-                &serde_json::from_value(json!({
-                    "metadata": { "name": name },
-                    "spec": { "devices": { "requests": [{
-                        "name": "gpu",
-                        "exactly": {
-                            "deviceClassName": "gpu-share",
-                            "capacity": { "requests": requests },
-                        },
-                    }] } },
-                }))
-                .unwrap(),
-            )
-            .await
-            .unwrap();
-        pods.create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": { "name": name },
-                "spec": {
-                    "resourceClaims": [{ "name": "gpu", "resourceClaimName": name }],
-                    "containers": [{ "name": "main", "image": "example.invalid/server",
-                                     "resources": { "claims": [{ "name": "gpu" }] } }],
-                },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
+        let exactly =
+            json!({ "deviceClassName": "gpu-share", "capacity": { "requests": requests } });
+        common::claim_and_pod(&client, NS, name, "gpu", exactly).await;
     }
 
     // The first three are allocated: two share one device, the third is on the other.
@@ -245,43 +217,6 @@ async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
     dra.kubelet.stop().await;
 }
 
-/// One claim for a device of `class` where `selector` holds, and a pod using it.
-async fn claim_and_pod(client: &kube::Client, ns: &str, name: &str, class: &str, selector: &str) {
-    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), ns);
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    claims
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": { "name": name },
-                "spec": { "devices": { "requests": [{
-                    "name": "part",
-                    "exactly": {
-                        "deviceClassName": class,
-                        "selectors": [{ "cel": { "expression": selector } }],
-                    },
-                }] } },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
-    pods.create(
-        &PostParams::default(),
-        &serde_json::from_value(json!({
-            "metadata": { "name": name },
-            "spec": {
-                "resourceClaims": [{ "name": "part", "resourceClaimName": name }],
-                "containers": [{ "name": "main", "image": "example.invalid/job",
-                                 "resources": { "claims": [{ "name": "part" }] } }],
-            },
-        }))
-        .unwrap(),
-    )
-    .await
-    .unwrap();
-}
-
 #[cfg_attr(
     no_api_server,
     ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
@@ -355,16 +290,23 @@ async fn the_scheduler_never_gives_out_overlapping_partitions() {
         .unwrap();
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
     let size = |n: i64| format!("device.attributes[\"{DRIVER}\"].slices == {n}");
+    let part = |name: &'static str, selector: String| {
+        let exactly = json!({
+            "deviceClassName": "gpu-part",
+            "selectors": [{ "cel": { "expression": selector } }],
+        });
+        common::claim_and_pod(&client, NS, name, "part", exactly)
+    };
     let offset = |r: &DeviceRequestAllocationResult| -> u32 {
         r.device.rsplit('-').next().unwrap().parse().unwrap()
     };
     // A quarter, then a half: the half is the one the quarter is not in.
-    claim_and_pod(&client, NS, "quarter-1", "gpu-part", &size(1)).await;
+    part("quarter-1", size(1)).await;
     let q1 = until("quarter-1 allocated", Duration::from_secs(60), || {
         allocation(&claims, "quarter-1")
     })
     .await;
-    claim_and_pod(&client, NS, "half-1", "gpu-part", &size(2)).await;
+    part("half-1", size(2)).await;
     let h1 = until("half-1 allocated", Duration::from_secs(60), || {
         allocation(&claims, "half-1")
     })
@@ -380,16 +322,9 @@ async fn the_scheduler_never_gives_out_overlapping_partitions() {
         q1.device
     );
     // No second half and no whole GPU fit; another quarter does, beside the first.
-    claim_and_pod(&client, NS, "half-2", "gpu-part", &size(2)).await;
-    claim_and_pod(
-        &client,
-        NS,
-        "whole",
-        "gpu-part",
-        &format!("device.attributes[\"{DRIVER}\"].whole"),
-    )
-    .await;
-    claim_and_pod(&client, NS, "quarter-2", "gpu-part", &size(1)).await;
+    part("half-2", size(2)).await;
+    part("whole", format!("device.attributes[\"{DRIVER}\"].whole")).await;
+    part("quarter-2", size(1)).await;
     let q2 = until("quarter-2 allocated", Duration::from_secs(60), || {
         allocation(&claims, "quarter-2")
     })

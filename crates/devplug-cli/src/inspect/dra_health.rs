@@ -84,14 +84,15 @@ pub fn render(socket: &Path, rows: &[HealthRow]) -> String {
 pub async fn show(socket: &Path, timeout: Duration, watch: bool, json: bool) -> anyhow::Result<()> {
     let channel = channel(socket, timeout).await?;
     let mut client = pb::dra_resource_health_client::DraResourceHealthClient::new(channel);
+    let timed_out = |what: &'static str| InspectError::Timeout {
+        secs: timeout.as_secs(),
+        what,
+        path: socket.to_owned(),
+    };
     let call = client.node_watch_resources(pb::NodeWatchResourcesRequest {});
     let mut stream = tokio::time::timeout(timeout, call)
         .await
-        .map_err(|_| InspectError::Timeout {
-            secs: timeout.as_secs(),
-            what: "waiting for the health stream of",
-            path: socket.to_owned(),
-        })?
+        .map_err(|_| timed_out("waiting for the health stream of"))?
         .map_err(|status| unimplemented_or(socket, status))?
         .into_inner();
     let mut first = true;
@@ -99,11 +100,7 @@ pub async fn show(socket: &Path, timeout: Duration, watch: bool, json: bool) -> 
         let next = if first {
             tokio::time::timeout(timeout, stream.message())
                 .await
-                .map_err(|_| InspectError::Timeout {
-                    secs: timeout.as_secs(),
-                    what: "waiting for the first health message from",
-                    path: socket.to_owned(),
-                })?
+                .map_err(|_| timed_out("waiting for the first health message from"))?
         } else {
             stream.message().await
         };

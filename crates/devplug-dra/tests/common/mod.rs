@@ -90,3 +90,44 @@ pub async fn namespace(client: &kube::Client, name: &str) {
         .await
         .unwrap();
 }
+
+/// Claim `name` in `ns` with one request `request` of the given `exactly` (class, selectors,
+/// capacity), and a pod of the same name using it.
+pub async fn claim_and_pod(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    request: &str,
+    exactly: serde_json::Value,
+) {
+    use k8s_openapi::api::core::v1::Pod;
+    use k8s_openapi::api::resource::v1::ResourceClaim;
+    use serde_json::json;
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    claims
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": name },
+                "spec": { "devices": { "requests": [{ "name": request, "exactly": exactly }] } },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    pods.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({
+            "metadata": { "name": name },
+            "spec": {
+                "resourceClaims": [{ "name": request, "resourceClaimName": name }],
+                "containers": [{ "name": "main", "image": "example.invalid/job",
+                                 "resources": { "claims": [{ "name": request }] } }],
+            },
+        }))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+}

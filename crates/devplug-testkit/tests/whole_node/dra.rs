@@ -101,22 +101,10 @@ pub fn device_health(pod: &k8s_openapi::api::core::v1::Pod) -> Vec<(String, Stri
 /// of `gpu.example.com` that allows multiple allocations; both Running, each container told
 /// the device and its share.
 async fn shared_by_capacity(node: &Node, client: &kube::Client) -> Result<(), String> {
-    let created = Instant::now();
-    node.kubectl(&["apply", "-f", &example("sharing")], None)?;
-    for pod in ["dra-share-a", "dra-share-b"] {
-        support::wait_pod(
-            client,
-            "default",
-            pod,
-            Duration::from_secs(90),
-            support::running,
-        )
-        .await
-        .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
-    }
+    let took = apply_and_run(node, client, "sharing", &["dra-share-a", "dra-share-b"]).await?;
     figure(&format!(
         "sharing example: two pods on one GPU created → Running: {:.1} s",
-        created.elapsed().as_secs_f64()
+        took.as_secs_f64()
     ));
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
     let mut shares = Vec::new();
@@ -164,19 +152,10 @@ async fn shared_by_capacity(node: &Node, client: &kube::Client) -> Result<(), St
 /// The `partitions` example: a quarter and a half of one 4-slice device, both Running, each
 /// container told its partition and slices, the two not overlapping.
 async fn partitioned(node: &Node, client: &kube::Client) -> Result<(), String> {
-    let created = Instant::now();
-    node.kubectl(&["apply", "-f", &example("partitions")], None)?;
+    let pods = ["dra-part-quarter", "dra-part-half"];
+    let took = apply_and_run(node, client, "partitions", &pods).await?;
     let mut slices = Vec::new();
-    for pod in ["dra-part-quarter", "dra-part-half"] {
-        support::wait_pod(
-            client,
-            "default",
-            pod,
-            Duration::from_secs(90),
-            support::running,
-        )
-        .await
-        .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
+    for pod in pods {
         let out = printed_env(node, pod).await;
         let device = support::env_value(&out, "PART_VISIBLE_DEVICES")
             .ok_or_else(|| format!("{pod}: no PART_VISIBLE_DEVICES:\n{out}"))?
@@ -192,7 +171,7 @@ async fn partitioned(node: &Node, client: &kube::Client) -> Result<(), String> {
     }
     figure(&format!(
         "partitions example: a quarter and a half of one device created → Running: {:.1} s; {slices:?}",
-        created.elapsed().as_secs_f64()
+        took.as_secs_f64()
     ));
     let (quarter, half) = (&slices[0], &slices[1]);
     assert!(
@@ -466,28 +445,10 @@ async fn run_example_of(
     pod: &str,
     driver: &str,
 ) -> Result<(String, String), String> {
-    // The example's pod runs busybox:1.36: the test image under that name.
-    node.ctr(&[
-        "images",
-        "tag",
-        "--force",
-        devplug_testkit::node::image::BUSYBOX_IMAGE,
-        "docker.io/library/busybox:1.36",
-    ])?;
-    let created = Instant::now();
-    node.kubectl(&["apply", "-f", &example(name)], None)?;
-    support::wait_pod(
-        client,
-        "default",
-        pod,
-        Duration::from_secs(90),
-        support::running,
-    )
-    .await
-    .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
+    let took = apply_and_run(node, client, name, &[pod]).await?;
     figure(&format!(
         "DRA pod ({name} example) created → Running: {:.1} s",
-        created.elapsed().as_secs_f64()
+        took.as_secs_f64()
     ));
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
     let claim = claims
@@ -513,6 +474,37 @@ async fn run_example_of(
     assert_eq!(results[0].driver, driver);
     let device = results[0].device.clone();
     Ok((device, printed_env(node, pod).await))
+}
+
+/// Applies the DRA example `name` unchanged and waits (90 s each) until its `pods` run; how
+/// long that took. Its pods run busybox:1.36: the test image is tagged so first.
+async fn apply_and_run(
+    node: &Node,
+    client: &kube::Client,
+    name: &str,
+    pods: &[&str],
+) -> Result<Duration, String> {
+    node.ctr(&[
+        "images",
+        "tag",
+        "--force",
+        devplug_testkit::node::image::BUSYBOX_IMAGE,
+        "docker.io/library/busybox:1.36",
+    ])?;
+    let created = Instant::now();
+    node.kubectl(&["apply", "-f", &example(name)], None)?;
+    for pod in pods {
+        support::wait_pod(
+            client,
+            "default",
+            pod,
+            Duration::from_secs(90),
+            support::running,
+        )
+        .await
+        .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
+    }
+    Ok(created.elapsed())
 }
 
 /// What the example pod's `demo` container printed: its env (`env | sort`, so once PATH is
