@@ -189,6 +189,7 @@ impl Preparer {
             for claim in new {
                 if let Some(undone) = state.claims.remove(&claim.uid) {
                     let _ = std::fs::remove_file(&undone.cdi_spec);
+                    self.release(&whole_ids(&undone.devices));
                 }
                 tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot prepare the claim");
                 results.insert(claim.uid.clone(), Err(err.clone()));
@@ -281,17 +282,25 @@ impl Preparer {
         };
         refuse_taken_devices(&self.driver, claim, state, &allocated, released)?;
         let (spec, devices) = self.plan(claim, &allocated)?;
+        let undo = |err: String| {
+            self.release(&whole_ids(&devices));
+            err
+        };
         if self.backend.options().pre_start_required {
             let ids: Vec<String> = devices.iter().map(|d| d.id.clone()).collect();
             self.backend
                 .pre_start(&ids)
                 .await
-                .map_err(|e| format!("preparing the devices failed: {}", e.0))?;
+                .map_err(|e| undo(format!("preparing the devices failed: {}", e.0)))?;
         }
         let spec_path = self.spec_path(&claim.uid);
         let spec_json = spec.to_json();
-        devplug_backends::cdi::write_atomic(&spec_path, spec_json.as_bytes())
-            .map_err(|e| format!("cannot write the CDI spec {}: {e}", spec_path.display()))?;
+        devplug_backends::cdi::write_atomic(&spec_path, spec_json.as_bytes()).map_err(|e| {
+            undo(format!(
+                "cannot write the CDI spec {}: {e}",
+                spec_path.display()
+            ))
+        })?;
         state.claims.insert(
             claim.uid.clone(),
             PreparedClaim {
@@ -373,20 +382,23 @@ impl Preparer {
         }
         let kind = self.cdi_kind();
         let mut spec = Spec::new(kind.clone());
+        // Whole devices allocated so far: released again if a later request fails.
+        let mut given: Vec<String> = Vec::new();
         for request in &requests {
             let mut edits = ContainerEdits::default();
             if !request.whole.is_empty() {
                 let ids = &request.whole;
-                edits = self
-                    .backend
-                    .allocate(ids)
-                    .map_err(|e| format!("the backend refused devices {ids:?}: {e}"))?;
+                edits = self.backend.allocate(ids).map_err(|e| {
+                    self.release(&given);
+                    format!("the backend refused devices {ids:?}: {e}")
+                })?;
+                given.extend(ids.iter().cloned());
             }
             for (id, consumed) in &request.shares {
-                let share = self
-                    .backend
-                    .allocate_share(id, consumed)
-                    .map_err(|e| format!("the backend refused a share of device {id}: {e}"))?;
+                let share = self.backend.allocate_share(id, consumed).map_err(|e| {
+                    self.release(&given);
+                    format!("the backend refused a share of device {id}: {e}")
+                })?;
                 edits = edits.merge(share);
             }
             let name = cdi_device_name(&claim.uid, request.name);
@@ -458,6 +470,14 @@ impl Preparer {
         let Some(prepared) = state.claims.get(&claim.uid) else {
             return Ok(None);
         };
+        // What the backend made for the claim goes first: if it cannot, the claim stays
+        // prepared and the kubelet's retry tries again.
+        let whole = whole_ids(&prepared.devices);
+        if !whole.is_empty() {
+            self.backend
+                .release(&whole)
+                .map_err(|e| format!("the backend cannot release devices {whole:?}: {e}"))?;
+        }
         match std::fs::remove_file(&prepared.cdi_spec) {
             Ok(()) => {}
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
@@ -469,6 +489,17 @@ impl Preparer {
             }
         }
         Ok(state.claims.remove(&claim.uid))
+    }
+
+    /// Releases whole devices allocated for a claim whose prepare failed after all; a release
+    /// that fails is logged (the backend finds what it made again when asked once more).
+    fn release(&self, ids: &[String]) {
+        if ids.is_empty() {
+            return;
+        }
+        if let Err(err) = self.backend.release(ids) {
+            tracing::warn!(driver = %self.driver, devices = ?ids, %err, "cannot release the devices of a claim whose prepare failed");
+        }
     }
 
     /// Writes `state` to the checkpoint file; the error as each claim of the call is told it.
@@ -497,6 +528,20 @@ struct Request<'a> {
     name: &'a str,
     whole: Vec<String>,
     shares: Vec<(String, &'a BTreeMap<String, u64>)>,
+}
+
+/// The ids of the devices a claim was given whole by the backend's `allocate`, which it
+/// releases when the claim is done: not shares, not admin access (which only looks at a device
+/// another claim has).
+fn whole_ids(devices: &[PreparedDevice]) -> Vec<String> {
+    let mut ids: Vec<String> = Vec::new();
+    for device in devices {
+        if is_exclusive(device.share_id.as_ref(), device.admin_access) && !ids.contains(&device.id)
+        {
+            ids.push(device.id.clone());
+        }
+    }
+    ids
 }
 
 /// Whether a device given this way goes to one claim at a time: not a share of a device with
@@ -945,6 +990,85 @@ mod tests {
         assert!(took < Duration::from_millis(200), "{took:?}");
         assert!(!waiting.is_finished(), "the hung call still waits");
         assert!(waiting.await.unwrap()["hung-3"].is_err());
+    }
+
+    /// A backend that makes something per allocation (as MIG partitions are made) and says
+    /// what it was asked to release; it refuses `npu-1`, and releases only when let.
+    struct Made {
+        list: watch::Sender<DeviceList>,
+        released: std::sync::Mutex<Vec<String>>,
+        refuse_release: std::sync::atomic::AtomicBool,
+    }
+
+    impl Backend for Made {
+        fn devices(&self) -> watch::Receiver<DeviceList> {
+            self.list.subscribe()
+        }
+        fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
+            if ids.iter().any(|id| id == "npu-1") {
+                return Err(AllocateError::Failed("npu-1 cannot be made".into()));
+            }
+            Ok(ContainerEdits::default().env("NPU_VISIBLE_DEVICES", ids.join(",")))
+        }
+        fn release(&self, ids: &[String]) -> Result<(), devplug::ReleaseError> {
+            if self
+                .refuse_release
+                .load(std::sync::atomic::Ordering::SeqCst)
+            {
+                return Err(devplug::ReleaseError("the device is busy".into()));
+            }
+            self.released.lock().unwrap().extend(ids.iter().cloned());
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn what_allocation_made_is_released_at_unprepare_and_when_prepare_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let list = DeviceList::new((0..3).map(|i| Device::new(format!("npu-{i}"))));
+        let backend = Arc::new(Made {
+            list: watch::channel(list).0,
+            released: std::sync::Mutex::new(Vec::new()),
+            refuse_release: std::sync::atomic::AtomicBool::new(false),
+        });
+        let claims = Fixed(HashMap::from([
+            (
+                "a".to_owned(),
+                vec![allocated("first", "npu-0"), allocated("second", "npu-1")],
+            ),
+            ("b".to_owned(), vec![allocated("x", "npu-2")]),
+        ]));
+        let preparer = Preparer::new(
+            "npu.example.com",
+            "node-a",
+            backend.clone(),
+            Arc::new(claims),
+            files_in(dir.path()),
+        )
+        .unwrap();
+        // The second request fails: what the first one got is released again.
+        let err = preparer.prepare(&[claim("a")]).await["a"]
+            .clone()
+            .unwrap_err();
+        assert!(err.contains("npu-1 cannot be made"), "{err}");
+        assert_eq!(*backend.released.lock().unwrap(), ["npu-0"]);
+        backend.released.lock().unwrap().clear();
+        assert!(preparer.prepare(&[claim("b")]).await["b"].is_ok());
+        // A release that fails keeps the claim prepared, for the kubelet to retry.
+        backend
+            .refuse_release
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let err = preparer.unprepare(&[claim("b")]).await["b"]
+            .clone()
+            .unwrap_err();
+        assert!(err.contains("the device is busy"), "{err}");
+        assert_eq!(preparer.prepared().await.len(), 1);
+        backend
+            .refuse_release
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        assert!(preparer.unprepare(&[claim("b")]).await["b"].is_ok());
+        assert!(preparer.prepared().await.is_empty());
+        assert_eq!(*backend.released.lock().unwrap(), ["npu-2"]);
     }
 
     fn allocated(request: &str, device: &str) -> AllocatedDevice {

@@ -56,6 +56,17 @@ pub trait Backend: Send + Sync + 'static {
         let _ = id;
     }
 
+    /// Called when devices `ids`, given whole to a DRA claim by [`Backend::allocate`], are
+    /// unprepared (the claim is done with them): a backend that made something for the claim
+    /// at allocation (a MIG partition) removes it here. Also called when a prepare fails after
+    /// its allocation. Must succeed when there is nothing left to remove (it may be called
+    /// again for the same ids); an error fails the unprepare, which the kubelet retries. The
+    /// default does nothing.
+    fn release(&self, ids: &[String]) -> Result<(), ReleaseError> {
+        let _ = ids;
+        Ok(())
+    }
+
     /// Which devices to give a container, best effort. Called only when
     /// [`Options::preferred_allocation`] is set. The host cleans the answer up: must-include ids
     /// first, only available ids, no repeats, at most `size` ids. Never an error: an error here
@@ -155,6 +166,12 @@ pub enum AllocateError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct PreStartError(pub String);
+
+/// Why devices could not be released ([`Backend::release`]). The DRA driver fails the claim's
+/// unprepare with this message, and the kubelet retries it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ReleaseError(pub String);
 
 #[cfg(test)]
 mod tests {

@@ -28,6 +28,7 @@ pub use attributes::{
 };
 pub use backend::{
     AllocateError, Backend, BackendWarning, BoxFuture, Options, PreStartError, PreferenceRequest,
+    ReleaseError,
 };
 pub use device::{check_id, Device, DeviceList, Health, ListTooLarge, MAX_ID_LEN};
 pub use edits::{ContainerEdits, DeviceNode, Mount};
