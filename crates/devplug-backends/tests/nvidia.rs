@@ -1207,3 +1207,110 @@ async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares(
         "{err}"
     );
 }
+
+/// The nodes (container paths) and `NVIDIA_VISIBLE_DEVICES` of an allocation.
+fn given(edits: &devplug::ContainerEdits) -> (Vec<String>, String) {
+    let nodes = edits
+        .devices
+        .iter()
+        .map(|d| d.container_path.clone())
+        .collect();
+    let visible = edits
+        .envs
+        .get("NVIDIA_VISIBLE_DEVICES")
+        .cloned()
+        .unwrap_or_default();
+    (nodes, visible)
+}
+
+#[tokio::test]
+async fn dynamic_mig_partitions_are_made_at_allocation_and_destroyed_at_release() {
+    let node = Node::new("a100-partitions", true);
+    let mut settings = node.settings();
+    settings.mig_strategy = MigStrategy::Dynamic;
+    let backend = NvidiaBackend::start("nvidia.com/gpu", &settings).unwrap();
+    tokio::time::timeout(WAIT, backend.discovered())
+        .await
+        .unwrap();
+    let list = backend.devices().borrow().clone();
+    assert_eq!(backend.not_ready(), None);
+    // Two A100-40GB in MIG mode: a counter set each, 18 partitions each.
+    let sets: Vec<&str> = list
+        .counter_sets()
+        .iter()
+        .map(|s| s.name.as_str())
+        .collect();
+    assert_eq!(sets, ["gpu-0", "gpu-1"]);
+    assert_eq!(list.devices().len(), 36);
+    let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+
+    // A 3g.20gb at memory slice 0: a new MIG device with its GPU's node and its caps nodes.
+    let edits = backend.allocate(&ids(&["gpu-0-mig-3g-20gb-0"])).unwrap();
+    let (nodes, first) = given(&edits);
+    assert!(first.starts_with("MIG-") && !first.contains(','), "{first}");
+    assert!(nodes.contains(&"/dev/nvidia0".to_owned()), "{nodes:?}");
+    assert!(nodes.contains(&"/dev/nvidiactl".to_owned()), "{nodes:?}");
+    let caps: Vec<&String> = nodes.iter().filter(|n| n.contains("nvidia-caps")).collect();
+    assert_eq!(caps.len(), 2, "GI and CI access nodes: {nodes:?}");
+    // Asked again (a retried prepare): the same instance.
+    let again = backend.allocate(&ids(&["gpu-0-mig-3g-20gb-0"])).unwrap();
+    assert_eq!(given(&again).1, first);
+    // A 2g.10gb at slice 2 overlaps it: the driver refuses, and the error says why.
+    let err = backend
+        .allocate(&ids(&["gpu-0-mig-2g-10gb-2"]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("insufficient resources"), "{err}");
+    assert!(err.contains("gpu-0-mig-2g-10gb-2"), "{err}");
+    // The other half of the GPU is free.
+    let other = backend.allocate(&ids(&["gpu-0-mig-3g-20gb-4"])).unwrap();
+    assert_ne!(given(&other).1, first);
+    // Released: the overlapping 2g.10gb can now be made; a second release finds nothing.
+    backend.release(&ids(&["gpu-0-mig-3g-20gb-0"])).unwrap();
+    backend.release(&ids(&["gpu-0-mig-3g-20gb-0"])).unwrap();
+    let two = backend.allocate(&ids(&["gpu-0-mig-2g-10gb-2"])).unwrap();
+    assert!(given(&two).1.starts_with("MIG-"));
+    backend
+        .release(&ids(&["gpu-0-mig-2g-10gb-2", "gpu-0-mig-3g-20gb-4"]))
+        .unwrap();
+
+    // Two in one request, the second impossible with the first: the first is undone.
+    let err = backend
+        .allocate(&ids(&["gpu-1-mig-4g-20gb-0", "gpu-1-mig-7g-40gb-0"]))
+        .unwrap_err();
+    assert!(err.to_string().contains("gpu-1-mig-7g-40gb-0"), "{err}");
+    let whole = backend.allocate(&ids(&["gpu-1-mig-7g-40gb-0"])).unwrap();
+    assert!(given(&whole).1.starts_with("MIG-"));
+    backend.release(&ids(&["gpu-1-mig-7g-40gb-0"])).unwrap();
+    // Two that fit, in one request: both MIG devices, one GPU node.
+    let pair = backend
+        .allocate(&ids(&["gpu-1-mig-1g-5gb-0", "gpu-1-mig-1g-5gb-1"]))
+        .unwrap();
+    let (nodes, visible) = given(&pair);
+    assert_eq!(visible.split(',').count(), 2, "{visible}");
+    assert_eq!(nodes.iter().filter(|n| *n == "/dev/nvidia1").count(), 1);
+    backend
+        .release(&ids(&["gpu-1-mig-1g-5gb-0", "gpu-1-mig-1g-5gb-1"]))
+        .unwrap();
+
+    // How long a partition takes to make and to destroy through NVML (here the fake).
+    let one = ids(&["gpu-0-mig-1g-5gb-3"]);
+    let (mut made, mut gone) = (Vec::new(), Vec::new());
+    for _ in 0..50 {
+        let t = std::time::Instant::now();
+        backend.allocate(&one).unwrap();
+        made.push(t.elapsed());
+        let t = std::time::Instant::now();
+        backend.release(&one).unwrap();
+        gone.push(t.elapsed());
+    }
+    made.sort();
+    gone.sort();
+    println!(
+        "figure: MIG partition through NVML (fake NVML), 50 times: create p50 {:.2} ms, p99 {:.2} ms; destroy p50 {:.2} ms, p99 {:.2} ms",
+        made[25].as_secs_f64() * 1e3,
+        made[49].as_secs_f64() * 1e3,
+        gone[25].as_secs_f64() * 1e3,
+        gone[49].as_secs_f64() * 1e3,
+    );
+}

@@ -362,6 +362,12 @@ impl ResourceConfig {
             Some("virtual.partitions")
         } else if self.nvidia.as_ref().is_some_and(|n| n.share.is_some()) {
             Some("nvidia.share")
+        } else if self
+            .nvidia
+            .as_ref()
+            .is_some_and(|n| n.mig_strategy == devplug_backends::nvidia::MigStrategy::Dynamic)
+        {
+            Some("nvidia.mig_strategy: dynamic")
         } else {
             None
         };
@@ -926,6 +932,8 @@ resources:
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1, partitions: { slices: 4, sizes: [2] } }\n", "resources[0] (a.com/x): virtual.partitions: devices shared by capacity or split into partitions are served by DRA only"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: 1 }\n    dra: { driver: x.a.com, no_execute_after: 10ms }\n", "resources[0] (a.com/x): dra.no_execute_after: must be at least 1s"),
             ("resources:\n  - name: a.com/x\n    nvidia: { share: {}, replicas: 2 }\n    dra: { driver: x.a.com }\n", "nvidia.share: GPUs are shared either by time-slicing replicas or by capacity"),
+            ("resources:\n  - name: a.com/x\n    nvidia: { mig_strategy: dynamic }\n", "resources[0] (a.com/x): nvidia.mig_strategy: dynamic: devices shared by capacity or split into partitions are served by DRA only"),
+            ("resources:\n  - name: a.com/x\n    nvidia: { mig_strategy: dynamic, replicas: 2 }\n    dra: { driver: x.a.com }\n", "mig_strategy: dynamic MIG partitions are given whole, not as time-slicing replicas"),
             ("resource: []\n", "resource"),
             ("resources: []\n", "the list is empty"),
             ("resources:\n  - name: a.com/x\n    virtual: { count: many }\n", "count"),

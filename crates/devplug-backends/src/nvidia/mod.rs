@@ -10,10 +10,15 @@
 //! - [`mps`]: GPUs shared by capacity (DRA): an MPS control daemon per shared GPU, and each
 //!   share's limits.
 //!
-//! - `mig_ids`: the one module with `unsafe`: a MIG device's GPU- and compute-instance ids.
+//! - `partitions`: MIG partitions made at a DRA claim's prepare and destroyed at its unprepare
+//!   (`mig_strategy: dynamic`).
 //!
-//! Ids are GPU UUIDs, MIG device UUIDs (`mig_strategy` `single` or `mixed`), or
-//! `<uuid>::<n>` for time-slicing replicas. `Allocate` sends
+//! - `mig_ids` and `mig_instances`: the two modules with `unsafe`: a MIG device's GPU- and
+//!   compute-instance ids, and MIG profiles, placements and instances made and destroyed.
+//!
+//! Ids are GPU UUIDs, MIG device UUIDs (`mig_strategy` `single` or `mixed`),
+//! `gpu-<index>-mig-<profile>-<start>` for MIG partitions (`dynamic`), or `<uuid>::<n>` for
+//! time-slicing replicas. `Allocate` sends
 //! `NVIDIA_VISIBLE_DEVICES` (deduplicated UUIDs), CDI names `nvidia.com/gpu=<uuid>` backed by a
 //! spec file written atomically, and/or the device nodes, as configured. Preferred allocation
 //! is the exact search of [`crate::placement`] over NVLink and PCIe scores for whole GPUs, and
@@ -23,8 +28,10 @@
 mod driver_files;
 mod health;
 mod mig_ids;
+mod mig_instances;
 pub mod mps;
 mod nvml;
+mod partitions;
 pub mod seam;
 pub mod settings;
 mod view;
@@ -32,9 +39,10 @@ mod worker;
 
 pub use driver_files::{DriverFile, DriverFiles, CONTAINER_BIN_DIR, CONTAINER_LIB_DIR};
 pub use health::xid_description;
-pub use nvml::{sysfs_bus_id, NvmlDriver};
+pub use nvml::{sysfs_bus_id, NvmlDriver, NvmlPartitioner};
 pub use seam::{
-    mig_profile, DriverInfo, GpuDriver, GpuInfo, GpuSession, MigInfo, PcieLevel, Snapshot,
+    mig_profile, DriverInfo, GiProfile, GpuDriver, GpuInfo, GpuSession, MigInfo, MigPartitioner,
+    PcieLevel, Snapshot,
 };
 pub use settings::{ListStrategy, MigStrategy, MpsShare, NvidiaSettings, DEFAULT_IGNORED_XIDS};
 pub use view::{parse_mig_minors, CDI_KIND, MIG_MINORS, NVLINK_SCORE};
@@ -44,7 +52,9 @@ use crate::hostdev::SharePolicy;
 use crate::inotify_batch::Batches;
 use crate::settings::SettingsError;
 use crate::sysfs::dev_node;
-use devplug::{AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest};
+use devplug::{
+    AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest, ReleaseError,
+};
 use inotify::WatchMask;
 use mps::MpsDaemons;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -65,6 +75,7 @@ pub struct NvidiaBackend {
     settings: Arc<NvidiaSettings>,
     shared: Arc<Shared>,
     mps: Option<MpsDaemons>,
+    partitioner: Option<Arc<dyn MigPartitioner>>,
     wake: Sender<()>,
     _watch: DropGuard,
 }
@@ -83,6 +94,7 @@ impl NvidiaBackend {
             shared.set_discovered();
             return Ok(NvidiaBackend {
                 mps: Self::mps_daemons(&settings),
+                partitioner: None,
                 settings,
                 shared,
                 wake: std::sync::mpsc::channel().0,
@@ -91,7 +103,27 @@ impl NvidiaBackend {
         }
         let for_candidates = settings.clone();
         let driver = NvmlDriver::new(move || for_candidates.library_candidates());
-        Self::start_with(resource, settings, Box::new(driver))
+        let mut backend = Self::start_with(resource, settings, Box::new(driver))?;
+        if settings.mig_strategy == MigStrategy::Dynamic {
+            let for_candidates = settings.clone();
+            backend.partitioner = Some(Arc::new(NvmlPartitioner::new(move || {
+                for_candidates.library_candidates()
+            })));
+        }
+        Ok(backend)
+    }
+
+    /// The same backend making MIG partitions with `partitioner` (`mig_strategy: dynamic`).
+    pub fn with_partitioner(mut self, partitioner: Arc<dyn MigPartitioner>) -> Self {
+        self.partitioner = Some(partitioner);
+        self
+    }
+
+    /// The partitioner, or the error a request for a partition gets without one.
+    fn partitioner(&self) -> Result<&dyn MigPartitioner, String> {
+        self.partitioner
+            .as_deref()
+            .ok_or_else(|| "this resource cannot make MIG partitions (no NVML)".to_owned())
     }
 
     /// Starts the backend on any [`GpuDriver`].
@@ -118,6 +150,7 @@ impl NvidiaBackend {
             .map_err(|e| SettingsError::new("", format!("cannot start the NVML thread: {e}")))?;
         Ok(NvidiaBackend {
             mps: Self::mps_daemons(&settings),
+            partitioner: None,
             settings,
             shared,
             wake,
@@ -295,6 +328,10 @@ impl Backend for NvidiaBackend {
 
     fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
         let view = self.view();
+        if partitions::any(&view, ids) {
+            let partitioner = self.partitioner().map_err(AllocateError::Failed)?;
+            return partitions::allocate(&self.settings, &view, partitioner, ids);
+        }
         if self.settings.fail_requests_greater_than_one && view.shared && ids.len() > 1 {
             return Err(AllocateError::InvalidRequest(format!(
                 "{} shared GPUs requested; fail_requests_greater_than_one allows one replica per \
@@ -374,6 +411,15 @@ impl Backend for NvidiaBackend {
             Ok((mps, program, uuid)) => drop(mps.stop(&program, &uuid)),
             Err(err) => tracing::warn!(gpu = id, %err, "cannot stop the GPU's MPS daemon"),
         }
+    }
+
+    /// Destroys the MIG partitions among `ids` (`mig_strategy: dynamic`).
+    fn release(&self, ids: &[String]) -> Result<(), ReleaseError> {
+        if self.settings.mig_strategy != MigStrategy::Dynamic {
+            return Ok(());
+        }
+        let partitioner = self.partitioner().map_err(ReleaseError)?;
+        partitions::release(&self.view(), partitioner, ids)
     }
 
     fn preferred(&self, request: &PreferenceRequest<'_>) -> Vec<String> {

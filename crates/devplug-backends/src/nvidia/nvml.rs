@@ -7,9 +7,10 @@
 //! so a failed registration rebuilds the whole set.
 
 use super::mig_ids::instance_ids;
+use super::mig_instances;
 use super::seam::{
-    mig_profile, DriverInfo, GpuDriver, GpuInfo, GpuSession, MigInfo, PcieLevel, RawEvent,
-    RecoveryAction, SessionEnd, Snapshot, WaitError,
+    mig_profile, DriverInfo, GiProfile, GpuDriver, GpuInfo, GpuSession, MigInfo, MigPartitioner,
+    PcieLevel, RawEvent, RecoveryAction, SessionEnd, Snapshot, WaitError,
 };
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::TopologyLevel;
@@ -19,6 +20,7 @@ use nvml_wrapper::error::{Bits, NvmlError};
 use nvml_wrapper::structs::device::FieldId;
 use nvml_wrapper::{Device, EventSet, Nvml};
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// `NVML_NVLINK_MAX_LINKS`.
@@ -83,6 +85,104 @@ impl GpuDriver for NvmlDriver {
             }
         }
         Err(reasons.join("; "))
+    }
+}
+
+/// MIG partitions through NVML: a second `Nvml` of its own (NVML's init is reference counted
+/// and thread safe), opened on first use from the same candidate paths as the backend's thread
+/// and kept open, so that allocation never waits on that thread's event loop. It is dropped
+/// (and opened again on next use) after a call fails with the driver gone.
+pub struct NvmlPartitioner {
+    candidates: Box<dyn Fn() -> Vec<PathBuf> + Send + Sync>,
+    nvml: Mutex<Option<Nvml>>,
+}
+
+impl NvmlPartitioner {
+    /// A partitioner that loads NVML from the first of `candidates` that works.
+    pub fn new(candidates: impl Fn() -> Vec<PathBuf> + Send + Sync + 'static) -> Self {
+        NvmlPartitioner {
+            candidates: Box::new(candidates),
+            nvml: Mutex::new(None),
+        }
+    }
+
+    /// Runs `body` on the GPU `uuid` of the open NVML (opening it first if needed).
+    fn with_gpu<T>(
+        &self,
+        uuid: &str,
+        body: impl FnOnce(&Device<'_>) -> Result<T, NvmlError>,
+    ) -> Result<T, String> {
+        let mut slot = self.nvml.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            let mut reasons = Vec::new();
+            for path in (self.candidates)() {
+                match Nvml::builder().lib_path(path.as_os_str()).init() {
+                    Ok(nvml) => {
+                        *slot = Some(nvml);
+                        break;
+                    }
+                    Err(err) => reasons.push(format!("{}: {}", path.display(), describe(&err))),
+                }
+            }
+            if slot.is_none() {
+                return Err(format!("NVML cannot be loaded: {}", reasons.join("; ")));
+            }
+        }
+        let Some(nvml) = slot.as_ref() else {
+            return Err("NVML is not open".into());
+        };
+        let result = nvml.device_by_uuid(uuid).and_then(|device| body(&device));
+        match result {
+            Ok(v) => Ok(v),
+            Err(err) => {
+                let gone = matches!(
+                    err,
+                    NvmlError::Uninitialized | NvmlError::DriverNotLoaded | NvmlError::GpuLost
+                );
+                let why = describe_mig(&err);
+                if gone {
+                    *slot = None;
+                }
+                Err(why)
+            }
+        }
+    }
+}
+
+/// An NVML error of a MIG call, in words (nvml-wrapper has no variant for
+/// `NVML_ERROR_INSUFFICIENT_RESOURCES`, 23).
+fn describe_mig(err: &NvmlError) -> String {
+    match err {
+        NvmlError::UnexpectedVariant(23) => "insufficient resources: the placement overlaps a \
+             MIG instance that is already there, or the GPU's slices are used up"
+            .into(),
+        NvmlError::NoPermission => "no permission: creating MIG instances needs root (or \
+             CAP_SYS_ADMIN and the nvidia-caps config node)"
+            .into(),
+        other => describe(other),
+    }
+}
+
+impl MigPartitioner for NvmlPartitioner {
+    fn create(
+        &self,
+        gpu: &str,
+        profile: &GiProfile,
+        start: u32,
+        size: u32,
+    ) -> Result<MigInfo, String> {
+        self.with_gpu(gpu, |device| {
+            let gi = mig_instances::create(device, profile.id, profile.slices, start, size)?;
+            let bytes = device.memory_info().map(|m| m.total).unwrap_or(0);
+            mig_devices(device, gpu, bytes)
+                .into_iter()
+                .find(|m| m.gi == gi)
+                .ok_or(NvmlError::NotFound)
+        })
+    }
+
+    fn destroy(&self, gpu: &str, profile: u32, start: u32) -> Result<bool, String> {
+        self.with_gpu(gpu, |device| mig_instances::destroy(device, profile, start))
     }
 }
 
@@ -203,10 +303,14 @@ impl GpuSession for NvmlSession<'_> {
                 }
             }
             let mig_enabled = device.mig_mode().is_ok_and(|m| m.current == 1);
-            let migs = if mig_enabled {
-                mig_devices(&device, &uuid, memory_bytes)
+            let (migs, mig_profiles) = if mig_enabled {
+                let profiles = mig_instances::profiles(&device).unwrap_or_else(|err| {
+                    tracing::warn!(gpu = %uuid, %err, "cannot read the GPU's MIG profiles: no partitions of it are offered");
+                    Vec::new()
+                });
+                (mig_devices(&device, &uuid, memory_bytes), profiles)
             } else {
-                Vec::new()
+                (Vec::new(), Vec::new())
             };
             gpus.push(GpuInfo {
                 index,
@@ -218,6 +322,7 @@ impl GpuSession for NvmlSession<'_> {
                 nvlinks,
                 mig_enabled,
                 migs,
+                mig_profiles,
             });
             devices.push(device);
         }

@@ -25,6 +25,23 @@ pub struct GpuInfo {
     pub mig_enabled: bool,
     /// Its MIG devices (empty when MIG is off).
     pub migs: Vec<MigInfo>,
+    /// The GPU-instance profiles it offers and where each can be placed (read only with
+    /// `mig_strategy: dynamic`, for a GPU in MIG mode; empty otherwise).
+    pub mig_profiles: Vec<GiProfile>,
+}
+
+/// One GPU-instance profile of a GPU in MIG mode (`nvmlGpuInstanceProfileInfo_t`) with its
+/// possible placements (`nvmlDeviceGetGpuInstancePossiblePlacements_v2`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GiProfile {
+    /// NVML's profile id (`NVML_GPU_INSTANCE_PROFILE_1_SLICE` = 0, …).
+    pub id: u32,
+    /// Compute slices (`sliceCount`).
+    pub slices: u32,
+    /// Memory in MiB (`memorySizeMB`).
+    pub memory_mib: u64,
+    /// Where an instance can start and how many memory slices it spans, `(start, size)`.
+    pub placements: Vec<(u32, u32)>,
 }
 
 /// One MIG device of a GPU.
@@ -231,6 +248,23 @@ pub trait GpuDriver: Send + 'static {
         &mut self,
         body: &mut dyn FnMut(&mut dyn GpuSession) -> SessionEnd,
     ) -> Result<SessionEnd, String>;
+}
+
+/// Makes and removes MIG partitions (`mig_strategy: dynamic`): a GPU instance of a profile at
+/// a placement, with the compute instance that spans it. Called from allocation, on any thread.
+pub trait MigPartitioner: Send + Sync + 'static {
+    /// Creates the partition of `profile` at memory slice `start` (span `size`) on GPU `gpu`
+    /// (its UUID), or takes the one already there, and returns its MIG device.
+    fn create(
+        &self,
+        gpu: &str,
+        profile: &GiProfile,
+        start: u32,
+        size: u32,
+    ) -> Result<MigInfo, String>;
+    /// Destroys the partition of `profile` at memory slice `start` on GPU `gpu`; `Ok(false)`
+    /// when there is none (already gone).
+    fn destroy(&self, gpu: &str, profile: u32, start: u32) -> Result<bool, String>;
 }
 
 /// Why a session ended.

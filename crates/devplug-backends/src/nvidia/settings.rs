@@ -164,6 +164,12 @@ pub enum MigStrategy {
     /// One resource per MIG profile (`mig_profile`); an entry without `mig_profile` serves
     /// the GPUs that are not in MIG mode.
     Mixed,
+    /// DRA only: a GPU in MIG mode is published as its MIG partitions (one device per profile
+    /// and placement, consuming the GPU's memory and compute slices as shared counters, so the
+    /// scheduler picks partitions that fit together); devplug creates the partition's GPU and
+    /// compute instance when a claim is prepared and destroys them when it is unprepared. GPUs
+    /// not in MIG mode are served whole. The MIG mode itself is the operator's to set.
+    Dynamic,
 }
 
 /// One per-GPU replica count.
@@ -377,6 +383,15 @@ impl NvidiaSettings {
         }
         check_absolute("dev_root", &self.dev_root)?;
         check_absolute("proc_root", &self.proc_root)?;
+        if self.mig_strategy == MigStrategy::Dynamic
+            && (self.replicas > 1 || !self.replica_overrides.is_empty())
+        {
+            return Err(SettingsError::new(
+                "mig_strategy",
+                "dynamic MIG partitions are given whole, not as time-slicing replicas: remove \
+                 replicas (or use mig_strategy: mixed with replicas)",
+            ));
+        }
         if let Some(share) = &self.share {
             share.memory_step_bytes()?;
             check_absolute("share.dir", &share.dir)?;

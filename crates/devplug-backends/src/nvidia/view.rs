@@ -5,13 +5,15 @@
 //! level, scored as go-gpuallocator scores them; MIG devices only have NUMA).
 
 use super::driver_files::DriverFiles;
-use super::seam::{GpuInfo, MigInfo, Snapshot};
+use super::seam::{GiProfile, GpuInfo, MigInfo, Snapshot};
 use super::settings::{MigStrategy, NvidiaSettings};
 use crate::cdi::Spec;
 use crate::dra_attributes::Attributes;
 use crate::placement::PairMatrix;
 use crate::sysfs::{dev_node, numa_node};
-use devplug::attributes::{DeviceAttributes, SharePolicy};
+use devplug::attributes::{
+    CounterConsumption, CounterSet, DeviceAttributes, SharePolicy, MAX_COUNTER_SETS,
+};
 use devplug::ContainerEdits;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -49,6 +51,95 @@ pub struct ServedGpu {
     pub ids: Vec<String>,
     /// Its DRA attributes and capacity (every replica has the same).
     pub attributes: Option<Box<DeviceAttributes>>,
+    /// A MIG partition to create at allocation (`mig_strategy: dynamic`), if this is one; `mig`
+    /// is then `None` (the MIG device exists only once created).
+    pub partition: Option<Partition>,
+}
+
+/// A MIG partition that can be created: a GPU-instance profile at one placement.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Partition {
+    /// The profile, as NVML gives it.
+    pub profile: GiProfile,
+    /// Its name as NVIDIA names MIG devices (`3g.20gb`).
+    pub name: String,
+    /// The first memory slice.
+    pub start: u32,
+    /// How many memory slices it spans.
+    pub size: u32,
+}
+
+/// The counter of one memory slice of a GPU in MIG mode (`mig_strategy: dynamic`).
+fn memory_slice_counter(slice: u32) -> String {
+    format!("memory-slice-{slice}")
+}
+
+/// The counter of a GPU's compute slices (`mig_strategy: dynamic`).
+pub const COMPUTE_SLICES: &str = "compute-slices";
+
+/// The counter set of a GPU in MIG mode: `gpu-<index>`.
+fn gpu_counter_set(gpu: &GpuInfo) -> String {
+    format!("gpu-{}", gpu.index)
+}
+
+/// A partition's device id: `gpu-<index>-mig-<profile>-<start>` with the profile's dot as a
+/// dash (`gpu-0-mig-3g-20gb-4`), a DNS label as the ResourceSlice names devices.
+pub fn partition_id(gpu: &GpuInfo, name: &str, start: u32) -> String {
+    format!("gpu-{}-mig-{}-{start}", gpu.index, name.replace('.', "-"))
+}
+
+/// The counter set of a GPU in MIG mode (one counter per memory slice, and its compute slices)
+/// and its partitions, each consuming its memory slices and compute slices; `None` when NVML
+/// gave no profiles for it.
+fn partitions_of(gpu: &GpuInfo) -> Option<(CounterSet, Vec<Partition>)> {
+    let memory_slices = gpu
+        .mig_profiles
+        .iter()
+        .flat_map(|p| {
+            p.placements
+                .iter()
+                .map(|&(start, size)| start.saturating_add(size))
+        })
+        .max()?;
+    let compute = gpu.mig_profiles.iter().map(|p| p.slices).max()?;
+    let mut counters: BTreeMap<String, u64> = (0..memory_slices)
+        .map(|s| (memory_slice_counter(s), 1))
+        .collect();
+    counters.insert(COMPUTE_SLICES.into(), u64::from(compute));
+    let set = CounterSet {
+        name: gpu_counter_set(gpu),
+        counters,
+    };
+    let mut parts: Vec<Partition> = Vec::new();
+    for profile in &gpu.mig_profiles {
+        let name =
+            super::seam::mig_profile(profile.slices, 0, profile.memory_mib, gpu.memory_bytes);
+        for &(start, size) in &profile.placements {
+            // Two profiles of one name and placement would be one device id: the first wins.
+            if parts.iter().any(|p| p.name == name && p.start == start) {
+                continue;
+            }
+            parts.push(Partition {
+                profile: profile.clone(),
+                name: name.clone(),
+                start,
+                size,
+            });
+        }
+    }
+    Some((set, parts))
+}
+
+/// What a partition consumes of its GPU's counter set.
+fn partition_consumes(gpu: &GpuInfo, part: &Partition) -> CounterConsumption {
+    let mut counters: BTreeMap<String, u64> = (part.start..part.start.saturating_add(part.size))
+        .map(|s| (memory_slice_counter(s), 1))
+        .collect();
+    counters.insert(COMPUTE_SLICES.into(), u64::from(part.profile.slices));
+    CounterConsumption {
+        set: gpu_counter_set(gpu),
+        counters,
+    }
 }
 
 impl ServedGpu {
@@ -77,7 +168,7 @@ pub fn parse_mig_minors(text: &str) -> HashMap<String, u32> {
 }
 
 /// A MIG device's caps nodes (GI access, CI access), or what is missing.
-fn caps_nodes(
+pub(super) fn caps_nodes(
     minors: &HashMap<String, u32>,
     gpu: &GpuInfo,
     mig: &MigInfo,
@@ -131,6 +222,8 @@ fn units(settings: &NvidiaSettings, snapshot: &Snapshot) -> Result<Vec<Unit>, St
     };
     match (settings.mig_strategy, &settings.mig_profile) {
         (MigStrategy::None, _) => Ok(whole(&|_| true)),
+        // GPUs in MIG mode are served as partitions (`View::build`).
+        (MigStrategy::Dynamic, _) => Ok(whole(&|g| !g.mig_enabled)),
         (MigStrategy::Mixed, None) => Ok(whole(&|g| !g.mig_enabled)),
         (MigStrategy::Mixed, Some(profile)) => Ok(migs(&|m| m.profile == *profile)),
         (MigStrategy::Single, _) => {
@@ -211,6 +304,29 @@ fn dra_attributes(
     .build()
 }
 
+/// The DRA attributes of a MIG partition that is created at allocation, named as for a MIG
+/// device, plus where it is placed, and what it consumes of its GPU's counter set.
+fn partition_attributes(
+    gpu: &GpuInfo,
+    part: &Partition,
+    sysfs: &Path,
+) -> Option<Box<DeviceAttributes>> {
+    let mut attributes = Attributes::default()
+        .string("productName", &gpu.name)
+        .int("index", i64::from(gpu.index))
+        .int("minor", i64::from(gpu.minor))
+        .pci(&gpu.bus_id, Some(sysfs))
+        .string("type", "mig")
+        .string("parentUUID", &gpu.uuid)
+        .string("profile", &part.name)
+        .int("placementStart", i64::from(part.start))
+        .int("placementSize", i64::from(part.size))
+        .capacity("memory", part.profile.memory_mib.saturating_mul(1 << 20))
+        .build()?;
+    attributes.consumes.push(partition_consumes(gpu, part));
+    Some(attributes)
+}
+
 /// One resource's view of the node.
 #[derive(Debug, Clone)]
 pub struct View {
@@ -227,6 +343,8 @@ pub struct View {
     pub problem: Option<String>,
     /// The driver's user-space files every container with a GPU gets, if given.
     pub driver: Option<Arc<DriverFiles>>,
+    /// The counter sets of GPUs served as MIG partitions (`mig_strategy: dynamic`).
+    pub counter_sets: Vec<CounterSet>,
 }
 
 fn glob_match(globs: &[String], text: &str) -> bool {
@@ -359,10 +477,56 @@ impl View {
                 numa,
                 ids,
                 attributes,
+                partition: None,
             });
         }
+        let mut counter_sets = Vec::new();
+        if settings.mig_strategy == MigStrategy::Dynamic {
+            for (p, gpu) in snapshot.gpus.iter().enumerate() {
+                if !gpu.mig_enabled || !selected(settings, gpu) {
+                    continue;
+                }
+                let Some((set, parts)) = partitions_of(gpu) else {
+                    problem = Some(format!(
+                        "GPU {} ({}) is in MIG mode and NVML gave no MIG profiles for it: it \
+                         serves no partitions",
+                        gpu.index, gpu.uuid
+                    ));
+                    continue;
+                };
+                if counter_sets.len() >= MAX_COUNTER_SETS {
+                    problem = Some(format!(
+                        "GPU {} ({}) is left out: at most {MAX_COUNTER_SETS} GPUs in MIG mode \
+                         can be partitioned by one resource (a ResourceSlice holds \
+                         {MAX_COUNTER_SETS} counter sets); select fewer with models",
+                        gpu.index, gpu.uuid
+                    ));
+                    continue;
+                }
+                counter_sets.push(set);
+                let device = settings.sys_root.join("bus/pci/devices").join(&gpu.bus_id);
+                let device = std::fs::canonicalize(&device).unwrap_or(device);
+                let numa = numa_node(&settings.sys_root, &device);
+                for part in parts {
+                    let id = partition_id(gpu, &part.name, part.start);
+                    index.insert(id.clone(), gpus.len());
+                    positions.push(p);
+                    gpus.push(ServedGpu {
+                        info: gpu.clone(),
+                        mig: None,
+                        caps: Vec::new(),
+                        numa,
+                        ids: vec![id],
+                        attributes: partition_attributes(gpu, &part, &device),
+                        partition: Some(part),
+                    });
+                }
+            }
+        }
         let numa: Vec<Option<i64>> = gpus.iter().map(|g| g.numa).collect();
-        let any_mig = gpus.iter().any(|g| g.mig.is_some());
+        let any_mig = gpus
+            .iter()
+            .any(|g| g.mig.is_some() || g.partition.is_some());
         let matrix = PairMatrix::from_fn(numa, |a, b| {
             if any_mig {
                 // MIG devices share their GPU's links; only NUMA tells them apart.
@@ -386,6 +550,7 @@ impl View {
             shared,
             problem,
             driver: None,
+            counter_sets,
         }
     }
 
@@ -420,7 +585,9 @@ impl View {
             ..Default::default()
         };
         let mut spec = Spec::new(CDI_KIND).common(&common);
-        for gpu in &self.gpus {
+        // Partitions are not in it: their MIG devices exist only once created, and their edits
+        // are made then (`NvidiaBackend::allocate`).
+        for gpu in self.gpus.iter().filter(|g| g.partition.is_none()) {
             let edits = ContainerEdits {
                 devices: gpu.nodes().iter().map(|n| dev_node(dev_root, n)).collect(),
                 ..Default::default()
@@ -449,6 +616,7 @@ mod tests {
             nvlinks: links.iter().map(|s| s.to_string()).collect(),
             mig_enabled: false,
             migs: Vec::new(),
+            mig_profiles: Vec::new(),
         }
     }
 
@@ -521,6 +689,101 @@ mod tests {
         let view = View::build(&single, &plain);
         assert_eq!(view.gpus.len(), 2);
         assert_eq!(view.gpus[1].uuid(), "GPU-1");
+    }
+
+    /// The A100-40GB's GPU-instance profiles and placements (NVIDIA's MIG user guide).
+    fn a100_profiles() -> Vec<GiProfile> {
+        let p = |id, slices, memory_mib, placements: &[(u32, u32)]| GiProfile {
+            id,
+            slices,
+            memory_mib,
+            placements: placements.to_vec(),
+        };
+        vec![
+            p(
+                0,
+                1,
+                4864,
+                &[(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1)],
+            ),
+            p(1, 2, 9856, &[(0, 2), (2, 2), (4, 2)]),
+            p(2, 3, 19_968, &[(0, 4), (4, 4)]),
+            p(3, 4, 19_968, &[(0, 4)]),
+            p(4, 7, 40_192, &[(0, 8)]),
+            p(7, 1, 9856, &[(0, 2), (2, 2), (4, 2), (6, 2)]),
+        ]
+    }
+
+    #[test]
+    fn dynamic_mig_publishes_partitions_that_consume_the_gpus_slices() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut a = gpu(0, "NVIDIA A100-SXM4-40GB", &[]);
+        a.memory_bytes = 40_960 << 20;
+        a.mig_enabled = true;
+        a.mig_profiles = a100_profiles();
+        let snapshot = Snapshot {
+            gpus: vec![a, gpu(1, "NVIDIA A100-SXM4-40GB", &[])],
+            pcie: vec![vec![None; 2]; 2],
+        };
+        let settings = NvidiaSettings {
+            mig_strategy: MigStrategy::Dynamic,
+            proc_root: tmp.path().to_owned(),
+            sys_root: tmp.path().to_owned(),
+            ..Default::default()
+        };
+        let view = View::build(&settings, &snapshot);
+        assert_eq!(view.problem, None);
+        // GPU 1 (MIG off) whole, GPU 0 as 7 + 3 + 2 + 1 + 1 + 4 partitions.
+        assert_eq!(view.gpus.len(), 1 + 18);
+        assert_eq!(view.gpus[0].ids, ["GPU-1"]);
+        assert_eq!(view.counter_sets.len(), 1);
+        let set = &view.counter_sets[0];
+        assert_eq!(set.name, "gpu-0");
+        assert_eq!(
+            set.counters.len(),
+            9,
+            "8 memory slices and the compute slices"
+        );
+        assert_eq!(set.counters[COMPUTE_SLICES], 7);
+        let part = view.served("gpu-0-mig-3g-20gb-4").unwrap();
+        let attributes = part.attributes.as_ref().unwrap();
+        assert_eq!(attributes.consumes.len(), 1);
+        let consumed = &attributes.consumes[0].counters;
+        assert_eq!(consumed[COMPUTE_SLICES], 3);
+        let slices: Vec<&str> = consumed
+            .keys()
+            .filter(|k| k.starts_with("memory-slice-"))
+            .map(String::as_str)
+            .collect();
+        assert_eq!(
+            slices,
+            [
+                "memory-slice-4",
+                "memory-slice-5",
+                "memory-slice-6",
+                "memory-slice-7"
+            ]
+        );
+        assert!(view.served("gpu-0-mig-1g-10gb-6").is_ok());
+        assert!(view.served("gpu-0-mig-7g-40gb-0").is_ok());
+        assert!(
+            view.served("gpu-0-mig-1g-5gb-7").is_err(),
+            "no 1g.5gb at slice 7"
+        );
+        // The CDI spec has the whole GPU only: a partition's MIG device does not exist yet.
+        let spec = view.spec(tmp.path());
+        assert_eq!(
+            spec.to_json().matches("\"name\"").count(),
+            1,
+            "{}",
+            spec.to_json()
+        );
+        // Without profiles from NVML, a GPU in MIG mode serves nothing, and says so.
+        let mut bare = snapshot.clone();
+        bare.gpus[0].mig_profiles.clear();
+        let view = View::build(&settings, &bare);
+        assert_eq!(view.gpus.len(), 1);
+        assert!(view.problem.unwrap().contains("no MIG profiles"));
     }
 
     #[test]

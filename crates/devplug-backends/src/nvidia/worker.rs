@@ -79,7 +79,7 @@ impl Shared {
                 devices.push(device);
             }
         }
-        let list = DeviceList::new(devices);
+        let list = DeviceList::new(devices).with_counter_sets(view.counter_sets.clone());
         self.devices.send_if_modified(|current| {
             let modified = *current != list;
             if modified {
@@ -564,6 +564,7 @@ mod tests {
             nvlinks: Vec::new(),
             mig_enabled: false,
             migs: Vec::new(),
+            mig_profiles: Vec::new(),
         }
     }
 
