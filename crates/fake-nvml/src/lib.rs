@@ -782,11 +782,10 @@ impl State {
         Ok((index, gpu.config.profile(profile).ok_or(NOT_SUPPORTED)?))
     }
 
-    /// The GPU index and position in its `gis` of a GPU-instance handle: `INVALID_ARGUMENT`
-    /// for anything else, a destroyed instance included.
-    fn gi_find(&self, handle: nvmlGpuInstance_t) -> Result<(usize, usize), nvmlReturn_t> {
-        let raw = handle as usize as u64;
-        if raw & TAG_MASK != GI_TAG {
+    /// The GPU (index and state) an instance handle of kind `tag` (`GI_TAG`, `CI_TAG`) names:
+    /// `INVALID_ARGUMENT` for another kind or no such GPU, `GPU_IS_LOST` for a lost one.
+    fn instance_gpu(&self, raw: u64, tag: u64) -> Result<(usize, &Gpu), nvmlReturn_t> {
+        if raw & TAG_MASK != tag {
             return Err(INVALID_ARGUMENT);
         }
         let gpu = usize::try_from((raw >> 40) & 0xffff)
@@ -797,6 +796,13 @@ impl State {
         if g.lost {
             return Err(GPU_IS_LOST);
         }
+        Ok((gpu, g))
+    }
+
+    /// The GPU index and position in its `gis` of a GPU-instance handle: `INVALID_ARGUMENT`
+    /// for anything else, a destroyed instance included.
+    fn gi_find(&self, handle: nvmlGpuInstance_t) -> Result<(usize, usize), nvmlReturn_t> {
+        let (gpu, g) = self.instance_gpu(handle as usize as u64, GI_TAG)?;
         let at = g
             .gis
             .iter()
@@ -822,18 +828,7 @@ impl State {
         &self,
         handle: nvmlComputeInstance_t,
     ) -> Result<(usize, usize, usize), nvmlReturn_t> {
-        let raw = handle as usize as u64;
-        if raw & TAG_MASK != CI_TAG {
-            return Err(INVALID_ARGUMENT);
-        }
-        let gpu = usize::try_from((raw >> 40) & 0xffff)
-            .ok()
-            .and_then(|g| g.checked_sub(1))
-            .ok_or(INVALID_ARGUMENT)?;
-        let g = self.gpus.get(gpu).ok_or(INVALID_ARGUMENT)?;
-        if g.lost {
-            return Err(GPU_IS_LOST);
-        }
+        let (gpu, g) = self.instance_gpu(handle as usize as u64, CI_TAG)?;
         g.gis
             .iter()
             .enumerate()
