@@ -17,9 +17,7 @@ use devplug::Backend;
 use devplug_backends::nvidia::{sysfs_bus_id, MigStrategy, NvidiaBackend, NvidiaSettings};
 use devplug_testkit::api_server::{self, until, ApiServer};
 use devplug_testkit::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
-use k8s_openapi::api::resource::v1::{
-    DeviceClass, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice,
-};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{ListParams, PostParams};
 use kube::Api;
 use kubelet_sim::DraClaim;
@@ -88,17 +86,6 @@ fn gpu_node(root: &Path) -> (FakeSysfs, NvidiaSettings) {
         ..Default::default()
     };
     (tree, settings)
-}
-
-/// The claim's one result, once the scheduler allocated it.
-async fn allocation(
-    claims: &Api<ResourceClaim>,
-    name: &str,
-) -> Option<DeviceRequestAllocationResult> {
-    let claim = claims.get(name).await.ok()?;
-    let results = claim.status?.allocation?.devices?.results?;
-    assert_eq!(results.len(), 1, "{results:?}");
-    results.into_iter().next()
 }
 
 /// The GPU (`gpu-<index>`) of a partition's device name.
@@ -181,7 +168,7 @@ async fn the_scheduler_picks_mig_partitions_that_fit_and_prepare_makes_them() {
             until(
                 &format!("{name} allocated"),
                 Duration::from_secs(60),
-                || allocation(&claims, name),
+                || common::allocation(&claims, name),
             )
             .await
         }
@@ -202,7 +189,7 @@ async fn the_scheduler_picks_mig_partitions_that_fit_and_prepare_makes_them() {
     profile("one", "1g.5gb").await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(
-        allocation(&claims, "one").await.is_none(),
+        common::allocation(&claims, "one").await.is_none(),
         "both GPUs' memory slices are taken"
     );
 

@@ -33,17 +33,6 @@ const DRIVER: &str = "gpu.example.com";
 const NODE: &str = "dra-sharing-node";
 const NS: &str = "dra-sharing";
 
-/// The claim's one result, once the scheduler allocated it.
-async fn allocation(
-    claims: &Api<ResourceClaim>,
-    name: &str,
-) -> Option<DeviceRequestAllocationResult> {
-    let claim = claims.get(name).await.ok()?;
-    let results = claim.status?.allocation?.devices?.results?;
-    assert_eq!(results.len(), 1, "{results:?}");
-    results.into_iter().next()
-}
-
 #[cfg_attr(
     no_api_server,
     ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
@@ -135,7 +124,7 @@ async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
         let result = until(
             &format!("{name} allocated"),
             Duration::from_secs(60),
-            || allocation(&claims, name),
+            || common::allocation(&claims, name),
         )
         .await;
         assert_eq!(
@@ -157,7 +146,7 @@ async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
     // The fourth (70 cores) fits neither device (20 and 60 left): it stays unallocated.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(
-        allocation(&claims, "share-4").await.is_none(),
+        common::allocation(&claims, "share-4").await.is_none(),
         "70 cores do not fit"
     );
     let waiting = pods.get("share-4").await.unwrap();
@@ -303,12 +292,12 @@ async fn the_scheduler_never_gives_out_overlapping_partitions() {
     // A quarter, then a half: the half is the one the quarter is not in.
     part("quarter-1", size(1)).await;
     let q1 = until("quarter-1 allocated", Duration::from_secs(60), || {
-        allocation(&claims, "quarter-1")
+        common::allocation(&claims, "quarter-1")
     })
     .await;
     part("half-1", size(2)).await;
     let h1 = until("half-1 allocated", Duration::from_secs(60), || {
-        allocation(&claims, "half-1")
+        common::allocation(&claims, "half-1")
     })
     .await;
     assert!(
@@ -326,7 +315,7 @@ async fn the_scheduler_never_gives_out_overlapping_partitions() {
     part("whole", format!("device.attributes[\"{DRIVER}\"].whole")).await;
     part("quarter-2", size(1)).await;
     let q2 = until("quarter-2 allocated", Duration::from_secs(60), || {
-        allocation(&claims, "quarter-2")
+        common::allocation(&claims, "quarter-2")
     })
     .await;
     assert_eq!(
@@ -337,11 +326,11 @@ async fn the_scheduler_never_gives_out_overlapping_partitions() {
     assert_ne!(q2.device, q1.device);
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(
-        allocation(&claims, "half-2").await.is_none(),
+        common::allocation(&claims, "half-2").await.is_none(),
         "no half is free"
     );
     assert!(
-        allocation(&claims, "whole").await.is_none(),
+        common::allocation(&claims, "whole").await.is_none(),
         "the GPU is not whole any more"
     );
 

@@ -131,3 +131,14 @@ pub async fn claim_and_pod(
     .await
     .unwrap();
 }
+
+/// The claim `name`'s one result, once the scheduler allocated it.
+pub async fn allocation(
+    claims: &Api<k8s_openapi::api::resource::v1::ResourceClaim>,
+    name: &str,
+) -> Option<k8s_openapi::api::resource::v1::DeviceRequestAllocationResult> {
+    let claim = claims.get(name).await.ok()?;
+    let results = claim.status?.allocation?.devices?.results?;
+    assert_eq!(results.len(), 1, "{results:?}");
+    results.into_iter().next()
+}
