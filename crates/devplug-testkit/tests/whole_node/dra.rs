@@ -389,28 +389,10 @@ async fn install_and_wait_for_slice(node: &Node) -> Result<support::Release, Str
     let release = support::helm_release(node, "whole-node-dra")?;
     let started = Instant::now();
     release.install(node)?;
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let slices = node.kubectl(
-            &[
-                "get",
-                "resourceslices",
-                "-o",
-                "jsonpath={range .items[*]}{.spec.driver} {.spec.nodeName}{\"\\n\"}{end}",
-            ],
-            None,
-        )?;
-        if slices.lines().any(|l| l == format!("{DRIVER} {NODE_NAME}")) {
-            break;
-        }
-        if Instant::now() > deadline {
-            return Err(format!(
-                "no ResourceSlice of {DRIVER} in 90 s\n{}",
-                support::devplug_log(node)
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    support::wait_for_slices(node, &format!("a ResourceSlice of {DRIVER}"), |line| {
+        line.starts_with(&format!("{DRIVER} {NODE_NAME} "))
+    })
+    .await?;
     figure(&format!(
         "helm install (DRA release) → ResourceSlice published: {:.1} s",
         started.elapsed().as_secs_f64()

@@ -28,11 +28,11 @@ fn write(path: &Path, text: &[u8]) -> Result<(), String> {
     std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// The host's side: a driver root with the fake NVML under its versioned name and the
-/// `.so.1` link, a libcuda and an `nvidia-smi`; a /dev with a node per GPU and the control
-/// nodes (all `c 1 3`, /dev/null's numbers: harmless if opened). Returns the GPUs' UUIDs.
-fn make_driver(node: &Node) -> Result<Vec<String>, String> {
-    let root = Path::new(GPU_DIR);
+/// The host's side under `root`: a driver root with the fake NVML (with the topology
+/// `crates/fake-nvml/topologies/<topology>.yaml`) under its versioned name and the `.so.1`
+/// link, a libcuda and an `nvidia-smi`; a /dev with a node per GPU and the control nodes (all
+/// `c 1 3`, /dev/null's numbers: harmless if opened). Returns the GPUs' UUIDs.
+fn make_driver(node: &Node, root: &Path, topology: &str) -> Result<Vec<String>, String> {
     node.remember_made_file(Path::new(CDI_SPEC))?;
     shared_mount(root)?;
     let repo = &node.requirements.repo;
@@ -52,8 +52,9 @@ fn make_driver(node: &Node) -> Result<Vec<String>, String> {
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(format!("libnvidia-ml.so.{DRIVER_VERSION}"), &link)
         .map_err(|e| format!("{}: {e}", link.display()))?;
-    let topology = std::fs::read_to_string(repo.join("crates/fake-nvml/topologies/dgx1-v100.yaml"))
-        .map_err(|e| format!("the fake NVML's topology: {e}"))?;
+    let topology =
+        std::fs::read_to_string(repo.join(format!("crates/fake-nvml/topologies/{topology}.yaml")))
+            .map_err(|e| format!("the fake NVML's topology: {e}"))?;
     write(&lib_dir.join("fake-nvml.yaml"), topology.as_bytes())?;
     write(
         &lib_dir.join(format!("libcuda.so.{DRIVER_VERSION}")),
@@ -152,7 +153,7 @@ fn import_gpu_image(node: &Node) -> Result<(), String> {
 pub fn reach_the_container(node: &'static Node) -> Outcome {
     Box::pin(async move {
         let client = node.client().await?;
-        let uuids = make_driver(node)?;
+        let uuids = make_driver(node, Path::new(GPU_DIR), "dgx1-v100")?;
         import_gpu_image(node)?;
         let release = support::helm_release(node, "whole-node-gpu")?;
         let started = Instant::now();
@@ -244,6 +245,157 @@ pub fn reach_the_container(node: &'static Node) -> Outcome {
         }
 
         ns.delete(node)?;
+        release.delete_objects(node)?;
+        Ok(())
+    })
+}
+
+/// The host folder of the MIG scenario (`ci/whole-node-gpu-mig-values.yaml` names it).
+const MIG_DIR: &str = "/var/tmp/devplug-test-node/gpu-mig";
+/// The MIG example's DRA driver.
+const MIG_DRIVER: &str = "gpu.nvidia.com";
+
+/// `mig-minors` as the driver writes it for `gpus` GPUs (`config` 1, `monitor` 2, then per GPU
+/// 15 GIs of one GI node and 8 CI nodes each), and the caps minors it lists.
+fn mig_minors(gpus: usize) -> (String, Vec<usize>) {
+    let mut text = String::from("config 1\nmonitor 2\n");
+    let mut minors = vec![1, 2];
+    for g in 0..gpus {
+        for gi in 0..15 {
+            let base = 3 + g * 135 + gi * 9;
+            text.push_str(&format!("gpu{g}/gi{gi}/access {base}\n"));
+            minors.push(base);
+            for ci in 0..8 {
+                text.push_str(&format!("gpu{g}/gi{gi}/ci{ci}/access {}\n", base + 1 + ci));
+                minors.push(base + 1 + ci);
+            }
+        }
+    }
+    (text, minors)
+}
+
+/// MIG partitions made per claim on the real node: the GPU image with `mig_strategy: dynamic`
+/// and a DRA driver, on the fake NVML with two A100-40GB in MIG mode (no MIG device yet), a
+/// `mig-minors` and its caps nodes. The `mig-partitions` example is applied unchanged (its
+/// CUDA image is the test's busybox under that name): the scheduler fits a 3g.20gb and a
+/// 2g.10gb, devplug creates them at prepare, and each container gets its own MIG UUID and
+/// its GI and CI caps nodes; deleting the pods destroys them.
+pub fn mig_partitions_reach_the_container(node: &'static Node) -> Outcome {
+    Box::pin(async move {
+        let client = node.client().await?;
+        let root = Path::new(MIG_DIR);
+        let uuids = make_driver(node, root, "a100-partitions")?;
+        let (text, minors) = mig_minors(uuids.len());
+        write(
+            &root.join("proc/driver/nvidia-caps/mig-minors"),
+            text.as_bytes(),
+        )?;
+        let caps = root.join("dev/nvidia-caps");
+        std::fs::create_dir_all(&caps).map_err(|e| format!("{}: {e}", caps.display()))?;
+        for minor in minors {
+            let path = caps.join(format!("nvidia-cap{minor}"));
+            if !path.exists() {
+                run("mknod", &[&path.display().to_string(), "c", "1", "3"])?;
+            }
+        }
+        import_gpu_image(node)?;
+        node.ctr(&[
+            "images",
+            "tag",
+            "--force",
+            devplug_testkit::node::image::BUSYBOX_IMAGE,
+            "nvcr.io/nvidia/cuda:12.8.0-base-ubuntu24.04",
+        ])?;
+        let release = support::helm_release(node, "whole-node-gpu-mig")?;
+        let started = Instant::now();
+        release.install(node)?;
+        support::wait_for_slices(node, "the GPUs' counter sets", |line| {
+            line.starts_with(MIG_DRIVER) && line.contains("gpu-1")
+        })
+        .await?;
+        figure(&format!(
+            "GPU image, mig_strategy dynamic → 2 GPUs' MIG partitions published: {:.1} s",
+            started.elapsed().as_secs_f64()
+        ));
+
+        let example = devplug_testkit::node::requirements::repo_root()
+            .join("deploy/examples/dra/mig-partitions/manifests.yaml")
+            .display()
+            .to_string();
+        let created = Instant::now();
+        node.kubectl(&["apply", "-f", &example], None)?;
+        let pods = ["dra-mig-three", "dra-mig-two"];
+        for pod in pods {
+            support::wait_pod(
+                &client,
+                "default",
+                pod,
+                Duration::from_secs(90),
+                support::running,
+            )
+            .await
+            .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
+        }
+        figure(&format!(
+            "MIG partitions example: a 3g.20gb and a 2g.10gb created by devplug at prepare → both pods Running: {:.1} s",
+            created.elapsed().as_secs_f64()
+        ));
+        let mut given = Vec::new();
+        for pod in pods {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let out = loop {
+                let log = node
+                    .container_log("default", pod, "demo")
+                    .unwrap_or_default();
+                if log.contains("caps:") || Instant::now() > deadline {
+                    break log;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
+            let visible = support::env_value(&out, "NVIDIA_VISIBLE_DEVICES")
+                .ok_or_else(|| format!("{pod}: no NVIDIA_VISIBLE_DEVICES:\n{out}"))?
+                .to_owned();
+            assert!(
+                visible.starts_with("MIG-") && !visible.contains(','),
+                "{pod}: one MIG device: {visible}\n{out}"
+            );
+            // The GI and CI access nodes of its own partition, no other.
+            let caps: Vec<&str> = out
+                .lines()
+                .filter_map(|l| l.strip_prefix("caps: "))
+                .flat_map(str::split_whitespace)
+                .collect();
+            assert_eq!(caps.len(), 2, "{pod}: its GI and CI caps nodes:\n{out}");
+            given.push((visible, caps.join(" ")));
+        }
+        assert_ne!(given[0], given[1], "two partitions, two MIG devices");
+        figure(&format!("MIG partitions in the containers: {given:?}"));
+
+        node.kubectl(
+            &[
+                "delete",
+                "-f",
+                &example,
+                "--wait=true",
+                "--grace-period=0",
+                "--force",
+            ],
+            None,
+        )?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let log = support::devplug_log(node);
+            let destroyed = log.matches("MIG partition destroyed").count();
+            if destroyed >= 2 {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "the pods are gone, {destroyed} of 2 MIG partitions destroyed in 60 s:\n{log}"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         release.delete_objects(node)?;
         Ok(())
     })

@@ -27,12 +27,16 @@ use std::sync::OnceLock;
 type Outcome = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
 type Scenario = fn(&'static Node) -> Outcome;
 
-const SCENARIOS: [(&str, Scenario); 9] = [
+const SCENARIOS: [(&str, Scenario); 10] = [
     (
         "device_plugins_reach_the_container",
         device_plugins::reach_the_container,
     ),
     ("gpus_reach_the_container", gpu::reach_the_container),
+    (
+        "gpu_mig_partitions_reach_the_container",
+        gpu::mig_partitions_reach_the_container,
+    ),
     ("kubelet_restart_keeps_devices", lifecycle::kubelet_restart),
     ("rolling_update_refuses_no_pod", lifecycle::rolling_update),
     ("node_reboot_admits_device_pods", lifecycle::node_reboot),

@@ -745,3 +745,34 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let status = head.split(' ').nth(1)?.parse().ok()?;
     Some((status, body.to_owned()))
 }
+
+/// Waits (90 s at most) until some ResourceSlice, as a line `<driver> <node> <counter sets>`,
+/// is what `want` looks for; the error names `what` and has devplug's log.
+pub async fn wait_for_slices(
+    node: &Node,
+    what: &str,
+    want: impl Fn(&str) -> bool,
+) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let slices = node.kubectl(
+            &[
+                "get",
+                "resourceslices",
+                "-o",
+                "jsonpath={range .items[*]}{.spec.driver} {.spec.nodeName} {.spec.sharedCounters[*].name}{\"\\n\"}{end}",
+            ],
+            None,
+        )?;
+        if slices.lines().any(&want) {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(format!(
+                "no ResourceSlice with {what} in 90 s:\n{slices}\n{}",
+                devplug_log(node)
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
