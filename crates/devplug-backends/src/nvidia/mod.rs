@@ -102,7 +102,8 @@ impl NvidiaBackend {
             });
         }
         let for_candidates = settings.clone();
-        let driver = NvmlDriver::new(move || for_candidates.library_candidates());
+        let driver = NvmlDriver::new(move || for_candidates.library_candidates())
+            .with_mig_profiles(settings.mig_strategy == MigStrategy::Dynamic);
         let mut backend = Self::start_with(resource, settings, Box::new(driver))?;
         if settings.mig_strategy == MigStrategy::Dynamic {
             let for_candidates = settings.clone();

@@ -33,6 +33,7 @@ const EVENT_RECOVERY_ACTION: u64 = 0x8000;
 /// Loads `libnvidia-ml.so.1` from the first candidate path that works.
 pub struct NvmlDriver {
     candidates: Box<dyn Fn() -> Vec<PathBuf> + Send>,
+    mig_profiles: bool,
 }
 
 impl NvmlDriver {
@@ -41,7 +42,15 @@ impl NvmlDriver {
     pub fn new(candidates: impl Fn() -> Vec<PathBuf> + Send + 'static) -> Self {
         NvmlDriver {
             candidates: Box::new(candidates),
+            mig_profiles: false,
         }
+    }
+
+    /// The same driver also reading the MIG profiles and placements of GPUs in MIG mode at
+    /// discovery (`mig_strategy: dynamic`; other strategies have no use for them).
+    pub fn with_mig_profiles(mut self, read: bool) -> Self {
+        self.mig_profiles = read;
+        self
     }
 }
 
@@ -73,6 +82,7 @@ impl GpuDriver for NvmlDriver {
                         nvml: &nvml,
                         set: None,
                         library: path.is_absolute().then(|| path.clone()),
+                        mig_profiles: self.mig_profiles,
                     };
                     let end = body(&mut session);
                     drop(session);
@@ -248,6 +258,8 @@ struct NvmlSession<'n> {
     nvml: &'n Nvml,
     set: Option<EventSet<'n>>,
     library: Option<PathBuf>,
+    /// Whether discovery reads the MIG profiles of GPUs in MIG mode.
+    mig_profiles: bool,
 }
 
 fn level(l: TopologyLevel) -> PcieLevel {
@@ -304,10 +316,14 @@ impl GpuSession for NvmlSession<'_> {
             }
             let mig_enabled = device.mig_mode().is_ok_and(|m| m.current == 1);
             let (migs, mig_profiles) = if mig_enabled {
-                let profiles = mig_instances::profiles(&device).unwrap_or_else(|err| {
+                let profiles = if !self.mig_profiles {
+                    Vec::new()
+                } else {
+                    mig_instances::profiles(&device).unwrap_or_else(|err| {
                     tracing::warn!(gpu = %uuid, %err, "cannot read the GPU's MIG profiles: no partitions of it are offered");
                     Vec::new()
-                });
+                })
+                };
                 (mig_devices(&device, &uuid, memory_bytes), profiles)
             } else {
                 (Vec::new(), Vec::new())
