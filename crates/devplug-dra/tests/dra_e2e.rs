@@ -13,7 +13,7 @@
 mod common;
 
 use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, DeviceList, Health};
-use devplug_testkit::api_server::{self, until, ApiServer};
+use devplug_testkit::api_server::until;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, PostParams};
@@ -66,15 +66,14 @@ async fn slice_devices(slices: &Api<ResourceSlice>) -> Vec<String> {
 )]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
-    let Some(server) =
-        ApiServer::shared("the_scheduler_allocates_and_the_kubelet_prepares_through_devplug")
+    let Some(client) = common::scheduled(
+        "the_scheduler_allocates_and_the_kubelet_prepares_through_devplug",
+        NODE,
+    )
+    .await
     else {
         return;
     };
-    server.start_scheduler().unwrap();
-    let client = api_server::client(&server.kubeconfig).await.unwrap();
-
-    api_server::schedulable_node(&client, NODE).await;
 
     // The node's kubelet (the simulator, with its plugin watcher) and devplug's driver.
     let (devices, _) = watch::channel(DeviceList::new((0..4).map(npu)));

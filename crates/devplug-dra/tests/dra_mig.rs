@@ -15,7 +15,7 @@ mod common;
 
 use devplug::Backend;
 use devplug_backends::nvidia::{sysfs_bus_id, MigStrategy, NvidiaBackend, NvidiaSettings};
-use devplug_testkit::api_server::{self, until, ApiServer};
+use devplug_testkit::api_server::until;
 use devplug_testkit::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{ListParams, PostParams};
@@ -99,14 +99,14 @@ fn gpu_of(device: &str) -> &str {
 )]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scheduler_picks_mig_partitions_that_fit_and_prepare_makes_them() {
-    let Some(server) =
-        ApiServer::shared("the_scheduler_picks_mig_partitions_that_fit_and_prepare_makes_them")
+    let Some(client) = common::scheduled(
+        "the_scheduler_picks_mig_partitions_that_fit_and_prepare_makes_them",
+        NODE,
+    )
+    .await
     else {
         return;
     };
-    server.start_scheduler().unwrap();
-    let client = api_server::client(&server.kubeconfig).await.unwrap();
-    api_server::schedulable_node(&client, NODE).await;
     let tmp = tempfile::tempdir_in(scratch_dir()).unwrap();
     let (_tree, settings) = gpu_node(tmp.path());
     let backend = Arc::new(NvidiaBackend::start("nvidia.com/gpu", &settings).unwrap());

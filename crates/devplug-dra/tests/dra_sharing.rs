@@ -16,7 +16,7 @@ use devplug::Backend;
 use devplug_backends::virtual_devices::{
     VirtualBackend, VirtualPartitions, VirtualSettings, VirtualShare,
 };
-use devplug_testkit::api_server::{self, until, ApiServer};
+use devplug_testkit::api_server::until;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice,
@@ -39,14 +39,14 @@ const NS: &str = "dra-sharing";
 )]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
-    let Some(server) =
-        ApiServer::shared("the_scheduler_packs_shares_and_each_container_gets_its_limits")
+    let Some(client) = common::scheduled(
+        "the_scheduler_packs_shares_and_each_container_gets_its_limits",
+        NODE,
+    )
+    .await
     else {
         return;
     };
-    server.start_scheduler().unwrap();
-    let client = api_server::client(&server.kubeconfig).await.unwrap();
-    api_server::schedulable_node(&client, NODE).await;
 
     // The node's kubelet (the simulator) and devplug's driver for two shared virtual GPUs.
     let settings = VirtualSettings {
@@ -215,13 +215,11 @@ async fn the_scheduler_never_gives_out_overlapping_partitions() {
     const DRIVER: &str = "part.example.com";
     const NODE: &str = "dra-partition-node";
     const NS: &str = "dra-partitions";
-    let Some(server) = ApiServer::shared("the_scheduler_never_gives_out_overlapping_partitions")
+    let Some(client) =
+        common::scheduled("the_scheduler_never_gives_out_overlapping_partitions", NODE).await
     else {
         return;
     };
-    server.start_scheduler().unwrap();
-    let client = api_server::client(&server.kubeconfig).await.unwrap();
-    api_server::schedulable_node(&client, NODE).await;
     // One GPU of 4 slices: whole, in halves (s2) and in quarters (s1).
     let settings = VirtualSettings {
         env: "GPU_VISIBLE_DEVICES".into(),

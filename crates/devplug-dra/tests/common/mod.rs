@@ -142,3 +142,15 @@ pub async fn allocation(
     assert_eq!(results.len(), 1, "{results:?}");
     results.into_iter().next()
 }
+
+/// The shared control plane with the scheduler running, a client, and node `node` made
+/// schedulable; `None` (the test skips, loudly) without `KUBEBUILDER_ASSETS`.
+pub async fn scheduled(test: &str, node: &str) -> Option<kube::Client> {
+    let server = devplug_testkit::api_server::ApiServer::shared(test)?;
+    server.start_scheduler().unwrap();
+    let client = devplug_testkit::api_server::client(&server.kubeconfig)
+        .await
+        .unwrap();
+    devplug_testkit::api_server::schedulable_node(&client, node).await;
+    Some(client)
+}
