@@ -1,8 +1,11 @@
 //! MIG partitions made and removed through NVML: the GPU-instance profiles of a GPU in MIG
 //! mode with their placements, a GPU instance created at one placement with the compute
-//! instance that spans it, and both destroyed again. nvml-wrapper 0.13 has no safe API for
-//! any of it (only the MIG mode and the MIG device handles), so these calls go through its raw
-//! function table, like [`super::mig_ids`].
+//! instance that spans it, and both destroyed again. Of these, nvml-wrapper 0.13 wraps only the
+//! profile info (`Device::profile_info`, used here) and the possible placements
+//! (`Device::possible_placements`, which returns an empty list whatever NVML says: it fills a
+//! `Vec` through its pointer and never sets its length); GPU and compute instances it does not
+//! wrap at all. So the placements and the instance calls go through its raw function table,
+//! like [`super::mig_ids`].
 //!
 //! **Why `unsafe` is allowed here** (the second of the two modules that may; the workspace
 //! lint is `deny`, lifted per module): each call is
@@ -28,8 +31,8 @@ use nvml_wrapper::error::{nvml_sym, nvml_try, NvmlError};
 use nvml_wrapper::Device;
 use nvml_wrapper_sys::bindings::{
     nvmlComputeInstanceProfileInfo_t, nvmlComputeInstance_t, nvmlGpuInstanceInfo_t,
-    nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t, nvmlGpuInstance_t,
-    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
+    nvmlGpuInstancePlacement_t, nvmlGpuInstance_t, NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+    NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
 };
 
 /// The GPU-instance profiles read: `NVML_GPU_INSTANCE_PROFILE_1_SLICE` (0) to
@@ -43,23 +46,6 @@ const MAX_INSTANCES: usize = 32;
 
 /// A zero placement, for out-parameters.
 const NO_PLACEMENT: nvmlGpuInstancePlacement_t = nvmlGpuInstancePlacement_t { start: 0, size: 0 };
-
-/// A zeroed `nvmlGpuInstanceProfileInfo_t` (bindgen derives no `Default`), for NVML to fill.
-fn gi_profile_info() -> nvmlGpuInstanceProfileInfo_t {
-    nvmlGpuInstanceProfileInfo_t {
-        id: 0,
-        isP2pSupported: 0,
-        sliceCount: 0,
-        instanceCount: 0,
-        multiprocessorCount: 0,
-        copyEngineCount: 0,
-        decoderCount: 0,
-        encoderCount: 0,
-        jpegCount: 0,
-        ofaCount: 0,
-        memorySizeMB: 0,
-    }
-}
 
 /// A zeroed `nvmlComputeInstanceProfileInfo_t`, for NVML to fill.
 fn ci_profile_info() -> nvmlComputeInstanceProfileInfo_t {
@@ -80,21 +66,17 @@ fn ci_profile_info() -> nvmlComputeInstanceProfileInfo_t {
 /// their possible placements. A profile the GPU lacks answers `NOT_SUPPORTED` and is left out.
 pub(crate) fn profiles(device: &Device<'_>) -> Result<Vec<GiProfile>, NvmlError> {
     let lib = device.nvml().lib();
-    let info_sym = nvml_sym(lib.nvmlDeviceGetGpuInstanceProfileInfo.as_ref())?;
     let placements_sym = nvml_sym(lib.nvmlDeviceGetGpuInstancePossiblePlacements_v2.as_ref())?;
     let mut out = Vec::new();
     for id in 0..GI_PROFILES {
-        let mut info = gi_profile_info();
-        // SAFETY: see the module comment (live Nvml, its own handle, an out-pointer to a
-        // local of the declared type).
-        let got = unsafe { nvml_try(info_sym(device.handle(), id, &mut info)) };
-        match got {
-            Ok(()) => {}
+        let info = match device.profile_info(id) {
+            Ok(info) => info,
             Err(NvmlError::NotSupported) | Err(NvmlError::InvalidArg) => continue,
             Err(err) => return Err(err),
-        }
+        };
         let mut count: u32 = 0;
-        // SAFETY: as above; a null array asks for the count only (nvml.h).
+        // SAFETY: see the module comment (live Nvml, its own handle, out-pointers to locals of
+        // the declared types); a null array asks for the count only (nvml.h).
         unsafe {
             nvml_try(placements_sym(
                 device.handle(),
@@ -116,8 +98,8 @@ pub(crate) fn profiles(device: &Device<'_>) -> Result<Vec<GiProfile>, NvmlError>
         placements.truncate(count as usize);
         out.push(GiProfile {
             id: info.id,
-            slices: info.sliceCount,
-            memory_mib: info.memorySizeMB,
+            slices: info.slice_count,
+            memory_mib: info.memory_size_mb,
             placements: placements.iter().map(|p| (p.start, p.size)).collect(),
         });
     }
