@@ -98,18 +98,7 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
 
     // A class, a claim for 2 devices on NUMA node 1, and a pod using it.
     common::namespace(&client, NS).await;
-    let classes: Api<DeviceClass> = Api::all(client.clone());
-    classes
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": { "name": "npu" },
-                "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == \"{DRIVER}\"") } }] },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
+    common::device_class(&client, "npu", &format!("device.driver == \"{DRIVER}\"")).await;
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
     claims
         .create(
@@ -245,6 +234,7 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
     // naming that extended resource makes the scheduler claim a device of our driver for it
     // (the Node has no example.com/npu of its own). npu-2 and npu-3 are taken and npu-0 is
     // tainted: it gets npu-1.
+    let classes: Api<DeviceClass> = Api::all(client.clone());
     classes
         .create(
             &PostParams::default(),

@@ -17,8 +17,7 @@ use devplug::Backend;
 use devplug_backends::nvidia::{sysfs_bus_id, MigStrategy, NvidiaBackend, NvidiaSettings};
 use devplug_testkit::api_server::until;
 use devplug_testkit::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
-use kube::api::{ListParams, PostParams};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
 use kubelet_sim::DraClaim;
 use serde_json::json;
@@ -116,22 +115,19 @@ async fn the_scheduler_picks_mig_partitions_that_fit_and_prepare_makes_them() {
     let dra = common::start(&client, NODE, DRIVER, backend.clone()).await;
 
     // The pool: both GPUs' counter sets, and their 36 partitions.
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
-    let pool = until("the pool's slices", Duration::from_secs(20), || async {
-        let list = slices
-            .list(
-                &ListParams::default()
-                    .fields(&format!("spec.nodeName={NODE},spec.driver={DRIVER}")),
-            )
-            .await
-            .ok()?;
-        let devices: usize = list
-            .items
-            .iter()
-            .map(|s| s.spec.devices.iter().flatten().count())
-            .sum();
-        (devices == 36).then_some(list.items)
-    })
+    let pool = common::pool(
+        &client,
+        NODE,
+        DRIVER,
+        "the pool's 36 partitions",
+        |slices| {
+            let devices: usize = slices
+                .iter()
+                .map(|s| s.spec.devices.iter().flatten().count())
+                .sum();
+            devices == 36
+        },
+    )
     .await;
     let mut sets: Vec<(String, usize)> = pool
         .iter()
@@ -142,18 +138,14 @@ async fn the_scheduler_picks_mig_partitions_that_fit_and_prepare_makes_them() {
     assert_eq!(sets, [("gpu-0".to_owned(), 9), ("gpu-1".to_owned(), 9)]);
 
     common::namespace(&client, NS).await;
-    let classes: Api<DeviceClass> = Api::all(client.clone());
-    classes
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": { "name": "mig" },
-                "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == \"{DRIVER}\" && device.attributes[\"{DRIVER}\"].type == \"mig\"") } }] },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
+    common::device_class(
+        &client,
+        "mig",
+        &format!(
+            "device.driver == \"{DRIVER}\" && device.attributes[\"{DRIVER}\"].type == \"mig\""
+        ),
+    )
+    .await;
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
     let profile = |name: &'static str, profile: &str| {
         let exactly = json!({

@@ -18,10 +18,7 @@ use devplug_backends::virtual_devices::{
 };
 use devplug_testkit::api_server::until;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{
-    DeviceClass, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice,
-};
-use kube::api::{ListParams, PostParams};
+use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim, ResourceSlice};
 use kube::Api;
 use kubelet_sim::DraClaim;
 use serde_json::json;
@@ -64,23 +61,19 @@ async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
     let (kubelet, driver_settings) = (&dra.kubelet, &dra.settings);
 
     // Both devices are published as shareable, with their capacities' policies.
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
-    let published = until("2 shared devices", Duration::from_secs(20), || async {
-        let list = slices
-            .list(
-                &ListParams::default()
-                    .fields(&format!("spec.nodeName={NODE},spec.driver={DRIVER}")),
-            )
-            .await
-            .ok()?;
-        let devices: Vec<_> = list
-            .items
-            .into_iter()
-            .flat_map(|s| s.spec.devices.unwrap_or_default())
-            .collect();
-        (devices.len() == 2).then_some(devices)
+    let device_count = |slices: &[ResourceSlice]| -> usize {
+        slices
+            .iter()
+            .map(|s| s.spec.devices.iter().flatten().count())
+            .sum()
+    };
+    let published: Vec<_> = common::pool(&client, NODE, DRIVER, "2 shared devices", |slices| {
+        device_count(slices) == 2
     })
-    .await;
+    .await
+    .into_iter()
+    .flat_map(|s| s.spec.devices.unwrap_or_default())
+    .collect();
     for device in &published {
         assert_eq!(device.allow_multiple_allocations, Some(true), "{device:?}");
         let capacity = device.capacity.as_ref().unwrap();
@@ -92,18 +85,12 @@ async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
 
     // A class, four claims (40, 40, 40 and 70 cores; the first also 4Gi of memory), a pod each.
     common::namespace(&client, NS).await;
-    let classes: Api<DeviceClass> = Api::all(client.clone());
-    classes
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": { "name": "gpu-share" },
-                "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == \"{DRIVER}\"") } }] },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
+    common::device_class(
+        &client,
+        "gpu-share",
+        &format!("device.driver == \"{DRIVER}\""),
+    )
+    .await;
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     let asks = [
@@ -235,16 +222,8 @@ async fn the_scheduler_never_gives_out_overlapping_partitions() {
     let (kubelet, driver_settings) = (&dra.kubelet, &dra.settings);
 
     // The pool: a slice with the GPU's counter set, a slice with its 7 devices.
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
-    let pool = until("the pool's 2 slices", Duration::from_secs(20), || async {
-        let list = slices
-            .list(
-                &ListParams::default()
-                    .fields(&format!("spec.nodeName={NODE},spec.driver={DRIVER}")),
-            )
-            .await
-            .ok()?;
-        (list.items.len() == 2).then_some(list.items)
+    let pool = common::pool(&client, NODE, DRIVER, "the pool's 2 slices", |slices| {
+        slices.len() == 2
     })
     .await;
     let sets: Vec<_> = pool
@@ -263,18 +242,12 @@ async fn the_scheduler_never_gives_out_overlapping_partitions() {
     assert_eq!(devices, 7);
 
     common::namespace(&client, NS).await;
-    let classes: Api<DeviceClass> = Api::all(client.clone());
-    classes
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": { "name": "gpu-part" },
-                "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == \"{DRIVER}\"") } }] },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
+    common::device_class(
+        &client,
+        "gpu-part",
+        &format!("device.driver == \"{DRIVER}\""),
+    )
+    .await;
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NS);
     let size = |n: i64| format!("device.attributes[\"{DRIVER}\"].slices == {n}");
     let part = |name: &'static str, selector: String| {

@@ -154,3 +154,40 @@ pub async fn scheduled(test: &str, node: &str) -> Option<kube::Client> {
     devplug_testkit::api_server::schedulable_node(&client, node).await;
     Some(client)
 }
+
+/// Node `node`'s ResourceSlices of `driver`, once `ready` finds them as the test expects
+/// (20 s at most; `what` names it in the timeout).
+pub async fn pool(
+    client: &kube::Client,
+    node: &str,
+    driver: &str,
+    what: &str,
+    ready: impl Fn(&[k8s_openapi::api::resource::v1::ResourceSlice]) -> bool,
+) -> Vec<k8s_openapi::api::resource::v1::ResourceSlice> {
+    let slices: Api<k8s_openapi::api::resource::v1::ResourceSlice> = Api::all(client.clone());
+    let fields = format!("spec.nodeName={node},spec.driver={driver}");
+    devplug_testkit::api_server::until(what, Duration::from_secs(20), || async {
+        let list = slices
+            .list(&kube::api::ListParams::default().fields(&fields))
+            .await
+            .ok()?;
+        ready(&list.items).then_some(list.items)
+    })
+    .await
+}
+
+/// Creates DeviceClass `name`, selecting the devices the CEL `expression` matches.
+pub async fn device_class(client: &kube::Client, name: &str, expression: &str) {
+    let classes: Api<k8s_openapi::api::resource::v1::DeviceClass> = Api::all(client.clone());
+    classes
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({
+                "metadata": { "name": name },
+                "spec": { "selectors": [{ "cel": { "expression": expression } }] },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+}
