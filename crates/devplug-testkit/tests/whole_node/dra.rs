@@ -460,7 +460,7 @@ async fn run_example_of(
 
 /// Applies the DRA example `name` unchanged and waits (90 s each) until its `pods` run; how
 /// long that took. Its pods run busybox:1.36: the test image is tagged so first.
-async fn apply_and_run(
+pub(crate) async fn apply_and_run(
     node: &Node,
     client: &kube::Client,
     name: &str,
@@ -504,7 +504,7 @@ async fn printed_env(node: &Node, pod: &str) -> String {
     }
 }
 
-fn remove_example(node: &Node, name: &str) -> Result<(), String> {
+pub(crate) fn remove_example(node: &Node, name: &str) -> Result<(), String> {
     node.kubectl(
         &[
             "delete",

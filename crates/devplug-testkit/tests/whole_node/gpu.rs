@@ -318,27 +318,11 @@ pub fn mig_partitions_reach_the_container(node: &'static Node) -> Outcome {
             started.elapsed().as_secs_f64()
         ));
 
-        let example = devplug_testkit::node::requirements::repo_root()
-            .join("deploy/examples/dra/mig-partitions/manifests.yaml")
-            .display()
-            .to_string();
-        let created = Instant::now();
-        node.kubectl(&["apply", "-f", &example], None)?;
         let pods = ["dra-mig-three", "dra-mig-two"];
-        for pod in pods {
-            support::wait_pod(
-                &client,
-                "default",
-                pod,
-                Duration::from_secs(90),
-                support::running,
-            )
-            .await
-            .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
-        }
+        let took = crate::dra::apply_and_run(node, &client, "mig-partitions", &pods).await?;
         figure(&format!(
             "MIG partitions example: a 3g.20gb and a 2g.10gb created by devplug at prepare → both pods Running: {:.1} s",
-            created.elapsed().as_secs_f64()
+            took.as_secs_f64()
         ));
         let mut given = Vec::new();
         for pod in pods {
@@ -371,17 +355,7 @@ pub fn mig_partitions_reach_the_container(node: &'static Node) -> Outcome {
         assert_ne!(given[0], given[1], "two partitions, two MIG devices");
         figure(&format!("MIG partitions in the containers: {given:?}"));
 
-        node.kubectl(
-            &[
-                "delete",
-                "-f",
-                &example,
-                "--wait=true",
-                "--grace-period=0",
-                "--force",
-            ],
-            None,
-        )?;
+        crate::dra::remove_example(node, "mig-partitions")?;
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let log = support::devplug_log(node);
