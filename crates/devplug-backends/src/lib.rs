@@ -19,17 +19,23 @@
 //!
 //! Shared pieces: [`dra_attributes`] (what each backend's devices say about themselves for
 //! DRA selectors), [`placement`] (exact preferred allocation over a pair-weight matrix),
-//! [`cdi`] (CDI spec files, written atomically), `sysfs` (PCI and DRM reading), `sysfs_watch`
+//! `sysfs` (PCI and DRM reading), `sysfs_watch`
 //! (discover, follow with inotify, keep vanished GPUs Unhealthy), [`node_backend`] (the
 //! allocation, CDI and events shared by `vfio`, `qat`, `ascend` and `fpga`). The fake sysfs and /dev trees
 //! their tests run on are in the test kit (`devplug-testkit`), not here.
+//!
+//! With the `dra` feature (on by default), every backend is also a
+//! [`devplug_dra::ClaimBackend`], so any of them can be served as a DRA driver: `virtual` and
+//! `nvidia` with shares and partitions, the others handing devices to claims whole
+//! (`claims.rs`).
 //!
 //! Each backend has a settings struct that deserializes from the config file (unknown fields are
 //! errors) and a `validate` that names the field and the fix.
 
 pub mod amdgpu;
 pub mod ascend;
-pub mod cdi;
+#[cfg(feature = "dra")]
+mod claims;
 pub mod dra_attributes;
 pub mod files;
 pub mod fpga;

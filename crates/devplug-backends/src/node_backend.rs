@@ -11,13 +11,13 @@
 //! one numbered variable per value (`QAT0`, `QAT1`). With CDI on, the devices' CDI names are
 //! sent as well (kind = the resource name).
 
-use crate::cdi::{qualified_name, validate_kind, CdiWriter, Spec};
 use crate::hostdev::prefer::{prefer, ShareInfo};
 use crate::hostdev::SharePolicy;
 use crate::settings::SettingsError;
 use crate::sysfs::{dev_node, node_edits};
 use crate::sysfs_watch::{Entry, Scan, ScanFn, Watched, Words};
 use devplug::attributes::DeviceAttributes;
+use devplug::cdi::{qualified_name, validate_kind, CdiWriter, Spec};
 use devplug::{AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;

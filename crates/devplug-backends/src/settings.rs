@@ -80,7 +80,7 @@ pub(crate) fn yes() -> bool {
 
 /// Default CDI spec folder of the GPU backends.
 pub(crate) fn default_cdi_dir() -> PathBuf {
-    PathBuf::from(crate::cdi::DEFAULT_CDI_DIR)
+    PathBuf::from(devplug::cdi::DEFAULT_CDI_DIR)
 }
 
 /// Default dev root.

@@ -9,9 +9,9 @@
 //! watch on `/dev` and `/dev/dri` sees them. The sysfs folders are watched too (it costs
 //! nothing, and fake trees in tests do report them).
 
-use crate::cdi::{CdiWriter, Spec};
 use crate::inotify_batch::Batches;
 use devplug::attributes::DeviceAttributes;
+use devplug::cdi::{CdiWriter, Spec};
 use devplug::{Device, DeviceList, Health};
 use inotify::{WatchDescriptor, WatchMask};
 use std::collections::{BTreeMap, BTreeSet, HashSet};

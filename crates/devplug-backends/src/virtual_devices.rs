@@ -15,7 +15,6 @@ use devplug::{
     SharePolicy,
 };
 use serde::Deserialize;
-use std::collections::BTreeMap;
 use tokio::sync::watch;
 
 /// Most devices one virtual resource may have: more would not fit the kubelet's 4 MiB message.
@@ -346,12 +345,17 @@ impl Backend for VirtualBackend {
             .collect();
         Ok(edits.env(format!("{}_SLICES", self.env), slices.join(",")))
     }
+}
 
+/// Devices handed to claims whole as [`Backend::allocate`] gives them, and shares of devices
+/// shared by capacity (`share:`).
+#[cfg(feature = "dra")]
+impl devplug_dra::ClaimBackend for VirtualBackend {
     /// The device in `<env>`, and what the share got of each capacity in `<env>_<NAME>`.
-    fn allocate_share(
+    fn prepare_share(
         &self,
         id: &str,
-        consumed: &BTreeMap<String, u64>,
+        consumed: &std::collections::BTreeMap<String, u64>,
     ) -> Result<ContainerEdits, AllocateError> {
         let shared = self
             .devices
@@ -498,6 +502,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "dra")]
     fn shared_devices_publish_their_capacities_and_give_each_share_its_limits() {
         let settings = VirtualSettings {
             share: Some(VirtualShare {
@@ -513,8 +518,12 @@ mod tests {
         assert!(attrs.is_shared() && attrs.check().is_ok());
         assert_eq!(attrs.capacity["memory"], 16 << 30);
         assert_eq!(attrs.shared["memory"], SharePolicy::steps_of(1 << 30));
-        let consumed = BTreeMap::from([("cores".to_owned(), 40), ("memory".to_owned(), 4 << 30)]);
-        let edits = backend.allocate_share("virtual-1", &consumed).unwrap();
+        let consumed = std::collections::BTreeMap::from([
+            ("cores".to_owned(), 40),
+            ("memory".to_owned(), 4 << 30),
+        ]);
+        let edits =
+            devplug_dra::ClaimBackend::prepare_share(&backend, "virtual-1", &consumed).unwrap();
         assert_eq!(edits.envs["VIRTUAL_DEVICES"], "virtual-1");
         assert_eq!(edits.envs["VIRTUAL_DEVICES_CORES"], "40");
         assert_eq!(
@@ -522,7 +531,8 @@ mod tests {
             (4u64 << 30).to_string()
         );
         let whole = VirtualBackend::new(&VirtualSettings::new(1)).unwrap();
-        let err = whole.allocate_share("virtual-0", &consumed).unwrap_err();
+        let err =
+            devplug_dra::ClaimBackend::prepare_share(&whole, "virtual-0", &consumed).unwrap_err();
         assert!(err.to_string().contains("not shared by capacity"), "{err}");
     }
 

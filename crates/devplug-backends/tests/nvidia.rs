@@ -10,6 +10,8 @@ use devplug_backends::hostdev::SharePolicy;
 use devplug_backends::nvidia::{
     sysfs_bus_id, ListStrategy, MigStrategy, NvidiaBackend, NvidiaSettings,
 };
+#[cfg(feature = "dra")]
+use devplug_dra::ClaimBackend;
 use devplug_testkit::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
 use kubelet_sim::Kubelet;
 use serde::Deserialize;
@@ -1096,6 +1098,7 @@ fi
 "#;
 
 #[tokio::test]
+#[cfg(feature = "dra")]
 async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares() {
     use devplug_backends::nvidia::MpsShare;
     use std::collections::BTreeMap;
@@ -1129,7 +1132,7 @@ async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares(
 
     // The first share starts the GPU's daemon and gets its limits; the second reuses it.
     let consumed = BTreeMap::from([("cores".to_owned(), 40), ("memory".to_owned(), 4 << 30)]);
-    let edits = backend.allocate_share(&uuid, &consumed).unwrap();
+    let edits = backend.prepare_share(&uuid, &consumed).unwrap();
     assert_eq!(edits.envs["NVIDIA_VISIBLE_DEVICES"], uuid);
     assert_eq!(edits.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "40");
     assert_eq!(edits.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=4096M");
@@ -1148,7 +1151,7 @@ async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let half = BTreeMap::from([("cores".to_owned(), 50), ("memory".to_owned(), 1 << 30)]);
-    let second = backend.allocate_share(&uuid, &half).unwrap();
+    let second = backend.prepare_share(&uuid, &half).unwrap();
     assert_eq!(second.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50");
     let calls = std::fs::read_to_string(bin.join("mps-calls.log")).unwrap();
     let starts: Vec<&str> = calls.lines().filter(|l| l.starts_with("start")).collect();
@@ -1164,7 +1167,7 @@ async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares(
     );
 
     // The last share released: the daemon is told to quit.
-    backend.release_shares(&uuid);
+    backend.unprepare_shares(&uuid);
     let calls = std::fs::read_to_string(bin.join("mps-calls.log")).unwrap();
     assert!(
         calls
@@ -1175,7 +1178,7 @@ async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares(
     assert!(!pipe.join("control").exists());
 
     // After a restart with shares still prepared, the daemon is started again.
-    backend.shares_restored(&uuid);
+    backend.restore_shares(&uuid);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while !pipe.join("control").exists() {
         assert!(
@@ -1190,7 +1193,7 @@ async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares(
         2,
         "{calls}"
     );
-    backend.release_shares(&uuid);
+    backend.unprepare_shares(&uuid);
 
     // Without the driver's program, a share is refused with the reason.
     std::fs::remove_file(&control).unwrap();
@@ -1200,7 +1203,7 @@ async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares(
     tokio::time::timeout(WAIT, backend.discovered())
         .await
         .unwrap();
-    let err = backend.allocate_share(&uuid, &consumed).unwrap_err();
+    let err = backend.prepare_share(&uuid, &consumed).unwrap_err();
     assert!(
         err.to_string()
             .contains("nvidia-cuda-mps-control was not found"),
@@ -1224,6 +1227,7 @@ fn given(edits: &devplug::ContainerEdits) -> (Vec<String>, String) {
 }
 
 #[tokio::test]
+#[cfg(feature = "dra")]
 async fn dynamic_mig_partitions_are_made_at_allocation_and_destroyed_at_release() {
     let node = Node::new("a100-partitions", true);
     let mut settings = node.settings();
@@ -1245,7 +1249,9 @@ async fn dynamic_mig_partitions_are_made_at_allocation_and_destroyed_at_release(
     let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
 
     // A 3g.20gb at memory slice 0: a new MIG device with its GPU's node and its caps nodes.
-    let edits = backend.allocate(&ids(&["gpu-0-mig-3g-20gb-0"])).unwrap();
+    let edits = backend
+        .prepare_devices(&ids(&["gpu-0-mig-3g-20gb-0"]))
+        .unwrap();
     let (nodes, first) = given(&edits);
     assert!(first.starts_with("MIG-") && !first.contains(','), "{first}");
     assert!(nodes.contains(&"/dev/nvidia0".to_owned()), "{nodes:?}");
@@ -1253,44 +1259,58 @@ async fn dynamic_mig_partitions_are_made_at_allocation_and_destroyed_at_release(
     let caps: Vec<&String> = nodes.iter().filter(|n| n.contains("nvidia-caps")).collect();
     assert_eq!(caps.len(), 2, "GI and CI access nodes: {nodes:?}");
     // Asked again (a retried prepare): the same instance.
-    let again = backend.allocate(&ids(&["gpu-0-mig-3g-20gb-0"])).unwrap();
+    let again = backend
+        .prepare_devices(&ids(&["gpu-0-mig-3g-20gb-0"]))
+        .unwrap();
     assert_eq!(given(&again).1, first);
     // A 2g.10gb at slice 2 overlaps it: the driver refuses, and the error says why.
     let err = backend
-        .allocate(&ids(&["gpu-0-mig-2g-10gb-2"]))
+        .prepare_devices(&ids(&["gpu-0-mig-2g-10gb-2"]))
         .unwrap_err()
         .to_string();
     assert!(err.contains("insufficient resources"), "{err}");
     assert!(err.contains("gpu-0-mig-2g-10gb-2"), "{err}");
     // The other half of the GPU is free.
-    let other = backend.allocate(&ids(&["gpu-0-mig-3g-20gb-4"])).unwrap();
+    let other = backend
+        .prepare_devices(&ids(&["gpu-0-mig-3g-20gb-4"]))
+        .unwrap();
     assert_ne!(given(&other).1, first);
     // Released: the overlapping 2g.10gb can now be made; a second release finds nothing.
-    backend.release(&ids(&["gpu-0-mig-3g-20gb-0"])).unwrap();
-    backend.release(&ids(&["gpu-0-mig-3g-20gb-0"])).unwrap();
-    let two = backend.allocate(&ids(&["gpu-0-mig-2g-10gb-2"])).unwrap();
+    backend
+        .unprepare_devices(&ids(&["gpu-0-mig-3g-20gb-0"]))
+        .unwrap();
+    backend
+        .unprepare_devices(&ids(&["gpu-0-mig-3g-20gb-0"]))
+        .unwrap();
+    let two = backend
+        .prepare_devices(&ids(&["gpu-0-mig-2g-10gb-2"]))
+        .unwrap();
     assert!(given(&two).1.starts_with("MIG-"));
     backend
-        .release(&ids(&["gpu-0-mig-2g-10gb-2", "gpu-0-mig-3g-20gb-4"]))
+        .unprepare_devices(&ids(&["gpu-0-mig-2g-10gb-2", "gpu-0-mig-3g-20gb-4"]))
         .unwrap();
 
     // Two in one request, the second impossible with the first: the first is undone.
     let err = backend
-        .allocate(&ids(&["gpu-1-mig-4g-20gb-0", "gpu-1-mig-7g-40gb-0"]))
+        .prepare_devices(&ids(&["gpu-1-mig-4g-20gb-0", "gpu-1-mig-7g-40gb-0"]))
         .unwrap_err();
     assert!(err.to_string().contains("gpu-1-mig-7g-40gb-0"), "{err}");
-    let whole = backend.allocate(&ids(&["gpu-1-mig-7g-40gb-0"])).unwrap();
+    let whole = backend
+        .prepare_devices(&ids(&["gpu-1-mig-7g-40gb-0"]))
+        .unwrap();
     assert!(given(&whole).1.starts_with("MIG-"));
-    backend.release(&ids(&["gpu-1-mig-7g-40gb-0"])).unwrap();
+    backend
+        .unprepare_devices(&ids(&["gpu-1-mig-7g-40gb-0"]))
+        .unwrap();
     // Two that fit, in one request: both MIG devices, one GPU node.
     let pair = backend
-        .allocate(&ids(&["gpu-1-mig-1g-5gb-0", "gpu-1-mig-1g-5gb-1"]))
+        .prepare_devices(&ids(&["gpu-1-mig-1g-5gb-0", "gpu-1-mig-1g-5gb-1"]))
         .unwrap();
     let (nodes, visible) = given(&pair);
     assert_eq!(visible.split(',').count(), 2, "{visible}");
     assert_eq!(nodes.iter().filter(|n| *n == "/dev/nvidia1").count(), 1);
     backend
-        .release(&ids(&["gpu-1-mig-1g-5gb-0", "gpu-1-mig-1g-5gb-1"]))
+        .unprepare_devices(&ids(&["gpu-1-mig-1g-5gb-0", "gpu-1-mig-1g-5gb-1"]))
         .unwrap();
 
     // How long a partition takes to make and to destroy through NVML (here the fake).
@@ -1298,10 +1318,10 @@ async fn dynamic_mig_partitions_are_made_at_allocation_and_destroyed_at_release(
     let (mut made, mut gone) = (Vec::new(), Vec::new());
     for _ in 0..50 {
         let t = std::time::Instant::now();
-        backend.allocate(&one).unwrap();
+        backend.prepare_devices(&one).unwrap();
         made.push(t.elapsed());
         let t = std::time::Instant::now();
-        backend.release(&one).unwrap();
+        backend.unprepare_devices(&one).unwrap();
         gone.push(t.elapsed());
     }
     made.sort();

@@ -8,7 +8,7 @@ use crate::{print_row, WAIT};
 use anyhow::Context;
 use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, DeviceList, Health};
 use devplug_dra::kubelet::{KubeletDirs, Registered};
-use devplug_dra::{DraDriver, DraDriverSettings};
+use devplug_dra::{ClaimBackend, DraDriver, DraDriverSettings};
 use devplug_testkit::api_server::{self, ApiServer};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -34,6 +34,8 @@ impl Backend for Devices {
         Ok(ContainerEdits::default().env("BENCH_VISIBLE_DEVICES", ids.join(",")))
     }
 }
+
+impl ClaimBackend for Devices {}
 
 /// Prints the DRA rows of the table.
 pub async fn figures(changes: usize, claims: usize) -> anyhow::Result<()> {
@@ -62,7 +64,7 @@ pub async fn figures(changes: usize, claims: usize) -> anyhow::Result<()> {
             .with_attribute("model", AttributeValue::String("bench".into()))
     }));
     let (devices, _) = watch::channel(list);
-    let backend: Arc<dyn Backend> = Arc::new(Devices(devices.clone()));
+    let backend: Arc<dyn ClaimBackend> = Arc::new(Devices(devices.clone()));
     let settings = DraDriverSettings {
         driver: DRIVER.into(),
         node: NODE.into(),

@@ -16,6 +16,7 @@
 //! (cargo feature `cluster`); [`needs_cluster`] finds them, and the device-plugin-only build
 //! (`devplug-lite`) refuses such a file with [`ConfigError::NeedsCluster`].
 
+#[cfg(not(feature = "cluster"))]
 use devplug::Backend;
 use devplug_backends::{
     ascend, fpga, vfio, AmdgpuBackend, AmdgpuSettings, AscendSettings, FilesBackend, FilesSettings,
@@ -43,6 +44,15 @@ const BACKEND_KEYS: [&str; 11] = [
     "fpga",
     "advertise",
 ];
+
+/// A started backend: in the full build a [`devplug_dra::ClaimBackend`], which serves a
+/// resource's device plugin (as a [`Backend`]) and its DRA driver from one instance; in
+/// devplug-lite a [`Backend`].
+#[cfg(feature = "cluster")]
+pub type BuiltBackend = Arc<dyn devplug_dra::ClaimBackend>;
+/// A started backend (devplug-lite: the device plugin only).
+#[cfg(not(feature = "cluster"))]
+pub type BuiltBackend = Arc<dyn Backend>;
 
 /// The longest `health_hold_down`: a recovered device kept from pods for more than an hour is
 /// a mistake in the file, not a policy.
@@ -572,7 +582,7 @@ impl ResourceConfig {
 
     /// Starts the configured backend (watchers included; needs a tokio runtime). Errors name the
     /// backend key and the field.
-    pub fn build(&self) -> Result<Arc<dyn Backend>, (&'static str, SettingsError)> {
+    pub fn build(&self) -> Result<BuiltBackend, (&'static str, SettingsError)> {
         // What the backends log while starting (and, where they spawn in this span, after)
         // names the resource. At ERROR level so that no log filter disables the span itself.
         let _span = tracing::error_span!("resource", resource = %self.name).entered();

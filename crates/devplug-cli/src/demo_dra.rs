@@ -161,6 +161,9 @@ impl Backend for Npus {
     }
 }
 
+/// The NPUs go to claims whole, as the device plugin hands them.
+impl devplug_dra::ClaimBackend for Npus {}
+
 /// Waits until `check` gives a value, polling every 50 ms, at most [`WAIT`].
 async fn until<T, F, Fut>(what: &str, mut check: F) -> anyhow::Result<T>
 where

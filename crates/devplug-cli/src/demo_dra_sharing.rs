@@ -5,10 +5,9 @@
 
 use crate::demo::{detail, ms};
 use anyhow::Context;
-use devplug::Backend;
 use devplug_backends::virtual_devices::{VirtualBackend, VirtualSettings, VirtualShare};
 use devplug_dra::kubelet::{KubeletDirs, Registered};
-use devplug_dra::{DraDriver, DraDriverSettings};
+use devplug_dra::{ClaimBackend, DraDriver, DraDriverSettings};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::api::PostParams;
@@ -44,7 +43,7 @@ pub(crate) async fn walk(
         }),
         ..VirtualSettings::new(1)
     };
-    let backend: Arc<dyn Backend> = Arc::new(
+    let backend: Arc<dyn ClaimBackend> = Arc::new(
         VirtualBackend::new(&settings)
             .map_err(|e| anyhow::anyhow!("{}: {}", e.field, e.problem))?,
     );

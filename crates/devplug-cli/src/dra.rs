@@ -3,15 +3,13 @@
 //! and restarted when a reload changes the resource. Prepared claims outlive a restart (the
 //! driver's checkpoint); only the node's slices are taken down and published again.
 
-use crate::config::ResourceConfig;
+use crate::config::{BuiltBackend, ResourceConfig};
 use anyhow::Context;
-use devplug::Backend;
 use devplug_dra::kubelet::KubeletDirs;
 use devplug_dra::runtime::{node_cdi_support, CdiSupport};
 use devplug_dra::{DraDriver, DraDriverSettings, DraStartError};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 /// What every driver of this process shares.
 pub struct DraSetup {
@@ -84,7 +82,7 @@ impl DraDrivers {
     pub async fn apply(
         &mut self,
         resources: &[ResourceConfig],
-        shared: &BTreeMap<String, Arc<dyn Backend>>,
+        shared: &BTreeMap<String, BuiltBackend>,
     ) -> Vec<(String, anyhow::Error)> {
         let wanted: BTreeMap<&str, &ResourceConfig> = resources
             .iter()
@@ -146,7 +144,7 @@ impl DraDrivers {
     async fn start(
         &mut self,
         resource: &ResourceConfig,
-        backend: Option<Arc<dyn Backend>>,
+        backend: Option<BuiltBackend>,
     ) -> anyhow::Result<Option<DraDriver>> {
         let Some(dra) = &resource.dra else {
             anyhow::bail!("{} has no dra: settings", resource.name);

@@ -7,7 +7,7 @@
 //! `advertise:` resources and `--node-events` use the API server (kube-rs), only in the full
 //! build (cargo feature `cluster`); devplug-lite refuses them at start, naming the field or flag.
 
-use crate::config::{Config, ResourceConfig};
+use crate::config::{BuiltBackend, Config, ResourceConfig};
 use crate::endpoints::{self, Endpoints, ReloadCounters};
 use crate::reload::ConfigWatch;
 use anyhow::Context;
@@ -264,7 +264,7 @@ fn device_plugin_resources(resources: &[ResourceConfig]) -> BTreeMap<String, Res
 }
 
 /// A resource's backend, or what is wrong with its config (`<key>.<problem>`).
-fn build(resource: &ResourceConfig) -> Result<Arc<dyn devplug::Backend>, String> {
+fn build(resource: &ResourceConfig) -> Result<BuiltBackend, String> {
     resource
         .build()
         .map_err(|(key, err)| format!("{key}.{err}"))
@@ -296,7 +296,7 @@ impl Runner {
                 |name, resource| {
                     let backend = build(resource)?;
                     built.insert(name.to_owned(), backend.clone());
-                    Ok::<_, String>((backend, settings_of(resource)))
+                    Ok::<_, String>((backend as Arc<dyn devplug::Backend>, settings_of(resource)))
                 },
             )
             .await;
@@ -311,7 +311,7 @@ impl Runner {
     async fn apply_dra(
         &mut self,
         resources: &[ResourceConfig],
-        built: &BTreeMap<String, Arc<dyn devplug::Backend>>,
+        built: &BTreeMap<String, BuiltBackend>,
     ) -> anyhow::Result<()> {
         let failed = self.cluster.dra.apply(resources, built).await;
         if let Some(events) = &self.cluster.events {
@@ -335,7 +335,7 @@ impl Runner {
     async fn apply_dra(
         &mut self,
         _: &[ResourceConfig],
-        _: &BTreeMap<String, Arc<dyn devplug::Backend>>,
+        _: &BTreeMap<String, BuiltBackend>,
     ) -> anyhow::Result<()> {
         Ok(())
     }

@@ -4,6 +4,7 @@
 //! before (never preparing a claim twice) and can still unprepare claims prepared before the
 //! restart (never losing one).
 
+use crate::hold::Hold;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -24,12 +25,9 @@ pub struct PreparedDevice {
     pub id: String,
     /// CDI ids (`vendor/class=name`) the runtime injects for this device.
     pub cdi_device_ids: Vec<String>,
-    /// The share of a consumable-capacity device, as allocated.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub share_id: Option<String>,
-    /// Allocated with admin access (the device may be in other claims too).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub admin_access: bool,
+    /// How the claim holds the device (written as `share_id` and `admin_access`).
+    #[serde(flatten)]
+    pub hold: Hold,
 }
 
 /// One prepared claim.
@@ -140,7 +138,7 @@ impl Checkpoint {
                 .create(dir)?;
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
         }
-        devplug_backends::cdi::write_atomic_mode(path, &text, 0o600).map(|_| ())
+        devplug::cdi::write_atomic_mode(path, &text, 0o600).map(|_| ())
     }
 }
 
@@ -186,8 +184,7 @@ mod tests {
                     device: "npu-1".into(),
                     id: "npu-1".into(),
                     cdi_device_ids: vec!["npu.example.com/claim=u1-npus".into()],
-                    share_id: None,
-                    admin_access: false,
+                    hold: Hold::Exclusive,
                 }],
                 cdi_spec: "/var/run/cdi/x.json".into(),
                 cdi_spec_json: Some("{}".into()),

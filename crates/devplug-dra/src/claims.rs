@@ -4,6 +4,7 @@
 //! name is another claim). Only results of our driver count. Behind [`ClaimSource`] so that the
 //! prepare path can be driven without an API server where that is the point of a test.
 
+use crate::hold::Hold;
 use crate::slices::quantity::parse_quantity;
 use devplug::backend::BoxFuture;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -36,16 +37,14 @@ pub struct AllocatedDevice {
     pub pool: String,
     /// The device's name in the ResourceSlice.
     pub device: String,
-    /// The share of a device with consumable capacity, if any.
-    pub share_id: Option<String>,
+    /// How the claim holds the device: whole, a share of a device with consumable capacity,
+    /// or with admin access (monitoring, maintenance: other claims may have it too).
+    pub hold: Hold,
     /// What the share consumed of each capacity (empty for a whole device).
     pub consumed: BTreeMap<String, u64>,
     /// The request tolerates the driver's `<driver>/unhealthy` taint (a toleration with that
     /// key, or one for every key): it may have the device while it is unhealthy.
     pub tolerates_unhealthy: bool,
-    /// Allocated with admin access (monitoring, maintenance): such a claim may have a device
-    /// that other claims have too.
-    pub admin_access: bool,
 }
 
 /// Where the prepare path learns a claim's allocation.
@@ -160,10 +159,9 @@ pub fn our_devices(
                 request: r.request.clone(),
                 pool: r.pool.clone(),
                 device: r.device.clone(),
-                share_id: r.share_id.clone(),
+                hold: Hold::from_parts(r.share_id.clone(), r.admin_access.unwrap_or(false)),
                 consumed,
                 tolerates_unhealthy,
-                admin_access: r.admin_access.unwrap_or(false),
             })
         })
         .collect::<Result<_, String>>()?;

@@ -6,7 +6,7 @@ use super::claims::KubeClaims;
 use super::kubelet::{KubeletDirs, KubeletSide, Registered};
 use super::prepare::{PrepareFiles, Preparer};
 use super::slices::{SliceError, SliceOptions, SlicePublisher};
-use devplug::Backend;
+use crate::claim_backend::ClaimBackend;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -61,7 +61,7 @@ impl DraDriver {
     /// Starts publishing `backend`'s devices and serving the kubelet.
     pub async fn start(
         settings: DraDriverSettings,
-        backend: Arc<dyn Backend>,
+        backend: Arc<dyn ClaimBackend>,
         client: kube::Client,
     ) -> Result<DraDriver, DraStartError> {
         let driver = settings.driver.clone();
@@ -90,15 +90,9 @@ impl DraDriver {
         )?);
         // Devices with shares prepared before a restart: the backend starts what serves them
         // again (an MPS daemon), once it has found its devices.
-        let restored = preparer.shared_devices().await;
+        let restored: Vec<String> = preparer.shared_devices().await.into_iter().collect();
         if !restored.is_empty() {
-            let backend = backend.clone();
-            tokio::spawn(async move {
-                backend.discovered().await;
-                for id in restored {
-                    backend.shares_restored(&id);
-                }
-            });
+            tokio::spawn(crate::prepare::restore_shares(backend.clone(), restored));
         }
         let kubelet = KubeletSide::start(preparer.clone(), &settings.dirs).map_err(|source| {
             DraStartError::Sockets {

@@ -1,12 +1,16 @@
 //! Dynamic Resource Allocation: one backend served as a DRA driver, beside or
 //! instead of its device plugin.
 //!
+//! - [`claim_backend`]: [`ClaimBackend`], what a backend does for claims beyond
+//!   [`devplug::Backend`] (shares, what prepare makes and unprepare removes, restore after a
+//!   restart).
+//! - [`hold`]: how a claim holds a device (whole, a share, admin access).
 //! - [`names`]: device names in a ResourceSlice (DNS labels) from backend ids, a pure function
 //!   so every part agrees.
 //! - [`claims`]: a claim's allocation, read from the API server and checked against its UID.
 //! - [`checkpoint`]: the prepared claims, on disk, so a restart neither loses nor repeats one.
-//! - [`prepare`]: `NodePrepareResources` / `NodeUnprepareResources` claim by claim: backend
-//!   edits, one CDI spec per claim, the checkpoint.
+//! - [`prepare`]: `NodePrepareResources` / `NodeUnprepareResources` claim by claim: planning,
+//!   conflicts, the backend's edits (off the runtime), one CDI spec per claim, the checkpoint.
 //! - `service.rs`: the `DRAPlugin` gRPC service, v1 and v1beta1, over [`prepare::Preparer`].
 //! - [`device_health`]: the kubelet's device health stream (`DRAResourceHealth`), so pods'
 //!   status shows their devices' health.
@@ -17,10 +21,12 @@
 //! - [`health`]: a running driver's readiness and counters, for probes and metrics.
 
 pub mod checkpoint;
+pub mod claim_backend;
 pub mod claims;
 pub mod device_health;
 mod driver;
 pub mod health;
+pub mod hold;
 pub mod kubelet;
 pub mod names;
 pub mod prepare;
@@ -28,5 +34,7 @@ pub mod runtime;
 mod service;
 pub mod slices;
 
+pub use claim_backend::{ClaimBackend, ReleaseError};
 pub use driver::{DraDriver, DraDriverSettings, DraStartError};
 pub use health::DraHealth;
+pub use hold::Hold;

@@ -59,7 +59,7 @@ macro_rules! dra_service {
                             },
                             Err(error) => pb::NodePrepareResourceResponse {
                                 devices: Vec::new(),
-                                error,
+                                error: error.to_string(),
                             },
                         };
                         (uid, answer)
@@ -85,7 +85,7 @@ macro_rules! dra_service {
                     .await
                     .into_iter()
                     .map(|(uid, result)| {
-                        let error = result.err().unwrap_or_default();
+                        let error = result.err().map(|e| e.to_string()).unwrap_or_default();
                         (uid, pb::NodeUnprepareResourceResponse { error })
                     })
                     .collect();
@@ -106,7 +106,7 @@ fn v1_device(d: PreparedDevice) -> devplug_proto::dra_v1::Device {
         pool_name: d.pool,
         device_name: d.device,
         cdi_device_ids: d.cdi_device_ids,
-        share_id: d.share_id,
+        share_id: d.hold.share_id().map(str::to_owned),
     }
 }
 

@@ -9,11 +9,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
-mod common;
+use devplug_testkit::dra_node as common;
 
 use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList};
 use devplug_dra::claims::{ClaimRef, KubeClaims};
 use devplug_dra::prepare::{PrepareFiles, Preparer};
+use devplug_dra::ClaimBackend;
 use devplug_testkit::api_server::{self, ApiServer};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
@@ -38,6 +39,9 @@ impl Backend for Npus {
         Ok(ContainerEdits::default().env("NPU_VISIBLE_DEVICES", ids.join(",")))
     }
 }
+
+/// Devices handed to claims whole, as the device plugin hands them.
+impl ClaimBackend for Npus {}
 
 /// Creates claim `name` allocated `(driver, pool, device)`, as the scheduler would write it;
 /// its reference.
@@ -98,7 +102,7 @@ async fn each_bad_claim_gets_its_own_error_and_nothing_prepared_is_lost() {
     let (devices, _) = watch::channel(DeviceList::new(
         (0..CLAIMS + 4).map(|i| Device::new(format!("npu-{i}"))),
     ));
-    let backend: Arc<dyn Backend> = Arc::new(Npus(devices));
+    let backend: Arc<dyn ClaimBackend> = Arc::new(Npus(devices));
     let preparer = Arc::new(
         Preparer::new(
             DRIVER,
@@ -188,7 +192,7 @@ async fn each_bad_claim_gets_its_own_error_and_nothing_prepared_is_lost() {
         ])
         .await;
     assert!(results[&fine.uid].is_ok(), "{results:?}");
-    let error = |c: &ClaimRef| results[&c.uid].as_ref().unwrap_err().clone();
+    let error = |c: &ClaimRef| results[&c.uid].as_ref().unwrap_err().to_string();
     assert!(
         error(&elsewhere).contains("is in pool \"other-node\", not this node's pool"),
         "{}",
@@ -219,7 +223,7 @@ async fn each_bad_claim_gets_its_own_error_and_nothing_prepared_is_lost() {
     )
     .await;
     let results = preparer.prepare(std::slice::from_ref(&blocked)).await;
-    let err = results[&blocked.uid].as_ref().unwrap_err();
+    let err = results[&blocked.uid].as_ref().unwrap_err().to_string();
     assert!(err.contains("cannot write the CDI spec"), "{err}");
     assert_eq!(
         preparer.prepared().await.len(),

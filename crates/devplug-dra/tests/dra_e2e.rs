@@ -10,9 +10,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
-mod common;
+use devplug_testkit::dra_node as common;
 
 use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, DeviceList, Health};
+use devplug_dra::ClaimBackend;
 use devplug_testkit::api_server::until;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
@@ -38,6 +39,9 @@ impl Backend for Npus {
         Ok(ContainerEdits::default().env("NPU_VISIBLE_DEVICES", ids.join(",")))
     }
 }
+
+/// Devices handed to claims whole, as the device plugin hands them.
+impl ClaimBackend for Npus {}
 
 fn npu(i: i64) -> Device {
     Device::new(format!("npu-{i}"))
@@ -77,7 +81,7 @@ async fn the_scheduler_allocates_and_the_kubelet_prepares_through_devplug() {
 
     // The node's kubelet (the simulator, with its plugin watcher) and devplug's driver.
     let (devices, _) = watch::channel(DeviceList::new((0..4).map(npu)));
-    let backend: Arc<dyn Backend> = Arc::new(Npus(devices.clone()));
+    let backend: Arc<dyn ClaimBackend> = Arc::new(Npus(devices.clone()));
     let common::DraNode {
         root: _root,
         kubelet,

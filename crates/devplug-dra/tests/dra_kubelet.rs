@@ -10,6 +10,7 @@ use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList};
 use devplug_dra::claims::{AllocatedDevice, ClaimRef, ClaimSource};
 use devplug_dra::kubelet::{KubeletDirs, KubeletSide, Registered};
 use devplug_dra::prepare::{PrepareFiles, Preparer};
+use devplug_dra::ClaimBackend;
 use kubelet_sim::{DraClaim, DraService, Kubelet, SimConfig};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,6 +30,9 @@ impl Backend for Npus {
     }
 }
 
+/// Devices handed to claims whole, as the device plugin hands them.
+impl ClaimBackend for Npus {}
+
 struct Fixed(HashMap<String, Vec<AllocatedDevice>>);
 
 impl ClaimSource for Fixed {
@@ -46,10 +50,9 @@ fn device(request: &str, name: &str) -> AllocatedDevice {
         request: request.into(),
         pool: "node-a".into(),
         device: name.into(),
-        share_id: None,
+        hold: devplug_dra::Hold::Exclusive,
         consumed: Default::default(),
         tolerates_unhealthy: false,
-        admin_access: false,
     }
 }
 

@@ -3,7 +3,6 @@
 
 use crate::device::DeviceList;
 use crate::edits::ContainerEdits;
-use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use tokio::sync::watch;
@@ -23,49 +22,6 @@ pub trait Backend: Send + Sync + 'static {
     /// The edits for one container that was given `ids`. The host has already checked that the
     /// ids are known and not repeated.
     fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError>;
-
-    /// The edits for one share of device `id`, a device shared by capacity
-    /// ([`crate::DeviceAttributes::shared`]; DRA only), given what the share consumed of each
-    /// capacity (`cores` → 40, `memory` → bytes), as the scheduler recorded it. The edits are
-    /// where the limits reach the container. A backend that publishes shared devices implements
-    /// it; the default refuses, so a share is never handed out as if it were the whole device.
-    fn allocate_share(
-        &self,
-        id: &str,
-        consumed: &BTreeMap<String, u64>,
-    ) -> Result<ContainerEdits, AllocateError> {
-        let _ = consumed;
-        Err(AllocateError::InvalidRequest(format!(
-            "device {id} was allocated as a share, and this backend does not share devices by \
-             capacity"
-        )))
-    }
-
-    /// Called at start for each device with shares prepared before this process started and
-    /// not released (read from the DRA driver's checkpoint), once the first discovery has
-    /// ended: a backend that runs something per shared device (a sharing daemon) starts it
-    /// again. The default does nothing.
-    fn shares_restored(&self, id: &str) {
-        let _ = id;
-    }
-
-    /// Called when the last prepared share of device `id` is released (its claims
-    /// unprepared): a backend that runs something per shared device (a sharing daemon) stops
-    /// it here. The default does nothing.
-    fn release_shares(&self, id: &str) {
-        let _ = id;
-    }
-
-    /// Called when devices `ids`, given whole to a DRA claim by [`Backend::allocate`], are
-    /// unprepared (the claim is done with them): a backend that made something for the claim
-    /// at allocation (a MIG partition) removes it here. Also called when a prepare fails after
-    /// its allocation. Must succeed when there is nothing left to remove (it may be called
-    /// again for the same ids); an error fails the unprepare, which the kubelet retries. The
-    /// default does nothing.
-    fn release(&self, ids: &[String]) -> Result<(), ReleaseError> {
-        let _ = ids;
-        Ok(())
-    }
 
     /// Which devices to give a container, best effort. Called only when
     /// [`Options::preferred_allocation`] is set. The host cleans the answer up: must-include ids
@@ -166,12 +122,6 @@ pub enum AllocateError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct PreStartError(pub String);
-
-/// Why devices could not be released ([`Backend::release`]). The DRA driver fails the claim's
-/// unprepare with this message, and the kubelet retries it.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct ReleaseError(pub String);
 
 #[cfg(test)]
 mod tests {

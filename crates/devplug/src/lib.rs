@@ -8,6 +8,7 @@
 //! - [`device`]: devices, health and the published list.
 //! - [`attributes`]: what a device says about itself for DRA selectors (model, NUMA, UUID…).
 //! - [`edits`]: what an allocation does to a container.
+//! - [`cdi`]: the same edits as CDI spec files, written atomically.
 //! - [`backend`]: the trait a vendor implements.
 //! - [`health`]: health that recovers, after a hold-down.
 //! - [`host`]: the kubelet lifecycle.
@@ -15,6 +16,7 @@
 
 pub mod attributes;
 pub mod backend;
+pub mod cdi;
 pub mod device;
 pub mod edits;
 pub mod health;
@@ -28,7 +30,6 @@ pub use attributes::{
 };
 pub use backend::{
     AllocateError, Backend, BackendWarning, BoxFuture, Options, PreStartError, PreferenceRequest,
-    ReleaseError,
 };
 pub use device::{check_id, Device, DeviceList, Health, ListTooLarge, MAX_ID_LEN};
 pub use edits::{ContainerEdits, DeviceNode, Mount};

@@ -5,12 +5,12 @@
 //! the PCI address KFD gives its node (`domain`, `location_id`).
 
 use super::settings::AmdgpuSettings;
-use crate::cdi::Spec;
 use crate::dra_attributes::Attributes;
 use crate::placement::PairMatrix;
 use crate::sysfs::{drm_nodes, node_edits, pci_devices, read_trimmed, DrmNodes};
 use crate::sysfs_watch::{Entry, Scan};
 use devplug::attributes::DeviceAttributes;
+use devplug::cdi::Spec;
 use devplug::ContainerEdits;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};

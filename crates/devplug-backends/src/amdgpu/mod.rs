@@ -16,10 +16,10 @@ pub mod settings;
 pub use discover::{WEIGHT_NONE, WEIGHT_PCIE, WEIGHT_SAME_GPU, WEIGHT_XGMI};
 pub use settings::AmdgpuSettings;
 
-use crate::cdi::{qualified_name, CdiWriter};
 use crate::settings::SettingsError;
 use crate::sysfs::dev_node;
 use crate::sysfs_watch::{ScanFn, Watched, Words};
+use devplug::cdi::{qualified_name, CdiWriter};
 use devplug::{AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest};
 use discover::{AmdState, KfdCache, CDI_KIND};
 use std::collections::HashSet;

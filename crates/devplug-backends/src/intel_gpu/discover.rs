@@ -4,12 +4,12 @@
 //! VFs are the devices); a VF is a device like any GPU.
 
 use super::settings::IntelGpuSettings;
-use crate::cdi::Spec;
 use crate::dra_attributes::Attributes;
 use crate::hostdev::prefer::ShareInfo;
 use crate::sysfs::{node_edits, pci_device};
 use crate::sysfs_watch::{Entry, Scan};
 use devplug::attributes::DeviceAttributes;
+use devplug::cdi::Spec;
 use devplug::{ContainerEdits, Mount};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};

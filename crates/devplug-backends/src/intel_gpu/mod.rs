@@ -16,10 +16,10 @@ pub mod settings;
 
 pub use settings::{IntelDriver, IntelGpuSettings};
 
-use crate::cdi::{qualified_name, CdiWriter};
 use crate::settings::SettingsError;
 use crate::sysfs::dev_node;
 use crate::sysfs_watch::{ScanFn, Watched, Words};
+use devplug::cdi::{qualified_name, CdiWriter};
 use devplug::{AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest};
 use discover::{cdi_kind, IntelState};
 use std::collections::HashSet;

@@ -12,6 +12,7 @@
 //!
 //! - `partitions`: MIG partitions made at a DRA claim's prepare and destroyed at its unprepare
 //!   (`mig_strategy: dynamic`).
+//! - `claims`: the backend as a DRA claim backend (feature `dra`): MPS shares, MIG partitions.
 //!
 //! - `mig_ids` and `mig_instances`: the two modules with `unsafe`: a MIG device's GPU- and
 //!   compute-instance ids, and MIG profiles, placements and instances made and destroyed.
@@ -25,6 +26,12 @@
 //! `spread`/`pack` over replicas. NVML missing or failing never ends the process: the resource
 //! serves nothing (or Unhealthy devices) and retries.
 
+// Without the `dra` feature (devplug-lite), what only DRA claims use (MIG partitions made per
+// claim, MPS daemons for shares) is compiled but never called.
+#![cfg_attr(not(feature = "dra"), allow(dead_code))]
+
+#[cfg(feature = "dra")]
+mod claims;
 mod driver_files;
 mod health;
 mod mig_ids;
@@ -47,17 +54,15 @@ pub use seam::{
 pub use settings::{ListStrategy, MigStrategy, MpsShare, NvidiaSettings, DEFAULT_IGNORED_XIDS};
 pub use view::{parse_mig_minors, CDI_KIND, MIG_MINORS, NVLINK_SCORE};
 
-use crate::cdi::{qualified_name, CdiWriter};
 use crate::hostdev::SharePolicy;
 use crate::inotify_batch::Batches;
 use crate::settings::SettingsError;
 use crate::sysfs::dev_node;
-use devplug::{
-    AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest, ReleaseError,
-};
+use devplug::cdi::{qualified_name, CdiWriter};
+use devplug::{AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest};
 use inotify::WatchMask;
 use mps::MpsDaemons;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
@@ -330,8 +335,10 @@ impl Backend for NvidiaBackend {
     fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
         let view = self.view();
         if partitions::any(&view, ids) {
-            let partitioner = self.partitioner().map_err(AllocateError::Failed)?;
-            return partitions::allocate(&self.settings, &view, partitioner, ids);
+            return Err(AllocateError::InvalidRequest(format!(
+                "{ids:?}: MIG partitions (mig_strategy: dynamic) are made per DRA claim, and the \
+                 device plugin does not serve them"
+            )));
         }
         if self.settings.fail_requests_greater_than_one && view.shared && ids.len() > 1 {
             return Err(AllocateError::InvalidRequest(format!(
@@ -381,46 +388,6 @@ impl Backend for NvidiaBackend {
                 .collect();
         }
         Ok(edits)
-    }
-
-    /// A share of a whole GPU: the GPU as [`Backend::allocate`] gives it, on the GPU's MPS
-    /// daemon (started now if this is its first share), with the share's limits.
-    fn allocate_share(
-        &self,
-        id: &str,
-        consumed: &BTreeMap<String, u64>,
-    ) -> Result<ContainerEdits, AllocateError> {
-        let (mps, program, uuid) = self.mps_for(id)?;
-        mps.ensure(&program, &uuid).map_err(AllocateError::Failed)?;
-        let gpu = self.allocate(&[id.to_owned()])?;
-        let cores = consumed.get(view::MPS_CORES).copied();
-        let memory = consumed.get("memory").copied();
-        Ok(gpu.merge(mps.share_edits(&uuid, cores, memory)))
-    }
-
-    fn shares_restored(&self, id: &str) {
-        let started = self.mps_for(id).and_then(|(mps, program, uuid)| {
-            mps.ensure(&program, &uuid).map_err(AllocateError::Failed)
-        });
-        if let Err(err) = started {
-            tracing::warn!(gpu = id, %err, "cannot start the MPS daemon of a GPU with shares from before the restart");
-        }
-    }
-
-    fn release_shares(&self, id: &str) {
-        match self.mps_for(id) {
-            Ok((mps, program, uuid)) => drop(mps.stop(&program, &uuid)),
-            Err(err) => tracing::warn!(gpu = id, %err, "cannot stop the GPU's MPS daemon"),
-        }
-    }
-
-    /// Destroys the MIG partitions among `ids` (`mig_strategy: dynamic`).
-    fn release(&self, ids: &[String]) -> Result<(), ReleaseError> {
-        if self.settings.mig_strategy != MigStrategy::Dynamic {
-            return Ok(());
-        }
-        let partitioner = self.partitioner().map_err(ReleaseError)?;
-        partitions::release(&self.view(), partitioner, ids)
     }
 
     fn preferred(&self, request: &PreferenceRequest<'_>) -> Vec<String> {

@@ -13,7 +13,7 @@ use super::settings::NvidiaSettings;
 use super::view::{caps_nodes, parse_mig_minors, Partition, ServedGpu, View, MIG_MINORS};
 use super::VISIBLE_DEVICES_ENV;
 use crate::sysfs::dev_node;
-use devplug::{AllocateError, ContainerEdits, ReleaseError};
+use devplug::{AllocateError, ContainerEdits};
 
 /// True when any of `ids` is a partition of `view`.
 pub(super) fn any(view: &View, ids: &[String]) -> bool {
@@ -118,7 +118,7 @@ pub(super) fn release(
     view: &View,
     partitioner: &dyn MigPartitioner,
     ids: &[String],
-) -> Result<(), ReleaseError> {
+) -> Result<(), String> {
     let mut failed = Vec::new();
     for id in ids {
         let (gpu, part) = match view.served(id) {
@@ -146,9 +146,9 @@ pub(super) fn release(
     if failed.is_empty() {
         Ok(())
     } else {
-        Err(ReleaseError(format!(
+        Err(format!(
             "cannot destroy MIG partitions: {}",
             failed.join("; ")
-        )))
+        ))
     }
 }

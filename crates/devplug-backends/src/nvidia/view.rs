@@ -7,13 +7,13 @@
 use super::driver_files::DriverFiles;
 use super::seam::{GiProfile, GpuInfo, MigInfo, Snapshot};
 use super::settings::{MigStrategy, NvidiaSettings};
-use crate::cdi::Spec;
 use crate::dra_attributes::Attributes;
 use crate::placement::PairMatrix;
 use crate::sysfs::{dev_node, numa_node};
 use devplug::attributes::{
     CounterConsumption, CounterSet, DeviceAttributes, SharePolicy, MAX_COUNTER_SETS,
 };
+use devplug::cdi::Spec;
 use devplug::ContainerEdits;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};

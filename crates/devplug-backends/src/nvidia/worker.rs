@@ -11,7 +11,7 @@ use super::health::{Change, HealthBook};
 use super::seam::{DriverInfo, GpuDriver, GpuSession, RawEvent, SessionEnd, WaitError};
 use super::settings::{MigStrategy, NvidiaSettings};
 use super::view::View;
-use crate::cdi::CdiWriter;
+use devplug::cdi::CdiWriter;
 use devplug::{Device, DeviceList, Health};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};

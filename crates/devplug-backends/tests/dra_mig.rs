@@ -11,10 +11,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
-mod common;
+use devplug_testkit::dra_node as common;
 
 use devplug::Backend;
 use devplug_backends::nvidia::{sysfs_bus_id, MigStrategy, NvidiaBackend, NvidiaSettings};
+use devplug_dra::ClaimBackend;
 use devplug_testkit::api_server::until;
 use devplug_testkit::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -214,7 +215,7 @@ async fn the_scheduler_picks_mig_partitions_that_fit_and_prepare_makes_them() {
     }
     // The 7g exists: a 1g.5gb on its GPU cannot be made beside it.
     let beside = vec![format!("{other}-mig-1g-5gb-0")];
-    let err = backend.allocate(&beside).unwrap_err().to_string();
+    let err = backend.prepare_devices(&beside).unwrap_err().to_string();
     assert!(err.contains("insufficient resources"), "{err}");
     // Unprepared: NVML destroys it, and the GPU takes the 1g.5gb.
     let (seven_claim, seven_uid) = &prepared[0];
@@ -224,8 +225,8 @@ async fn the_scheduler_picks_mig_partitions_that_fit_and_prepare_makes_them() {
         .await
         .unwrap();
     assert!(answer[seven_uid].is_ok(), "{answer:?}");
-    backend.allocate(&beside).unwrap();
-    backend.release(&beside).unwrap();
+    backend.prepare_devices(&beside).unwrap();
+    backend.unprepare_devices(&beside).unwrap();
     assert!(dra.driver.shutdown().await.is_empty());
     dra.kubelet.stop().await;
 }

@@ -1,11 +1,11 @@
 //! What the DRA tests against the real API server share: a node's kubelet (the simulator, its
-//! plugin watcher in a temp folder) with devplug's DRA driver registered to it, and a
-//! namespace. Each test binary uses what it needs of it.
+//! plugin watcher in a temp folder) with devplug's DRA driver registered to it, a namespace,
+//! claims and pods, and waits for allocations and slices.
 
-#![allow(dead_code)] // not every test binary uses every helper
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test support: a failure is the test's
 
-use devplug::Backend;
 use devplug_dra::kubelet::{KubeletDirs, Registered};
+use devplug_dra::ClaimBackend;
 use devplug_dra::{DraDriver, DraDriverSettings};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::PostParams;
@@ -32,7 +32,7 @@ pub async fn start(
     client: &kube::Client,
     node: &str,
     driver: &str,
-    backend: Arc<dyn Backend>,
+    backend: Arc<dyn ClaimBackend>,
 ) -> DraNode {
     let root = tempfile::tempdir().unwrap();
     let device_plugins = root.path().join("device-plugins");
@@ -62,7 +62,7 @@ pub async fn start(
 /// Starts the driver of `settings` and waits until the kubelet has registered it.
 pub async fn start_driver(
     settings: &DraDriverSettings,
-    backend: Arc<dyn Backend>,
+    backend: Arc<dyn ClaimBackend>,
     client: &kube::Client,
 ) -> DraDriver {
     let driver = DraDriver::start(settings.clone(), backend, client.clone())
@@ -146,12 +146,10 @@ pub async fn allocation(
 /// The shared control plane with the scheduler running, a client, and node `node` made
 /// schedulable; `None` (the test skips, loudly) without `KUBEBUILDER_ASSETS`.
 pub async fn scheduled(test: &str, node: &str) -> Option<kube::Client> {
-    let server = devplug_testkit::api_server::ApiServer::shared(test)?;
+    let server = crate::api_server::ApiServer::shared(test)?;
     server.start_scheduler().unwrap();
-    let client = devplug_testkit::api_server::client(&server.kubeconfig)
-        .await
-        .unwrap();
-    devplug_testkit::api_server::schedulable_node(&client, node).await;
+    let client = crate::api_server::client(&server.kubeconfig).await.unwrap();
+    crate::api_server::schedulable_node(&client, node).await;
     Some(client)
 }
 
@@ -166,7 +164,7 @@ pub async fn pool(
 ) -> Vec<k8s_openapi::api::resource::v1::ResourceSlice> {
     let slices: Api<k8s_openapi::api::resource::v1::ResourceSlice> = Api::all(client.clone());
     let fields = format!("spec.nodeName={node},spec.driver={driver}");
-    devplug_testkit::api_server::until(what, Duration::from_secs(20), || async {
+    crate::api_server::until(what, Duration::from_secs(20), || async {
         let list = slices
             .list(&kube::api::ListParams::default().fields(&fields))
             .await

@@ -9,7 +9,7 @@
 //! computes it), so older runtimes, which reject versions newer than they know, still load it:
 //! `0.5.0` once a device name starts with a digit (PCI addresses) or a node has a `hostPath`.
 
-use devplug::ContainerEdits;
+use crate::edits::ContainerEdits;
 use serde::Serialize;
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
@@ -346,7 +346,7 @@ impl Drop for CdiWriter {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use devplug::{DeviceNode, Mount};
+    use crate::edits::{DeviceNode, Mount};
 
     fn node(host: &str, container: &str) -> DeviceNode {
         DeviceNode {

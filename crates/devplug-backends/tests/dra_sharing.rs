@@ -10,12 +10,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
-mod common;
+use devplug_testkit::dra_node as common;
 
-use devplug::Backend;
 use devplug_backends::virtual_devices::{
     VirtualBackend, VirtualPartitions, VirtualSettings, VirtualShare,
 };
+use devplug_dra::ClaimBackend;
 use devplug_testkit::api_server::until;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim, ResourceSlice};
@@ -56,7 +56,7 @@ async fn the_scheduler_packs_shares_and_each_container_gets_its_limits() {
         }),
         ..VirtualSettings::new(2)
     };
-    let backend: Arc<dyn Backend> = Arc::new(VirtualBackend::new(&settings).unwrap());
+    let backend: Arc<dyn ClaimBackend> = Arc::new(VirtualBackend::new(&settings).unwrap());
     let dra = common::start(&client, NODE, DRIVER, backend).await;
     let (kubelet, driver_settings) = (&dra.kubelet, &dra.settings);
 
@@ -217,7 +217,7 @@ async fn the_scheduler_never_gives_out_overlapping_partitions() {
         }),
         ..VirtualSettings::new(1)
     };
-    let backend: Arc<dyn Backend> = Arc::new(VirtualBackend::new(&settings).unwrap());
+    let backend: Arc<dyn ClaimBackend> = Arc::new(VirtualBackend::new(&settings).unwrap());
     let dra = common::start(&client, NODE, DRIVER, backend).await;
     let (kubelet, driver_settings) = (&dra.kubelet, &dra.settings);
 

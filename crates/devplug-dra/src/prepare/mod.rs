@@ -1,0 +1,426 @@
+//! `NodePrepareResources` and `NodeUnprepareResources` for one driver, without the gRPC: what
+//! the kubelet asks for, claim by claim, with an answer for every claim and never a whole-call
+//! failure for one bad claim.
+//!
+//! Preparing a claim: its allocation from the [`ClaimSource`] (our driver's results only, in our
+//! pool), checked against the devices that other prepared claims hold ([`conflicts`]), the
+//! devices looked up by their slice names in the backend's newest list and grouped by request
+//! ([`plan`]: a device that left or is unhealthy is that claim's error), the backend's edits
+//! for each request ([`ClaimBackend::prepare_devices`] for the devices given whole,
+//! [`ClaimBackend::prepare_share`] for shares; run off the runtime by [`handover`]; its
+//! `pre_start` too when the backend asks for it), one CDI spec file per claim written
+//! atomically with one CDI device per request ([`claim_spec`]), then the claim in the
+//! checkpoint, then the answer.
+//!
+//! Repeats are answered from the checkpoint; unpreparing a claim we do not know is a success.
+//! The claims of a call are read from the API server first, all at once and under one deadline
+//! for the call, with nothing locked: a slow or hung API server makes only that call slow, and
+//! an unprepare, which needs no API server, never waits for it. The rest (the backend, the CDI
+//! spec, the checkpoint) is serialized per driver, as the checkpoint is one file.
+
+mod claim_spec;
+mod conflicts;
+mod error;
+mod handover;
+mod plan;
+#[cfg(test)]
+mod tests;
+
+pub use claim_spec::{remove_stale_specs, restore_spec, spec_path};
+pub use error::PrepareError;
+pub(crate) use handover::restore_shares;
+
+use super::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, PreparedDevice};
+use super::claims::{AllocatedDevice, ClaimRef, ClaimSource};
+use crate::claim_backend::ClaimBackend;
+use conflicts::{holders_of, refuse_taken_devices, whole_ids};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Mutex;
+
+/// How long the claim reads of one call may take together (the kubelet gives the whole call
+/// 45 s; the rest of a prepare is local and quick).
+pub const CLAIM_READ_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Per-claim results of a call, by claim UID.
+pub type ClaimResults<T> = BTreeMap<String, Result<T, PrepareError>>;
+
+/// A claim's allocation as read at the start of a call: `None` when the claim was prepared
+/// already, so nothing was read.
+type Read = Option<Result<Vec<AllocatedDevice>, PrepareError>>;
+
+/// Where a driver keeps its files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrepareFiles {
+    /// Folder of the CDI spec files (`/var/run/cdi`).
+    pub cdi_dir: PathBuf,
+    /// The checkpoint file.
+    pub checkpoint: PathBuf,
+}
+
+/// Prepares and unprepares the claims of one driver.
+pub struct Preparer {
+    driver: String,
+    pool: String,
+    backend: Arc<dyn ClaimBackend>,
+    claims: Arc<dyn ClaimSource>,
+    files: PrepareFiles,
+    state: Mutex<Checkpoint>,
+    read_deadline: Duration,
+}
+
+impl Preparer {
+    /// A preparer of `driver`'s claims for `pool` (the node name), reading the checkpoint.
+    pub fn new(
+        driver: &str,
+        pool: &str,
+        backend: Arc<dyn ClaimBackend>,
+        claims: Arc<dyn ClaimSource>,
+        files: PrepareFiles,
+    ) -> Result<Preparer, CheckpointError> {
+        let checkpoint = Checkpoint::load(&files.checkpoint, driver)?;
+        remove_stale_specs(&files.cdi_dir, driver, &checkpoint);
+        for (uid, claim) in &checkpoint.claims {
+            if let Err(err) = restore_spec(driver, uid, claim) {
+                tracing::error!(%driver, claim = %uid, error = %err, "a prepared claim's CDI spec is missing");
+            }
+        }
+        Ok(Preparer {
+            driver: driver.to_owned(),
+            pool: pool.to_owned(),
+            backend,
+            claims,
+            files,
+            state: Mutex::new(checkpoint),
+            read_deadline: CLAIM_READ_DEADLINE,
+        })
+    }
+
+    /// The same preparer with another deadline for the claim reads of one call (default
+    /// [`CLAIM_READ_DEADLINE`]).
+    pub fn with_read_deadline(mut self, deadline: Duration) -> Preparer {
+        self.read_deadline = deadline;
+        self
+    }
+
+    /// The pool the driver publishes (the node's name).
+    pub fn pool(&self) -> &str {
+        &self.pool
+    }
+
+    /// The backend's device list, as it changes.
+    pub fn devices(&self) -> tokio::sync::watch::Receiver<devplug::DeviceList> {
+        self.backend.devices()
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn ClaimBackend> {
+        &self.backend
+    }
+
+    /// The driver's name.
+    pub fn driver(&self) -> &str {
+        &self.driver
+    }
+
+    /// The prepared claims now, by UID.
+    pub async fn prepared(&self) -> BTreeMap<String, PreparedClaim> {
+        self.state.lock().await.claims.clone()
+    }
+
+    /// The backend ids of the devices prepared claims hold shares of.
+    pub async fn shared_devices(&self) -> BTreeSet<String> {
+        self.state
+            .lock()
+            .await
+            .claims
+            .values()
+            .flat_map(|claim| &claim.devices)
+            .filter(|d| d.hold.share_id().is_some())
+            .map(|d| d.id.clone())
+            .collect()
+    }
+
+    /// Prepares every claim; one result per distinct claim UID.
+    pub async fn prepare(&self, claims: &[ClaimRef]) -> ClaimResults<Vec<PreparedDevice>> {
+        let mut distinct: Vec<&ClaimRef> = Vec::new();
+        for claim in claims {
+            if !distinct.iter().any(|c| c.uid == claim.uid) {
+                distinct.push(claim);
+            }
+        }
+        // The allocations of the claims not prepared yet, read with nothing locked.
+        let known: Vec<bool> = {
+            let state = self.state.lock().await;
+            distinct
+                .iter()
+                .map(|c| state.claims.contains_key(&c.uid))
+                .collect()
+        };
+        // One deadline for the call: each read ends by it, and a read that ends keeps its result.
+        let now = tokio::time::Instant::now();
+        let deadline = now
+            .checked_add(self.read_deadline)
+            .unwrap_or_else(|| now + Duration::from_secs(86_400));
+        let reads = distinct
+            .iter()
+            .zip(&known)
+            .map(|(claim, known)| async move {
+                if *known {
+                    return None;
+                }
+                Some(self.read_allocation(claim, deadline).await)
+            });
+        let read: Vec<Read> = futures_util::future::join_all(reads).await;
+        let released = self.released_holders(&read, deadline).await;
+
+        let mut results = BTreeMap::new();
+        let mut state = self.state.lock().await;
+        // The claims prepared by this call, recorded in one checkpoint write at the end (a
+        // write a claim would write the whole checkpoint n times for n claims).
+        let mut new: Vec<&ClaimRef> = Vec::new();
+        for (claim, allocation) in distinct.into_iter().zip(read) {
+            let known = state.claims.contains_key(&claim.uid);
+            let result = self
+                .prepare_one(&mut state, claim, allocation, &released)
+                .await;
+            match &result {
+                Err(err) => {
+                    tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot prepare the claim");
+                }
+                Ok(_) if !known => new.push(claim),
+                Ok(_) => {}
+            }
+            results.insert(claim.uid.clone(), result);
+        }
+        if new.is_empty() {
+            return results;
+        }
+        if let Err(err) = self.save(&state) {
+            for claim in new {
+                if let Some(undone) = state.claims.remove(&claim.uid) {
+                    let _ = std::fs::remove_file(&undone.cdi_spec);
+                    handover::release_after_failure(
+                        &self.driver,
+                        &self.backend,
+                        whole_ids(&undone.devices),
+                    )
+                    .await;
+                }
+                tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot prepare the claim");
+                results.insert(claim.uid.clone(), Err(err.clone()));
+            }
+            return results;
+        }
+        for claim in new {
+            let devices = state.claims.get(&claim.uid).map_or(0, |c| c.devices.len());
+            tracing::info!(driver = %self.driver, claim = %claim, devices, "claim prepared");
+        }
+        results
+    }
+
+    /// Reads one claim's allocation by `deadline`.
+    async fn read_allocation(
+        &self,
+        claim: &ClaimRef,
+        deadline: tokio::time::Instant,
+    ) -> Result<Vec<AllocatedDevice>, PrepareError> {
+        match tokio::time::timeout_at(deadline, self.claims.allocation(claim)).await {
+            Ok(read) => read.map_err(PrepareError::Claim),
+            Err(_) => Err(PrepareError::ClaimReadTimeout {
+                claim: claim.to_string(),
+                after: self.read_deadline,
+            }),
+        }
+    }
+
+    /// The prepared claims that hold a device the read allocations want, and that the API
+    /// server no longer has (deleted, or deallocated): the kubelet has yet to unprepare them
+    /// (a force-deleted pod, a kubelet restart; its reconcile runs every minute), and the
+    /// scheduler has given their devices away. Read with nothing locked, by `deadline`; a
+    /// holder that cannot be read counts as still holding.
+    async fn released_holders(
+        &self,
+        read: &[Read],
+        deadline: tokio::time::Instant,
+    ) -> HashSet<String> {
+        let wanted: Vec<&AllocatedDevice> = read
+            .iter()
+            .flatten()
+            .flatten()
+            .flatten()
+            .filter(|d| d.hold.is_exclusive())
+            .collect();
+        if wanted.is_empty() {
+            return HashSet::new();
+        }
+        let holders = holders_of(&*self.state.lock().await, &wanted);
+        let checks = holders.iter().map(|holder| async move {
+            let exists = tokio::time::timeout_at(deadline, self.claims.exists(holder)).await;
+            matches!(exists, Ok(Ok(false))).then(|| holder.uid.clone())
+        });
+        futures_util::future::join_all(checks)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    /// Prepares one claim, given its allocation as read (`None`: it was prepared already when
+    /// the call began) and the holders of its devices that the API server no longer has. A new
+    /// claim is in `state` but not yet in the checkpoint file: the caller writes it.
+    async fn prepare_one(
+        &self,
+        state: &mut Checkpoint,
+        claim: &ClaimRef,
+        allocation: Read,
+        released: &HashSet<String>,
+    ) -> Result<Vec<PreparedDevice>, PrepareError> {
+        if let Some(done) = state.claims.get(&claim.uid) {
+            restore_spec(&self.driver, &claim.uid, done)?;
+            return Ok(done.devices.clone());
+        }
+        let allocated = match allocation {
+            Some(read) => read?,
+            // Unprepared by a call that ran while this one read: read it now.
+            None => {
+                let deadline = tokio::time::Instant::now()
+                    .checked_add(self.read_deadline)
+                    .unwrap_or_else(tokio::time::Instant::now);
+                self.read_allocation(claim, deadline).await?
+            }
+        };
+        refuse_taken_devices(&self.driver, claim, state, &allocated, released)?;
+        let list = self.backend.devices().borrow().clone();
+        let plan::Plan {
+            requests,
+            mut devices,
+        } = plan::plan(&self.driver, &self.pool, claim, &allocated, &list)?;
+        let edits = handover::hand_over(&self.driver, &self.backend, requests).await?;
+        let spec = claim_spec::build(&self.cdi_kind(), &claim.uid, &edits, &mut devices);
+        let spec_json = spec.to_json();
+        if let Err(err) = self.finish(claim, &devices, &spec_json).await {
+            handover::release_after_failure(&self.driver, &self.backend, whole_ids(&devices)).await;
+            return Err(err);
+        }
+        let spec_path = self.spec_path(&claim.uid);
+        state.claims.insert(
+            claim.uid.clone(),
+            PreparedClaim {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                devices: devices.clone(),
+                cdi_spec: spec_path,
+                cdi_spec_json: Some(spec_json),
+            },
+        );
+        Ok(devices)
+    }
+
+    /// After the backend gave the devices: its pre-start hook, when it asks for one, and the
+    /// claim's CDI spec file.
+    async fn finish(
+        &self,
+        claim: &ClaimRef,
+        devices: &[PreparedDevice],
+        spec_json: &str,
+    ) -> Result<(), PrepareError> {
+        if self.backend.options().pre_start_required {
+            let ids: Vec<String> = devices.iter().map(|d| d.id.clone()).collect();
+            self.backend
+                .pre_start(&ids)
+                .await
+                .map_err(|e| PrepareError::PreStart(e.0))?;
+        }
+        claim_spec::write(&self.spec_path(&claim.uid), spec_json)
+    }
+
+    /// Unprepares every claim; one result per distinct claim UID.
+    pub async fn unprepare(&self, claims: &[ClaimRef]) -> ClaimResults<()> {
+        let mut results = BTreeMap::new();
+        let mut state = self.state.lock().await;
+        // Removed from `state` here, from the checkpoint file in one write at the end.
+        let mut removed: Vec<(&ClaimRef, PreparedClaim)> = Vec::new();
+        for claim in claims {
+            let result = self.unprepare_one(&mut state, claim).await;
+            match result {
+                Err(err) => {
+                    tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot unprepare the claim");
+                    results.insert(claim.uid.clone(), Err(err));
+                }
+                Ok(gone) => {
+                    removed.extend(gone.map(|g| (claim, g)));
+                    results.insert(claim.uid.clone(), Ok(()));
+                }
+            }
+        }
+        if removed.is_empty() {
+            return results;
+        }
+        if let Err(err) = self.save(&state) {
+            for (claim, gone) in removed {
+                state.claims.insert(claim.uid.clone(), gone);
+                tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot unprepare the claim");
+                results.insert(claim.uid.clone(), Err(err.clone()));
+            }
+            return results;
+        }
+        // Shared devices whose last share went with these claims.
+        let mut unshared: Vec<String> = Vec::new();
+        for (claim, gone) in &removed {
+            for released in &gone.devices {
+                let still_shared = state.claims.values().any(|other| {
+                    other
+                        .devices
+                        .iter()
+                        .any(|d| d.id == released.id && d.hold.share_id().is_some())
+                });
+                if released.hold.share_id().is_some() && !still_shared {
+                    unshared.push(released.id.clone());
+                }
+            }
+            tracing::info!(driver = %self.driver, claim = %claim, "claim unprepared");
+        }
+        handover::shares_released(&self.backend, unshared).await;
+        results
+    }
+
+    /// Releases what the backend made for one claim, removes its CDI spec and takes it out of
+    /// `state`; what was taken out (`None`: it was not prepared). The caller writes the
+    /// checkpoint.
+    async fn unprepare_one(
+        &self,
+        state: &mut Checkpoint,
+        claim: &ClaimRef,
+    ) -> Result<Option<PreparedClaim>, PrepareError> {
+        let Some(prepared) = state.claims.get(&claim.uid) else {
+            return Ok(None);
+        };
+        // What the backend made for the claim goes first: if it cannot, the claim stays
+        // prepared and the kubelet's retry tries again.
+        handover::release(&self.backend, whole_ids(&prepared.devices)).await?;
+        claim_spec::remove(&prepared.cdi_spec)?;
+        Ok(state.claims.remove(&claim.uid))
+    }
+
+    /// Writes `state` to the checkpoint file; the error as each claim of the call is told it.
+    fn save(&self, state: &Checkpoint) -> Result<(), PrepareError> {
+        state
+            .save(&self.files.checkpoint)
+            .map_err(|source| PrepareError::WriteCheckpoint {
+                path: self.files.checkpoint.clone(),
+                source: Arc::new(source),
+            })
+    }
+
+    /// The CDI kind of this driver's claim specs: `<driver>/claim`.
+    pub fn cdi_kind(&self) -> String {
+        format!("{}/claim", self.driver)
+    }
+
+    fn spec_path(&self, uid: &str) -> PathBuf {
+        spec_path(&self.files.cdi_dir, &self.driver, uid)
+    }
+}
