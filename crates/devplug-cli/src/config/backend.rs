@@ -206,32 +206,16 @@ impl ResourceConfig {
         let _span = tracing::error_span!("resource", resource = %self.name).entered();
         let name = self.name.as_str();
         let built: Result<Arc<dyn Backend>, SettingsError> = match &self.backend {
-            BackendConfig::Virtual(settings) => {
-                VirtualBackend::new(settings).map(|b| Arc::new(b) as _)
-            }
-            BackendConfig::Files(settings) => {
-                FilesBackend::start(settings).map(|b| Arc::new(b) as _)
-            }
-            BackendConfig::Hostdev(settings) => {
-                HostdevBackend::start(settings).map(|b| Arc::new(b) as _)
-            }
-            BackendConfig::Amdgpu(settings) => {
-                AmdgpuBackend::start(settings).map(|b| Arc::new(b) as _)
-            }
-            BackendConfig::IntelGpu(settings) => {
-                IntelGpuBackend::start(settings).map(|b| Arc::new(b) as _)
-            }
-            BackendConfig::Nvidia(settings) => {
-                NvidiaBackend::start(name, settings).map(|b| Arc::new(b) as _)
-            }
-            BackendConfig::Vfio(settings) => vfio::start(name, settings).map(|b| Arc::new(b) as _),
-            BackendConfig::Qat(settings) => {
-                vfio::start_qat(name, settings).map(|b| Arc::new(b) as _)
-            }
-            BackendConfig::Ascend(settings) => {
-                ascend::start(name, settings).map(|b| Arc::new(b) as _)
-            }
-            BackendConfig::Fpga(settings) => fpga::start(name, settings).map(|b| Arc::new(b) as _),
+            BackendConfig::Virtual(settings) => VirtualBackend::new(settings).map(shared),
+            BackendConfig::Files(settings) => FilesBackend::start(settings).map(shared),
+            BackendConfig::Hostdev(settings) => HostdevBackend::start(settings).map(shared),
+            BackendConfig::Amdgpu(settings) => AmdgpuBackend::start(settings).map(shared),
+            BackendConfig::IntelGpu(settings) => IntelGpuBackend::start(settings).map(shared),
+            BackendConfig::Nvidia(settings) => NvidiaBackend::start(name, settings).map(shared),
+            BackendConfig::Vfio(settings) => vfio::start(name, settings).map(shared),
+            BackendConfig::Qat(settings) => vfio::start_qat(name, settings).map(shared),
+            BackendConfig::Ascend(settings) => ascend::start(name, settings).map(shared),
+            BackendConfig::Fpga(settings) => fpga::start(name, settings).map(shared),
             // No device to serve: the callers build only resources that serve devices
             // (`serves_device_plugin`, and validation refuses `dra:` on an advertise: resource).
             BackendConfig::Advertise(_) => {
@@ -243,6 +227,11 @@ impl ResourceConfig {
         };
         built.map_err(|e| (self.backend.key(), e))
     }
+}
+
+/// A started backend, as the callers hold it.
+fn shared(backend: impl Backend + 'static) -> Arc<dyn Backend> {
+    Arc::new(backend)
 }
 
 #[cfg(test)]
@@ -302,7 +291,7 @@ mod tests {
                 .find(|l| l.trim_start().starts_with(&format!("{key}:")))
                 .unwrap();
             let text = format!("resources:\n  - name: a.com/x\n{line}\n");
-            let raw: super::super::raw::RawConfig = serde_saphyr::from_str(&text).unwrap();
+            let raw: crate::config::raw::RawConfig = serde_saphyr::from_str(&text).unwrap();
             let resolved = raw.resources.into_iter().next().unwrap().resolve().unwrap();
             assert_eq!(resolved.backend.key(), key);
         }
