@@ -7,7 +7,7 @@
 //! `advertise:` resources and `--node-events` use the API server (kube-rs), only in the full
 //! build (cargo feature `cluster`); devplug-lite refuses them at start, naming the field or flag.
 
-use crate::config::{BuiltBackend, Config, ResourceConfig};
+use crate::config::{BackendConfig, BuiltBackend, Config, ResourceConfig};
 use crate::endpoints::{self, Endpoints, ReloadCounters};
 use crate::reload::ConfigWatch;
 use anyhow::Context;
@@ -250,7 +250,10 @@ struct Cluster {
 fn advertised(resources: &[ResourceConfig]) -> BTreeMap<String, u64> {
     resources
         .iter()
-        .filter_map(|r| r.advertise.as_ref().map(|a| (r.name.clone(), a.count)))
+        .filter_map(|r| match &r.backend {
+            BackendConfig::Advertise(a) => Some((r.name.clone(), a.count)),
+            _ => None,
+        })
         .collect()
 }
 
