@@ -19,10 +19,11 @@
 //!
 //! Shared pieces: [`dra_attributes`] (what each backend's devices say about themselves for
 //! DRA selectors), [`placement`] (exact preferred allocation over a pair-weight matrix),
-//! [`cdi`] (CDI spec files, written atomically), `sysfs` (PCI and DRM reading), `sysfs_watch`
+//! [`replicas`] (spread or pack preferred allocation over shares of physical devices), [`cdi`]
+//! (CDI spec files, written atomically), `sysfs` (PCI and DRM reading), `sysfs_watch`
 //! (discover, follow with inotify, keep vanished GPUs Unhealthy), [`node_backend`] (the
-//! allocation, CDI and events shared by `vfio`, `qat`, `ascend` and `fpga`). The fake sysfs and /dev trees
-//! their tests run on are in the test kit (`devplug-testkit`), not here.
+//! allocation, CDI and events shared by `vfio`, `qat`, `ascend` and `fpga`). The fake sysfs and
+//! /dev trees their tests run on are in the test kit (`devplug-testkit`), not here.
 //!
 //! Each backend has a settings struct that deserializes from the config file (unknown fields are
 //! errors) and a `validate` that names the field and the fix.
@@ -39,6 +40,7 @@ pub mod intel_gpu;
 pub mod node_backend;
 pub mod nvidia;
 pub mod placement;
+pub mod replicas;
 pub mod settings;
 mod sysfs;
 mod sysfs_watch;

@@ -716,7 +716,7 @@ mod tests {
         let intel = config.resources[2].intel_gpu.as_ref().unwrap();
         assert_eq!(intel.driver, devplug_backends::intel_gpu::IntelDriver::Xe);
         assert_eq!(intel.count, 4);
-        assert_eq!(intel.policy, devplug_backends::hostdev::SharePolicy::Pack);
+        assert_eq!(intel.policy, devplug_backends::hostdev::ReplicaPolicy::Pack);
         assert!(!intel.by_path);
         assert_eq!(
             config.resources[2].backend_keys(),
@@ -751,7 +751,7 @@ mod tests {
         assert_eq!(gpu.replica_overrides[0].gpus.len(), 3);
         assert_eq!(
             gpu.replica_policy,
-            devplug_backends::hostdev::SharePolicy::Pack
+            devplug_backends::hostdev::ReplicaPolicy::Pack
         );
         assert_eq!(gpu.health.ignored_xids, [13, 43]);
         assert!(gpu.health.enabled);

@@ -22,8 +22,8 @@
 //! `NVIDIA_VISIBLE_DEVICES` (deduplicated UUIDs), CDI names `nvidia.com/gpu=<uuid>` backed by a
 //! spec file written atomically, and/or the device nodes, as configured. Preferred allocation
 //! is the exact search of [`crate::placement`] over NVLink and PCIe scores for whole GPUs, and
-//! `spread`/`pack` over replicas. NVML missing or failing never ends the process: the resource
-//! serves nothing (or Unhealthy devices) and retries.
+//! [`crate::replicas`] (`spread`/`pack`) over replicas. NVML missing or failing never ends the
+//! process: the resource serves nothing (or Unhealthy devices) and retries.
 
 mod driver_files;
 mod health;
@@ -48,7 +48,6 @@ pub use settings::{ListStrategy, MigStrategy, MpsShare, NvidiaSettings, DEFAULT_
 pub use view::{parse_mig_minors, CDI_KIND, MIG_MINORS, NVLINK_SCORE};
 
 use crate::cdi::{qualified_name, CdiWriter};
-use crate::hostdev::SharePolicy;
 use crate::inotify_batch::Batches;
 use crate::settings::SettingsError;
 use crate::sysfs::dev_node;
@@ -57,14 +56,14 @@ use devplug::{
 };
 use inotify::WatchMask;
 use mps::MpsDaemons;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::watch;
 use tokio_util::sync::{CancellationToken, DropGuard};
-use view::View;
+use view::{UnitKind, View};
 use worker::Shared;
 
 /// The env var NVIDIA's container runtime reads.
@@ -299,10 +298,13 @@ impl NvidiaBackend {
         })?;
         let view = self.view();
         let gpu = view.served(id)?;
-        if gpu.mig.is_some() {
-            return Err(AllocateError::InvalidRequest(format!(
-                "{id} is a MIG device: only whole GPUs are shared through MPS"
-            )));
+        match gpu.kind {
+            UnitKind::Gpu => {}
+            UnitKind::Mig { .. } | UnitKind::Partition(_) => {
+                return Err(AllocateError::InvalidRequest(format!(
+                    "{id} is a MIG device: only whole GPUs are shared through MPS"
+                )))
+            }
         }
         let driver = view.driver.as_ref();
         let program = driver
@@ -426,7 +428,7 @@ impl Backend for NvidiaBackend {
     fn preferred(&self, request: &PreferenceRequest<'_>) -> Vec<String> {
         let view = self.view();
         let out = if view.shared {
-            prefer_replicas(&view, request, self.settings.replica_policy)
+            crate::replicas::prefer(request, &view.shares(), self.settings.replica_policy)
         } else {
             let index = |ids: &[String]| -> Vec<usize> {
                 ids.iter()
@@ -472,83 +474,4 @@ impl Backend for NvidiaBackend {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
-}
-
-/// Replicas: must-include first; then, per pick, `spread` takes a GPU this request has not
-/// used yet with the fewest replicas in use (by other containers: its replicas not in
-/// `available`), `pack` the GPU with the most in use (this request's picks included), NUMA
-/// node of the request's first GPU as the tie-break, then GPU order.
-fn prefer_replicas(
-    view: &View,
-    request: &PreferenceRequest<'_>,
-    policy: SharePolicy,
-) -> Vec<String> {
-    let mut chosen: Vec<String> = request.must_include.to_vec();
-    let mut free: HashMap<usize, Vec<&String>> = HashMap::new();
-    let taken: HashSet<&str> = chosen.iter().map(String::as_str).collect();
-    for id in request.available {
-        if taken.contains(id.as_str()) {
-            continue;
-        }
-        if let Some(&g) = view.index.get(id) {
-            free.entry(g).or_default().push(id);
-        }
-    }
-    for ids in free.values_mut() {
-        ids.sort();
-        ids.dedup();
-        ids.reverse(); // pop() gives the lowest id
-    }
-    let mut in_use: HashMap<usize, usize> = HashMap::new();
-    let mut mine: HashMap<usize, usize> = HashMap::new();
-    for (g, gpu) in view.gpus.iter().enumerate() {
-        let available = free.get(&g).map_or(0, Vec::len);
-        in_use.insert(g, gpu.ids.len().saturating_sub(available));
-    }
-    for id in &chosen {
-        if let Some(&g) = view.index.get(id) {
-            *mine.entry(g).or_default() += 1;
-        }
-    }
-    let home = chosen
-        .first()
-        .and_then(|id| view.index.get(id))
-        .and_then(|&g| view.gpus[g].numa);
-    while chosen.len() < request.size {
-        let need = request.size.saturating_sub(chosen.len());
-        let best = free
-            .iter()
-            .filter(|(_, ids)| !ids.is_empty())
-            .map(|(&g, ids)| (g, ids.len()))
-            .min_by_key(|&(g, left)| {
-                let used = in_use.get(&g).copied().unwrap_or(0) as i64;
-                let here = mine.get(&g).copied().unwrap_or(0) as i64;
-                let left = left as i64;
-                let numa_miss = home.is_some() && view.gpus[g].numa != home;
-                match policy {
-                    SharePolicy::Spread => (here, used, -left, numa_miss, g),
-                    // The most used GPU; among equals, the smallest that holds the rest of
-                    // the request, else the one with the most left.
-                    SharePolicy::Pack => {
-                        let fits = left >= need as i64;
-                        (
-                            -used,
-                            i64::from(!fits),
-                            if fits { left } else { -left },
-                            numa_miss,
-                            g,
-                        )
-                    }
-                }
-            })
-            .map(|(g, _)| g);
-        let Some(g) = best else { break };
-        let Some(id) = free.get_mut(&g).and_then(Vec::pop) else {
-            break;
-        };
-        *mine.entry(g).or_default() += 1;
-        *in_use.entry(g).or_default() += 1;
-        chosen.push(id.clone());
-    }
-    chosen
 }

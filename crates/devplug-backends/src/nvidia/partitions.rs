@@ -18,13 +18,13 @@ use devplug::{AllocateError, ContainerEdits, ReleaseError};
 /// True when any of `ids` is a partition of `view`.
 pub(super) fn any(view: &View, ids: &[String]) -> bool {
     ids.iter()
-        .any(|id| view.served(id).is_ok_and(|g| g.partition.is_some()))
+        .any(|id| view.served(id).is_ok_and(|g| g.partition().is_some()))
 }
 
 /// The partition served as `id`.
 fn partition<'v>(view: &'v View, id: &str) -> Result<(&'v ServedGpu, &'v Partition), String> {
     let gpu = view.served(id).map_err(|e| e.to_string())?;
-    match &gpu.partition {
+    match gpu.partition() {
         Some(part) => Ok((gpu, part)),
         None => Err(format!(
             "{id} is a whole GPU and the request also has MIG partitions; ask for them in \
@@ -122,7 +122,7 @@ pub(super) fn release(
     let mut failed = Vec::new();
     for id in ids {
         let (gpu, part) = match view.served(id) {
-            Ok(gpu) => match &gpu.partition {
+            Ok(gpu) => match gpu.partition() {
                 Some(part) => (gpu, part),
                 None => continue,
             },
