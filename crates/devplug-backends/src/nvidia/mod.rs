@@ -4,6 +4,7 @@
 //!   [`GpuSession`]).
 //! - `nvml`: its real implementation with `nvml-wrapper`, loaded at run time.
 //! - `view`: one resource's GPUs, replica ids, CDI spec and pair matrix.
+//! - `edits`: what a container is given for its units, by the list strategy.
 //! - `health`: one state per physical GPU, recovering on a positive signal.
 //! - `worker`: the dedicated thread that owns NVML.
 //! - `settings`: the config keys.
@@ -26,6 +27,7 @@
 //! process: the resource serves nothing (or Unhealthy devices) and retries.
 
 mod driver_files;
+mod edits;
 mod health;
 mod mig_ids;
 mod mig_instances;
@@ -47,16 +49,15 @@ pub use seam::{
 pub use settings::{ListStrategy, MigStrategy, MpsShare, NvidiaSettings, DEFAULT_IGNORED_XIDS};
 pub use view::{parse_mig_minors, CDI_KIND, MIG_MINORS, NVLINK_SCORE};
 
-use crate::cdi::{qualified_name, CdiWriter};
+use crate::cdi::CdiWriter;
 use crate::inotify_batch::Batches;
 use crate::settings::SettingsError;
-use crate::sysfs::dev_node;
 use devplug::{
     AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest, ReleaseError,
 };
 use inotify::WatchMask;
 use mps::MpsDaemons;
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
@@ -289,6 +290,12 @@ async fn watch_driver(
 }
 
 impl NvidiaBackend {
+    /// The container's edits for `units` of `view` ([`edits`]).
+    fn container_edits(&self, view: &View, units: &[edits::Given]) -> ContainerEdits {
+        let cdi_ready = self.shared.cdi_ready.load(Ordering::Acquire);
+        edits::container_edits(&self.settings, view, cdi_ready, units)
+    }
+
     /// The MPS daemons, the driver's MPS program and the GPU's UUID for a share of `id`.
     fn mps_for(&self, id: &str) -> Result<(&MpsDaemons, mps::MpsProgram, String), AllocateError> {
         let mps = self.mps.as_ref().ok_or_else(|| {
@@ -333,7 +340,8 @@ impl Backend for NvidiaBackend {
         let view = self.view();
         if partitions::any(&view, ids) {
             let partitioner = self.partitioner().map_err(AllocateError::Failed)?;
-            return partitions::allocate(&self.settings, &view, partitioner, ids);
+            let made = partitions::create(&self.settings, &view, partitioner, ids)?;
+            return Ok(self.container_edits(&view, &made));
         }
         if self.settings.fail_requests_greater_than_one && view.shared && ids.len() > 1 {
             return Err(AllocateError::InvalidRequest(format!(
@@ -342,47 +350,8 @@ impl Backend for NvidiaBackend {
                 ids.len()
             )));
         }
-        let mut gpus = Vec::new();
-        let mut seen = HashSet::new();
-        for id in ids {
-            let gpu = view.served(id)?;
-            if seen.insert(gpu.uuid()) {
-                gpus.push(gpu);
-            }
-        }
-        let mut edits = ContainerEdits::default();
-        if self.settings.sends(ListStrategy::Envvar) {
-            let uuids: Vec<&str> = gpus.iter().map(|g| g.uuid()).collect();
-            edits
-                .envs
-                .insert(VISIBLE_DEVICES_ENV.into(), uuids.join(","));
-        }
-        if self.settings.sends(ListStrategy::DeviceSpecs) {
-            let dev_root = &self.settings.dev_root;
-            for node in View::control_nodes(dev_root) {
-                edits.devices.push(dev_node(dev_root, &node));
-            }
-            let mut given = HashSet::new();
-            for gpu in &gpus {
-                // Two MIG devices of one GPU share its node: given once.
-                for node in gpu.nodes() {
-                    if given.insert(node.clone()) {
-                        edits.devices.push(dev_node(dev_root, &node));
-                    }
-                }
-            }
-            // The same driver files as the CDI spec's common edits (one model).
-            edits.mounts = view.driver_mounts();
-        }
-        if self.settings.sends(ListStrategy::CdiCri)
-            && self.shared.cdi_ready.load(Ordering::Acquire)
-        {
-            edits.cdi_devices = gpus
-                .iter()
-                .map(|g| qualified_name(CDI_KIND, g.uuid()))
-                .collect();
-        }
-        Ok(edits)
+        let units = edits::served(&view, ids)?;
+        Ok(self.container_edits(&view, &units))
     }
 
     /// A share of a whole GPU: the GPU as [`Backend::allocate`] gives it, on the GPU's MPS
