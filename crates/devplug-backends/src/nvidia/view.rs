@@ -625,8 +625,8 @@ impl View {
             ..Default::default()
         };
         let mut spec = Spec::new(CDI_KIND).common(&common);
-        // Partitions are not in it: their MIG devices exist only once created, and their edits
-        // are made then (`NvidiaBackend::allocate`).
+        // Partitions are not in it: their MIG devices exist only once created, and they are
+        // given by their nodes then (`edits`).
         for gpu in &self.gpus {
             match gpu.kind {
                 UnitKind::Gpu | UnitKind::Mig { .. } => {}
