@@ -19,10 +19,11 @@
 //!
 //! Shared pieces: [`dra_attributes`] (what each backend's devices say about themselves for
 //! DRA selectors), [`placement`] (exact preferred allocation over a pair-weight matrix),
+//! [`replicas`] (spread or pack preferred allocation over shares of physical devices),
 //! `sysfs` (PCI and DRM reading), `sysfs_watch`
 //! (discover, follow with inotify, keep vanished GPUs Unhealthy), [`node_backend`] (the
-//! allocation, CDI and events shared by `vfio`, `qat`, `ascend` and `fpga`). The fake sysfs and /dev trees
-//! their tests run on are in the test kit (`devplug-testkit`), not here.
+//! allocation, CDI and events shared by `vfio`, `qat`, `ascend` and `fpga`). The fake sysfs and
+//! /dev trees their tests run on are in the test kit (`devplug-testkit`), not here.
 //!
 //! With the `dra` feature (on by default), every backend is also a
 //! [`devplug_dra::ClaimBackend`], so any of them can be served as a DRA driver: `virtual` and
@@ -45,6 +46,7 @@ pub mod intel_gpu;
 pub mod node_backend;
 pub mod nvidia;
 pub mod placement;
+pub mod replicas;
 pub mod settings;
 mod sysfs;
 mod sysfs_watch;

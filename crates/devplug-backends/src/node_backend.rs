@@ -3,7 +3,7 @@
 //! and `fpga`. Each of those modules only scans sysfs and /dev into a list of [`Found`]
 //! devices; the rest is here, once: following changes with inotify and keeping a vanished
 //! device Unhealthy with the reason (`sysfs_watch`), the CDI spec, allocation, and NUMA-first
-//! preferred allocation (`hostdev::prefer`).
+//! preferred allocation ([`crate::replicas`]).
 //!
 //! Allocation gives each device's nodes, the nodes every device needs (`/dev/vfio/vfio`,
 //! `/dev/davinci_manager`) once, and the environment in the backend's [`EnvNaming`]: one list
@@ -11,8 +11,7 @@
 //! one numbered variable per value (`QAT0`, `QAT1`). With CDI on, the devices' CDI names are
 //! sent as well (kind = the resource name).
 
-use crate::hostdev::prefer::{prefer, ShareInfo};
-use crate::hostdev::SharePolicy;
+use crate::replicas::{prefer, ReplicaPolicy, ShareInfo};
 use crate::settings::SettingsError;
 use crate::sysfs::{dev_node, node_edits};
 use crate::sysfs_watch::{Entry, Scan, ScanFn, Watched, Words};
@@ -240,7 +239,7 @@ impl Backend for NodeBackend {
 
     fn preferred(&self, request: &PreferenceRequest<'_>) -> Vec<String> {
         let state = self.watched.state();
-        prefer(request, &state.shares, SharePolicy::Spread)
+        prefer(request, &state.shares, ReplicaPolicy::Spread)
     }
 
     fn options(&self) -> Options {

@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used)] // a panic in a test is a failed test
 
 use devplug::{Backend, Host};
-use devplug_backends::hostdev::{GroupSettings, PciMatch, SharePolicy, UsbMatch};
+use devplug_backends::hostdev::{GroupSettings, PciMatch, ReplicaPolicy, UsbMatch};
 use devplug_backends::{HostdevBackend, HostdevSettings};
 use kubelet_sim::Kubelet;
 use std::os::unix::fs::symlink;
@@ -376,8 +376,8 @@ async fn shared_devices_spread_or_pack() {
     let (kubelet, host) = serve(
         &fake,
         vec![
-            ("example.com/spread", render(SharePolicy::Spread)),
-            ("example.com/pack", render(SharePolicy::Pack)),
+            ("example.com/spread", render(ReplicaPolicy::Spread)),
+            ("example.com/pack", render(ReplicaPolicy::Pack)),
         ],
     )
     .await;

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used)] // a panic in a test is a failed test
 
 use devplug::{Backend, Host};
-use devplug_backends::hostdev::SharePolicy;
+use devplug_backends::hostdev::ReplicaPolicy;
 use devplug_backends::intel_gpu::IntelDriver;
 use devplug_backends::{IntelGpuBackend, IntelGpuSettings};
 use devplug_testkit::fake_sysfs::{intel_pair, scratch_dir, FakeSysfs, IntelGpu};
@@ -133,8 +133,8 @@ async fn shares_spread_or_pack_and_no_by_path_folder_means_no_mounts() {
     let (kubelet, host) = serve(
         &tree,
         vec![
-            ("gpu.intel.com/spread", shared(SharePolicy::Spread)),
-            ("gpu.intel.com/pack", shared(SharePolicy::Pack)),
+            ("gpu.intel.com/spread", shared(ReplicaPolicy::Spread)),
+            ("gpu.intel.com/pack", shared(ReplicaPolicy::Pack)),
         ],
     )
     .await;

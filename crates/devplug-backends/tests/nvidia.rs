@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used)] // a panic in a test is a failed test
 
 use devplug::{Backend, Host, PreferenceRequest};
-use devplug_backends::hostdev::SharePolicy;
+use devplug_backends::hostdev::ReplicaPolicy;
 use devplug_backends::nvidia::{
     sysfs_bus_id, ListStrategy, MigStrategy, NvidiaBackend, NvidiaSettings,
 };
@@ -402,7 +402,7 @@ async fn each_list_strategy_alone() {
 #[tokio::test]
 async fn replicas_with_per_gpu_counts_spread_pack_and_fail_greater_than_one() {
     let node = Node::new("pcie-4gpu", true);
-    let shared = |policy: SharePolicy, fail: bool| {
+    let shared = |policy: ReplicaPolicy, fail: bool| {
         let mut s = node.settings();
         s.replicas = 2;
         s.replica_overrides = vec![devplug_backends::nvidia::settings::ReplicaOverride {
@@ -416,9 +416,9 @@ async fn replicas_with_per_gpu_counts_spread_pack_and_fail_greater_than_one() {
     let (kubelet, _host, _b) = serve(
         &node,
         vec![
-            ("nvidia.com/gpu", shared(SharePolicy::Spread, false)),
-            ("example.com/packed", shared(SharePolicy::Pack, false)),
-            ("example.com/strict", shared(SharePolicy::Spread, true)),
+            ("nvidia.com/gpu", shared(ReplicaPolicy::Spread, false)),
+            ("example.com/packed", shared(ReplicaPolicy::Pack, false)),
+            ("example.com/strict", shared(ReplicaPolicy::Spread, true)),
         ],
     )
     .await;

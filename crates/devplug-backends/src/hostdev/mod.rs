@@ -3,7 +3,6 @@
 //!
 //! - `settings`: the config (groups by glob, USB id or PCI id; sharing; permissions).
 //! - `discover`: scanning /dev and sysfs.
-//! - `prefer`: NUMA-first, spread or pack preferred allocation.
 //!
 //! Hotplug is event-driven: inotify on the dev root and the folders the patterns and nodes live
 //! in; a burst of events is debounced (quiet for 10 ms, at most 100 ms) into one rescan and one
@@ -11,14 +10,14 @@
 //! globbed or USB/PCI device that vanishes is removed.
 
 mod discover;
-pub(crate) mod prefer;
 pub mod settings;
 
 pub use settings::{
-    GroupSettings, HostdevSettings, MountSettings, PciMatch, SharePolicy, UsbMatch,
+    GroupSettings, HostdevSettings, MountSettings, PciMatch, ReplicaPolicy, UsbMatch,
 };
 
 use crate::inotify_batch::Batches;
+use crate::replicas::ShareInfo;
 use crate::settings::SettingsError;
 use devplug::{
     AllocateError, Backend, BackendWarning, ContainerEdits, Device, DeviceList, DeviceNode, Health,
@@ -26,7 +25,6 @@ use devplug::{
 };
 use discover::{discover, Discovery, Physical};
 use inotify::WatchMask;
-use prefer::ShareInfo;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, RwLock};
@@ -220,7 +218,7 @@ impl Backend for HostdevBackend {
 
     fn preferred(&self, request: &PreferenceRequest<'_>) -> Vec<String> {
         let inventory = self.inventory.read().unwrap_or_else(|e| e.into_inner());
-        prefer::prefer(request, &inventory.shares, self.settings.policy)
+        crate::replicas::prefer(request, &inventory.shares, self.settings.policy)
     }
 
     fn options(&self) -> Options {

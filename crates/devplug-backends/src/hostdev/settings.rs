@@ -1,6 +1,7 @@
 //! Settings of the `hostdev` backend: groups of host device nodes found by glob, USB id or PCI
 //! id, how many containers may share each device, and the permissions containers get.
 
+pub use crate::replicas::ReplicaPolicy;
 use crate::settings::{check_env_name, SettingsError};
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -16,7 +17,7 @@ pub struct HostdevSettings {
     pub count: u32,
     /// How preferred allocation places shared devices: `spread` (default) or `pack`.
     #[serde(default)]
-    pub policy: SharePolicy,
+    pub policy: ReplicaPolicy,
     /// If set, this env var receives the allocated ids, comma-separated.
     #[serde(default)]
     pub env: Option<String>,
@@ -149,17 +150,6 @@ pub struct MountSettings {
     pub read_only: bool,
 }
 
-/// How shared devices are chosen when a container needs several.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SharePolicy {
-    /// Take shares of as many different physical devices as possible.
-    #[default]
-    Spread,
-    /// Fill one physical device's shares before using the next.
-    Pack,
-}
-
 fn one() -> u32 {
     1
 }
@@ -186,7 +176,7 @@ impl HostdevSettings {
         HostdevSettings {
             groups,
             count: 1,
-            policy: SharePolicy::Spread,
+            policy: ReplicaPolicy::Spread,
             env: None,
             dev_root: default_dev_root(),
             sys_root: default_sys_root(),

@@ -5,7 +5,7 @@
 
 use super::settings::IntelGpuSettings;
 use crate::dra_attributes::Attributes;
-use crate::hostdev::prefer::ShareInfo;
+use crate::replicas::ShareInfo;
 use crate::sysfs::{node_edits, pci_device};
 use crate::sysfs_watch::{Entry, Scan};
 use devplug::attributes::DeviceAttributes;

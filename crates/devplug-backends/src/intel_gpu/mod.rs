@@ -90,7 +90,7 @@ impl Backend for IntelGpuBackend {
 
     fn preferred(&self, request: &PreferenceRequest<'_>) -> Vec<String> {
         let state = self.watched.state();
-        crate::hostdev::prefer::prefer(request, &state.shares, self.settings.policy)
+        crate::replicas::prefer(request, &state.shares, self.settings.policy)
     }
 
     fn options(&self) -> Options {

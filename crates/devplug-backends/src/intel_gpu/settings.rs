@@ -2,7 +2,7 @@
 //! serve, how many containers share each GPU and how shares are placed, `/dev/dri/by-path`
 //! mounts, CDI output, and the sysfs and dev roots (fake trees in tests).
 
-use crate::hostdev::SharePolicy;
+use crate::hostdev::ReplicaPolicy;
 use crate::settings::{
     check_roots, default_cdi_dir, default_dev_root, default_sys_root, yes, SettingsError,
 };
@@ -45,7 +45,7 @@ pub struct IntelGpuSettings {
     /// How preferred allocation places shares: `spread` (default, shares of different GPUs) or
     /// `pack` (fill one GPU's shares first).
     #[serde(default)]
-    pub policy: SharePolicy,
+    pub policy: ReplicaPolicy,
     /// Mount `/dev/dri/by-path/pci-<bdf>-{card,render}` read-only when that folder exists
     /// (default true).
     #[serde(default = "yes")]
@@ -71,7 +71,7 @@ impl Default for IntelGpuSettings {
         IntelGpuSettings {
             driver: IntelDriver::I915,
             count: 1,
-            policy: SharePolicy::Spread,
+            policy: ReplicaPolicy::Spread,
             by_path: true,
             cdi: true,
             cdi_dir: default_cdi_dir(),

@@ -14,7 +14,8 @@ impl ClaimBackend for NvidiaBackend {
         let view = self.view();
         if partitions::any(&view, ids) {
             let partitioner = self.partitioner().map_err(AllocateError::Failed)?;
-            return partitions::allocate(&self.settings, &view, partitioner, ids);
+            let made = partitions::create(&self.settings, &view, partitioner, ids)?;
+            return Ok(self.container_edits(&view, &made));
         }
         self.allocate(ids)
     }

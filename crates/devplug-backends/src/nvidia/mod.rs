@@ -4,6 +4,7 @@
 //!   [`GpuSession`]).
 //! - `nvml`: its real implementation with `nvml-wrapper`, loaded at run time.
 //! - `view`: one resource's GPUs, replica ids, CDI spec and pair matrix.
+//! - `edits`: what a container is given for its units, by the list strategy.
 //! - `health`: one state per physical GPU, recovering on a positive signal.
 //! - `worker`: the dedicated thread that owns NVML.
 //! - `settings`: the config keys.
@@ -23,8 +24,8 @@
 //! `NVIDIA_VISIBLE_DEVICES` (deduplicated UUIDs), CDI names `nvidia.com/gpu=<uuid>` backed by a
 //! spec file written atomically, and/or the device nodes, as configured. Preferred allocation
 //! is the exact search of [`crate::placement`] over NVLink and PCIe scores for whole GPUs, and
-//! `spread`/`pack` over replicas. NVML missing or failing never ends the process: the resource
-//! serves nothing (or Unhealthy devices) and retries.
+//! [`crate::replicas`] (`spread`/`pack`) over replicas. NVML missing or failing never ends the
+//! process: the resource serves nothing (or Unhealthy devices) and retries.
 
 // Without the `dra` feature (devplug-lite), what only DRA claims use (MIG partitions made per
 // claim, MPS daemons for shares) is compiled but never called.
@@ -33,6 +34,7 @@
 #[cfg(feature = "dra")]
 mod claims;
 mod driver_files;
+mod edits;
 mod health;
 mod mig_ids;
 mod mig_instances;
@@ -54,22 +56,20 @@ pub use seam::{
 pub use settings::{ListStrategy, MigStrategy, MpsShare, NvidiaSettings, DEFAULT_IGNORED_XIDS};
 pub use view::{parse_mig_minors, CDI_KIND, MIG_MINORS, NVLINK_SCORE};
 
-use crate::hostdev::SharePolicy;
 use crate::inotify_batch::Batches;
 use crate::settings::SettingsError;
-use crate::sysfs::dev_node;
-use devplug::cdi::{qualified_name, CdiWriter};
+use devplug::cdi::CdiWriter;
 use devplug::{AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest};
 use inotify::WatchMask;
 use mps::MpsDaemons;
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::watch;
 use tokio_util::sync::{CancellationToken, DropGuard};
-use view::View;
+use view::{UnitKind, View};
 use worker::Shared;
 
 /// The env var NVIDIA's container runtime reads.
@@ -295,6 +295,12 @@ async fn watch_driver(
 }
 
 impl NvidiaBackend {
+    /// The container's edits for `units` of `view` ([`edits`]).
+    fn container_edits(&self, view: &View, units: &[edits::Given]) -> ContainerEdits {
+        let cdi_ready = self.shared.cdi_ready.load(Ordering::Acquire);
+        edits::container_edits(&self.settings, view, cdi_ready, units)
+    }
+
     /// The MPS daemons, the driver's MPS program and the GPU's UUID for a share of `id`.
     fn mps_for(&self, id: &str) -> Result<(&MpsDaemons, mps::MpsProgram, String), AllocateError> {
         let mps = self.mps.as_ref().ok_or_else(|| {
@@ -304,10 +310,13 @@ impl NvidiaBackend {
         })?;
         let view = self.view();
         let gpu = view.served(id)?;
-        if gpu.mig.is_some() {
-            return Err(AllocateError::InvalidRequest(format!(
-                "{id} is a MIG device: only whole GPUs are shared through MPS"
-            )));
+        match gpu.kind {
+            UnitKind::Gpu => {}
+            UnitKind::Mig { .. } | UnitKind::Partition(_) => {
+                return Err(AllocateError::InvalidRequest(format!(
+                    "{id} is a MIG device: only whole GPUs are shared through MPS"
+                )))
+            }
         }
         let driver = view.driver.as_ref();
         let program = driver
@@ -347,53 +356,14 @@ impl Backend for NvidiaBackend {
                 ids.len()
             )));
         }
-        let mut gpus = Vec::new();
-        let mut seen = HashSet::new();
-        for id in ids {
-            let gpu = view.served(id)?;
-            if seen.insert(gpu.uuid()) {
-                gpus.push(gpu);
-            }
-        }
-        let mut edits = ContainerEdits::default();
-        if self.settings.sends(ListStrategy::Envvar) {
-            let uuids: Vec<&str> = gpus.iter().map(|g| g.uuid()).collect();
-            edits
-                .envs
-                .insert(VISIBLE_DEVICES_ENV.into(), uuids.join(","));
-        }
-        if self.settings.sends(ListStrategy::DeviceSpecs) {
-            let dev_root = &self.settings.dev_root;
-            for node in View::control_nodes(dev_root) {
-                edits.devices.push(dev_node(dev_root, &node));
-            }
-            let mut given = HashSet::new();
-            for gpu in &gpus {
-                // Two MIG devices of one GPU share its node: given once.
-                for node in gpu.nodes() {
-                    if given.insert(node.clone()) {
-                        edits.devices.push(dev_node(dev_root, &node));
-                    }
-                }
-            }
-            // The same driver files as the CDI spec's common edits (one model).
-            edits.mounts = view.driver_mounts();
-        }
-        if self.settings.sends(ListStrategy::CdiCri)
-            && self.shared.cdi_ready.load(Ordering::Acquire)
-        {
-            edits.cdi_devices = gpus
-                .iter()
-                .map(|g| qualified_name(CDI_KIND, g.uuid()))
-                .collect();
-        }
-        Ok(edits)
+        let units = edits::served(&view, ids)?;
+        Ok(self.container_edits(&view, &units))
     }
 
     fn preferred(&self, request: &PreferenceRequest<'_>) -> Vec<String> {
         let view = self.view();
         let out = if view.shared {
-            prefer_replicas(&view, request, self.settings.replica_policy)
+            crate::replicas::prefer(request, &view.shares(), self.settings.replica_policy)
         } else {
             let index = |ids: &[String]| -> Vec<usize> {
                 ids.iter()
@@ -439,83 +409,4 @@ impl Backend for NvidiaBackend {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
-}
-
-/// Replicas: must-include first; then, per pick, `spread` takes a GPU this request has not
-/// used yet with the fewest replicas in use (by other containers: its replicas not in
-/// `available`), `pack` the GPU with the most in use (this request's picks included), NUMA
-/// node of the request's first GPU as the tie-break, then GPU order.
-fn prefer_replicas(
-    view: &View,
-    request: &PreferenceRequest<'_>,
-    policy: SharePolicy,
-) -> Vec<String> {
-    let mut chosen: Vec<String> = request.must_include.to_vec();
-    let mut free: HashMap<usize, Vec<&String>> = HashMap::new();
-    let taken: HashSet<&str> = chosen.iter().map(String::as_str).collect();
-    for id in request.available {
-        if taken.contains(id.as_str()) {
-            continue;
-        }
-        if let Some(&g) = view.index.get(id) {
-            free.entry(g).or_default().push(id);
-        }
-    }
-    for ids in free.values_mut() {
-        ids.sort();
-        ids.dedup();
-        ids.reverse(); // pop() gives the lowest id
-    }
-    let mut in_use: HashMap<usize, usize> = HashMap::new();
-    let mut mine: HashMap<usize, usize> = HashMap::new();
-    for (g, gpu) in view.gpus.iter().enumerate() {
-        let available = free.get(&g).map_or(0, Vec::len);
-        in_use.insert(g, gpu.ids.len().saturating_sub(available));
-    }
-    for id in &chosen {
-        if let Some(&g) = view.index.get(id) {
-            *mine.entry(g).or_default() += 1;
-        }
-    }
-    let home = chosen
-        .first()
-        .and_then(|id| view.index.get(id))
-        .and_then(|&g| view.gpus[g].numa);
-    while chosen.len() < request.size {
-        let need = request.size.saturating_sub(chosen.len());
-        let best = free
-            .iter()
-            .filter(|(_, ids)| !ids.is_empty())
-            .map(|(&g, ids)| (g, ids.len()))
-            .min_by_key(|&(g, left)| {
-                let used = in_use.get(&g).copied().unwrap_or(0) as i64;
-                let here = mine.get(&g).copied().unwrap_or(0) as i64;
-                let left = left as i64;
-                let numa_miss = home.is_some() && view.gpus[g].numa != home;
-                match policy {
-                    SharePolicy::Spread => (here, used, -left, numa_miss, g),
-                    // The most used GPU; among equals, the smallest that holds the rest of
-                    // the request, else the one with the most left.
-                    SharePolicy::Pack => {
-                        let fits = left >= need as i64;
-                        (
-                            -used,
-                            i64::from(!fits),
-                            if fits { left } else { -left },
-                            numa_miss,
-                            g,
-                        )
-                    }
-                }
-            })
-            .map(|(g, _)| g);
-        let Some(g) = best else { break };
-        let Some(id) = free.get_mut(&g).and_then(Vec::pop) else {
-            break;
-        };
-        *mine.entry(g).or_default() += 1;
-        *in_use.entry(g).or_default() += 1;
-        chosen.push(id.clone());
-    }
-    chosen
 }

@@ -3,28 +3,27 @@
 //! GPU-instance profile and placement consuming them, so the scheduler only picks partitions
 //! that fit together. Allocation creates the partition's GPU instance and compute instance
 //! through NVML ([`MigPartitioner`]) and gives the container the new MIG device (its UUID, its
-//! GPU's node and its caps nodes); release destroys them.
+//! GPU's node and its caps nodes, as [`super::edits`] gives them); release destroys them.
 //!
 //! Nothing is remembered here: a partition is found again by its GPU, profile and placement,
 //! so a restart in between, or a release repeated, finds the same instance or none.
 
+use super::edits::Given;
 use super::seam::MigPartitioner;
 use super::settings::NvidiaSettings;
 use super::view::{caps_nodes, parse_mig_minors, Partition, ServedGpu, View, MIG_MINORS};
-use super::VISIBLE_DEVICES_ENV;
-use crate::sysfs::dev_node;
-use devplug::{AllocateError, ContainerEdits};
+use devplug::AllocateError;
 
 /// True when any of `ids` is a partition of `view`.
 pub(super) fn any(view: &View, ids: &[String]) -> bool {
     ids.iter()
-        .any(|id| view.served(id).is_ok_and(|g| g.partition.is_some()))
+        .any(|id| view.served(id).is_ok_and(|g| g.partition().is_some()))
 }
 
 /// The partition served as `id`.
 fn partition<'v>(view: &'v View, id: &str) -> Result<(&'v ServedGpu, &'v Partition), String> {
     let gpu = view.served(id).map_err(|e| e.to_string())?;
-    match &gpu.partition {
+    match gpu.partition() {
         Some(part) => Ok((gpu, part)),
         None => Err(format!(
             "{id} is a whole GPU and the request also has MIG partitions; ask for them in \
@@ -33,16 +32,15 @@ fn partition<'v>(view: &'v View, id: &str) -> Result<(&'v ServedGpu, &'v Partiti
     }
 }
 
-/// Creates the partitions `ids` and returns the container's edits: `NVIDIA_VISIBLE_DEVICES`
-/// with the new MIG devices' UUIDs, the control nodes, each GPU's node and each MIG device's
-/// caps nodes, and the driver's files. If one cannot be created, those created before it in
-/// this call are destroyed again.
-pub(super) fn allocate(
+/// Creates the partitions `ids` and returns their new MIG devices, each with its GPU's node and
+/// its caps nodes. If one cannot be created, those created before it in this call are
+/// destroyed again.
+pub(super) fn create(
     settings: &NvidiaSettings,
     view: &View,
     partitioner: &dyn MigPartitioner,
     ids: &[String],
-) -> Result<ContainerEdits, AllocateError> {
+) -> Result<Vec<Given>, AllocateError> {
     let mut made: Vec<&String> = Vec::new();
     let undo = |made: &[&String]| {
         for id in made {
@@ -53,8 +51,7 @@ pub(super) fn allocate(
             }
         }
     };
-    let mut uuids = Vec::new();
-    let mut nodes = Vec::new();
+    let mut made_units = Vec::new();
     let minors_path = settings.proc_root.join(MIG_MINORS);
     for id in ids {
         let created = partition(view, id)
@@ -91,25 +88,9 @@ pub(super) fn allocate(
             }
         };
         tracing::info!(partition = %id, mig = %mig.uuid, gi = mig.gi, ci = mig.ci, "MIG partition created");
-        uuids.push(mig.uuid);
-        for node in std::iter::once(View::gpu_node(&gpu.info)).chain(caps) {
-            if !nodes.contains(&node) {
-                nodes.push(node);
-            }
-        }
+        made_units.push(Given::partition(&gpu.info, &mig, caps));
     }
-    let dev_root = &settings.dev_root;
-    let mut edits = ContainerEdits::default();
-    edits
-        .envs
-        .insert(VISIBLE_DEVICES_ENV.into(), uuids.join(","));
-    edits.devices = View::control_nodes(dev_root)
-        .iter()
-        .chain(&nodes)
-        .map(|n| dev_node(dev_root, n))
-        .collect();
-    edits.mounts = view.driver_mounts();
-    Ok(edits)
+    Ok(made_units)
 }
 
 /// Destroys the partitions among `ids` (those already gone are fine). Every one is tried; the
@@ -122,7 +103,7 @@ pub(super) fn release(
     let mut failed = Vec::new();
     for id in ids {
         let (gpu, part) = match view.served(id) {
-            Ok(gpu) => match &gpu.partition {
+            Ok(gpu) => match gpu.partition() {
                 Some(part) => (gpu, part),
                 None => continue,
             },

@@ -1,7 +1,7 @@
 //! Settings of the `nvidia` backend: where NVML is, which GPUs this resource serves, what
 //! `Allocate` sends, time-slicing replicas (with per-GPU counts), and the health policy.
 
-use crate::hostdev::SharePolicy;
+use crate::hostdev::ReplicaPolicy;
 use crate::settings::{check_absolute, default_cdi_dir, default_dev_root, default_sys_root};
 use crate::SettingsError;
 use serde::Deserialize;
@@ -84,7 +84,7 @@ pub struct NvidiaSettings {
     /// Which replicas a container gets: `spread` (fewest used replicas first, distinct GPUs
     /// where possible; default) or `pack`.
     #[serde(default)]
-    pub replica_policy: SharePolicy,
+    pub replica_policy: ReplicaPolicy,
     /// Refuse a request for more than one replica (NVIDIA's `failRequestsGreaterThanOne`).
     #[serde(default)]
     pub fail_requests_greater_than_one: bool,
@@ -238,7 +238,7 @@ impl Default for NvidiaSettings {
             cdi_dir: default_cdi_dir(),
             replicas: 1,
             replica_overrides: Vec::new(),
-            replica_policy: SharePolicy::Spread,
+            replica_policy: ReplicaPolicy::Spread,
             fail_requests_greater_than_one: false,
             health: HealthSettings::default(),
             dev_root: default_dev_root(),

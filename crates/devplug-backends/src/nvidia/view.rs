@@ -9,6 +9,7 @@ use super::seam::{GiProfile, GpuInfo, MigInfo, Snapshot};
 use super::settings::{MigStrategy, NvidiaSettings};
 use crate::dra_attributes::Attributes;
 use crate::placement::PairMatrix;
+use crate::replicas::ShareInfo;
 use crate::sysfs::{dev_node, numa_node};
 use devplug::attributes::{
     CounterConsumption, CounterSet, DeviceAttributes, SharePolicy, MAX_COUNTER_SETS,
@@ -34,26 +35,37 @@ pub const NVLINK_SCORE: u32 = 100;
 /// Where the MIG caps minors are listed, under the proc root.
 pub const MIG_MINORS: &str = "driver/nvidia-caps/mig-minors";
 
-/// One served GPU, or one MIG device of it.
+/// One served unit: a whole GPU, a MIG device of it, or a MIG partition of it made per claim.
 #[derive(Debug, Clone)]
 pub struct ServedGpu {
-    /// What NVML said about the GPU (the parent, for a MIG device): its health, node and
-    /// NUMA node are the MIG device's.
+    /// What NVML said about the GPU (the parent, for a MIG device or partition): its health,
+    /// node and NUMA node are the unit's.
     pub info: GpuInfo,
-    /// The MIG device, if this is one.
-    pub mig: Option<MigInfo>,
-    /// A MIG device's GI and CI access nodes, relative to /dev
-    /// (`nvidia-caps/nvidia-cap<minor>`).
-    pub caps: Vec<PathBuf>,
+    /// What of the GPU this unit is.
+    pub kind: UnitKind,
     /// NUMA node from sysfs.
     pub numa: Option<i64>,
     /// Its device ids: the UUID, or `<uuid>::<n>` for each replica.
     pub ids: Vec<String>,
     /// Its DRA attributes and capacity (every replica has the same).
     pub attributes: Option<Box<DeviceAttributes>>,
-    /// A MIG partition to create at allocation (`mig_strategy: dynamic`), if this is one; `mig`
-    /// is then `None` (the MIG device exists only once created).
-    pub partition: Option<Partition>,
+}
+
+/// What of a GPU a served unit is.
+#[derive(Debug, Clone)]
+pub enum UnitKind {
+    /// The whole GPU.
+    Gpu,
+    /// A MIG device that exists (`mig_strategy` `single` or `mixed`).
+    Mig {
+        /// The MIG device.
+        mig: MigInfo,
+        /// Its GI and CI access nodes, relative to /dev (`nvidia-caps/nvidia-cap<minor>`).
+        caps: Vec<PathBuf>,
+    },
+    /// A MIG partition created at allocation (`mig_strategy: dynamic`): its MIG device exists
+    /// only once created.
+    Partition(Partition),
 }
 
 /// A MIG partition that can be created: a GPU-instance profile at one placement.
@@ -143,16 +155,32 @@ fn partition_consumes(gpu: &GpuInfo, part: &Partition) -> CounterConsumption {
 }
 
 impl ServedGpu {
-    /// The UUID a container is given: the MIG device's, else the GPU's.
+    /// The UUID a container is given: the MIG device's, else the GPU's (a partition's MIG
+    /// device has its UUID only once created).
     pub fn uuid(&self) -> &str {
-        self.mig.as_ref().map_or(&self.info.uuid, |m| &m.uuid)
+        match &self.kind {
+            UnitKind::Mig { mig, .. } => &mig.uuid,
+            UnitKind::Gpu | UnitKind::Partition(_) => &self.info.uuid,
+        }
     }
 
-    /// Its nodes relative to /dev: the GPU's `nvidia<minor>`, then a MIG device's caps nodes.
+    /// Its nodes relative to /dev: the GPU's `nvidia<minor>`, then a MIG device's caps nodes
+    /// (a partition's are known only once it is created).
     pub fn nodes(&self) -> Vec<PathBuf> {
         let mut out = vec![View::gpu_node(&self.info)];
-        out.extend(self.caps.iter().cloned());
+        match &self.kind {
+            UnitKind::Mig { caps, .. } => out.extend(caps.iter().cloned()),
+            UnitKind::Gpu | UnitKind::Partition(_) => {}
+        }
         out
+    }
+
+    /// The MIG partition this unit is, if it is one.
+    pub fn partition(&self) -> Option<&Partition> {
+        match &self.kind {
+            UnitKind::Partition(part) => Some(part),
+            UnitKind::Gpu | UnitKind::Mig { .. } => None,
+        }
     }
 }
 
@@ -410,6 +438,18 @@ impl View {
             })
     }
 
+    /// Every device id with its GPU (the position in `gpus`) and NUMA node, for
+    /// [`crate::replicas::prefer`].
+    pub fn shares(&self) -> HashMap<String, ShareInfo> {
+        self.index
+            .iter()
+            .filter_map(|(id, &g)| {
+                let numa = self.gpus.get(g)?.numa;
+                Some((id.clone(), ShareInfo { physical: g, numa }))
+            })
+            .collect()
+    }
+
     /// The view of `snapshot` for a resource with these settings.
     pub fn build(settings: &NvidiaSettings, snapshot: &Snapshot) -> View {
         let addresses: Vec<&str> = snapshot.gpus.iter().map(|g| g.bus_id.as_str()).collect();
@@ -440,17 +480,19 @@ impl View {
         for unit in units {
             let p = unit.pos;
             let info = snapshot.gpus[p].clone();
-            let caps = match &unit.mig {
+            let kind = match &unit.mig {
                 Some(mig) => match caps_nodes(&minors, &info, mig) {
-                    Ok(caps) => caps,
+                    Ok(caps) => UnitKind::Mig {
+                        mig: mig.clone(),
+                        caps,
+                    },
                     Err(why) => {
                         tracing::warn!(mig = %mig.uuid, %why, "MIG device left out: its caps nodes are unknown");
                         continue;
                     }
                 },
-                None => Vec::new(),
+                None => UnitKind::Gpu,
             };
-            let uuid = unit.mig.as_ref().map_or(&info.uuid, |m| &m.uuid).clone();
             let device = settings.sys_root.join("bus/pci/devices").join(&info.bus_id);
             let device = std::fs::canonicalize(&device).unwrap_or(device);
             let numa = numa_node(&settings.sys_root, &device);
@@ -461,6 +503,7 @@ impl View {
             let attributes = dra_attributes(&info, unit.mig.as_ref(), &device, memory_step);
             let n = replicas_for(settings, &info);
             shared |= n > 1;
+            let uuid = unit.mig.map_or_else(|| info.uuid.clone(), |m| m.uuid);
             let ids: Vec<String> = if n == 1 {
                 vec![uuid]
             } else {
@@ -472,12 +515,10 @@ impl View {
             positions.push(p);
             gpus.push(ServedGpu {
                 info,
-                mig: unit.mig,
-                caps,
+                kind,
                 numa,
                 ids,
                 attributes,
-                partition: None,
             });
         }
         let mut counter_sets = Vec::new();
@@ -513,20 +554,19 @@ impl View {
                     positions.push(p);
                     gpus.push(ServedGpu {
                         info: gpu.clone(),
-                        mig: None,
-                        caps: Vec::new(),
                         numa,
                         ids: vec![id],
                         attributes: partition_attributes(gpu, &part, &device),
-                        partition: Some(part),
+                        kind: UnitKind::Partition(part),
                     });
                 }
             }
         }
         let numa: Vec<Option<i64>> = gpus.iter().map(|g| g.numa).collect();
-        let any_mig = gpus
-            .iter()
-            .any(|g| g.mig.is_some() || g.partition.is_some());
+        let any_mig = gpus.iter().any(|g| match g.kind {
+            UnitKind::Gpu => false,
+            UnitKind::Mig { .. } | UnitKind::Partition(_) => true,
+        });
         let matrix = PairMatrix::from_fn(numa, |a, b| {
             if any_mig {
                 // MIG devices share their GPU's links; only NUMA tells them apart.
@@ -585,9 +625,13 @@ impl View {
             ..Default::default()
         };
         let mut spec = Spec::new(CDI_KIND).common(&common);
-        // Partitions are not in it: their MIG devices exist only once created, and their edits
-        // are made then (`NvidiaBackend::allocate`).
-        for gpu in self.gpus.iter().filter(|g| g.partition.is_none()) {
+        // Partitions are not in it: their MIG devices exist only once created, and they are
+        // given by their nodes then (`edits`).
+        for gpu in &self.gpus {
+            match gpu.kind {
+                UnitKind::Gpu | UnitKind::Mig { .. } => {}
+                UnitKind::Partition(_) => continue,
+            }
             let edits = ContainerEdits {
                 devices: gpu.nodes().iter().map(|n| dev_node(dev_root, n)).collect(),
                 ..Default::default()

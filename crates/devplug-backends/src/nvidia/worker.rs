@@ -8,7 +8,7 @@
 
 use super::driver_files::{root_of, DriverFiles};
 use super::health::{Change, HealthBook};
-use super::seam::{DriverInfo, GpuDriver, GpuSession, RawEvent, SessionEnd, WaitError};
+use super::seam::{DriverInfo, GpuDriver, GpuInfo, GpuSession, RawEvent, SessionEnd, WaitError};
 use super::settings::{MigStrategy, NvidiaSettings};
 use super::view::View;
 use devplug::cdi::CdiWriter;
@@ -194,7 +194,7 @@ fn layout(snapshot: &super::seam::Snapshot) -> Layout {
 }
 
 /// What one discovery found: the installed view, the GPUs to watch, the MIG layout.
-type Found = (Arc<View>, Vec<super::seam::GpuInfo>, Layout);
+type Found = (Arc<View>, Vec<GpuInfo>, Layout);
 
 /// Discovers the GPUs, installs the view (CDI spec first) and says whether it is ready;
 /// returns the view, the GPUs to watch (each once, also when it has several MIG devices) and
@@ -226,7 +226,7 @@ fn discover(
     shared.install(view, settings);
     shared.set_not_ready(problem);
     let view = shared.view();
-    let mut infos: Vec<super::seam::GpuInfo> = Vec::new();
+    let mut infos: Vec<GpuInfo> = Vec::new();
     for g in &view.gpus {
         if !infos.iter().any(|i| i.uuid == g.info.uuid) {
             infos.push(g.info.clone());
@@ -279,161 +279,283 @@ fn monitor(
     shared: &Shared,
     wake: &Receiver<()>,
 ) -> SessionEnd {
-    let (mut view, mut infos, mut seen_layout) = match discover(session, settings, shared) {
-        Ok(found) => found,
-        Err(e) => return SessionEnd::Reopen(e),
+    let mut monitor = match Monitor::start(session, settings, shared) {
+        Ok(m) => m,
+        Err(end) => return end,
     };
-    let mut book = HealthBook::new(&settings.health.ignored_xids);
-    let tick = Duration::from_millis(settings.health.check_interval_ms);
-    let retry_max = Duration::from_millis(settings.retry_max_ms);
-    let watch_mig = settings.mig_strategy != MigStrategy::None;
-    // Events are watched for health, and for MIG layout changes under a MIG strategy.
-    let watching = settings.health.enabled || watch_mig;
-    let mut armed = !watching;
-    let mut rearm_backoff = FIRST_RETRY;
-    let mut rearm_at = Instant::now();
-    let mut last_check = Instant::now();
-    // GPUs left out of the event set; one that comes back makes the set be built again.
-    let mut unmonitored: BTreeSet<String> = BTreeSet::new();
     let mut first = true;
     loop {
         if shared.stopping() {
             return SessionEnd::Stop;
         }
-        if !armed && Instant::now() >= rearm_at {
-            match session.arm(&infos, settings.health.enabled, watch_mig) {
-                Ok(left_out) => {
-                    unmonitored.clear();
-                    for (uuid, why) in left_out {
-                        if !settings.health.enabled {
-                            tracing::debug!(%uuid, %why, "MIG changes of this GPU are not watched");
-                            continue;
-                        }
-                        // Not answering at all: lost, not just unmonitored.
-                        if let Some(g) = view.gpus.iter().find(|g| g.info.uuid == uuid) {
-                            if !session.probe(g.info.index, &uuid) {
-                                log(&uuid, book.lost(&uuid));
-                            }
-                        }
-                        tracing::warn!(%uuid, %why, "GPU health is not monitored");
-                        unmonitored.insert(uuid);
-                    }
-                    armed = true;
-                    rearm_backoff = FIRST_RETRY;
-                    book.set_unknown(None);
-                    // A MIG change between discovery and this registration sent its event to
-                    // no one: look once more now that changes are watched.
-                    if watch_mig && session.snapshot().is_ok_and(|s| layout(&s) != seen_layout) {
-                        tracing::info!("MIG layout changed during discovery; discovering again");
-                        match discover(session, settings, shared) {
-                            Ok(found) => (view, infos, seen_layout) = found,
-                            Err(e) => return SessionEnd::Reopen(e),
-                        }
-                        armed = false;
-                        rearm_at = Instant::now();
-                        continue;
-                    }
-                }
-                Err(e) if !settings.health.enabled => {
-                    tracing::warn!(err = %e, "MIG changes are not watched");
-                    armed = true;
-                }
-                Err(e) => {
-                    let reason = format!("health unknown: cannot watch NVML events: {e}");
-                    tracing::error!(%reason, retry_in_ms = rearm_backoff.as_millis() as u64);
-                    book.set_unknown(Some(reason));
-                    rearm_at = Instant::now() + rearm_backoff;
-                    rearm_backoff = rearm_backoff.saturating_mul(2).min(retry_max);
-                }
+        if monitor.arm_due() {
+            match monitor.arm() {
+                Ok(Armed::Done) => monitor.publish(),
+                Ok(Armed::Rediscovered) => continue,
+                Err(end) => return end,
             }
-            shared.publish(&view, |u| book.health(u));
         }
         if first {
             // The first list goes out once health is watched (or known not to be).
-            shared.publish(&view, |u| book.health(u));
+            monitor.publish();
             shared.set_discovered();
             first = false;
         }
-        let result = if armed && watching {
+        let Some(result) = monitor.wait(wake) else {
+            return SessionEnd::Stop;
+        };
+        // Publish a fault before anything can clear it, then look for recovery once a tick.
+        match monitor.on_wait(result) {
+            Ok(true) => monitor.publish(),
+            Ok(false) => {}
+            Err(end) => return end,
+        }
+        if monitor.check_recoveries() && monitor.armed {
+            monitor.publish();
+        }
+    }
+}
+
+/// What [`Monitor::arm`] did.
+enum Armed {
+    /// The event set is built, or failed with the health made unknown and a retry due.
+    Done,
+    /// The MIG layout changed before changes were watched: discovered again, to be armed again.
+    Rediscovered,
+}
+
+/// The state of one NVML session's loop: what is served and watched, the GPUs' health, and
+/// when the event set is built (again).
+struct Monitor<'a> {
+    session: &'a mut dyn GpuSession,
+    settings: &'a NvidiaSettings,
+    shared: &'a Shared,
+    /// The installed view.
+    view: Arc<View>,
+    /// The GPUs the event set watches.
+    infos: Vec<GpuInfo>,
+    /// The MIG layout the view was built from.
+    layout: Layout,
+    book: HealthBook,
+    /// True when the event set is built (or no events are watched).
+    armed: bool,
+    /// When to build the event set next, while not armed.
+    rearm_at: Instant,
+    /// The wait after the next failure to build it.
+    rearm_backoff: Duration,
+    /// When faulted GPUs were last checked for recovery.
+    last_check: Instant,
+    /// GPUs left out of the event set; one that comes back makes the set be built again.
+    unmonitored: BTreeSet<String>,
+}
+
+impl<'a> Monitor<'a> {
+    /// Discovers the GPUs; the event set is built at the first [`Monitor::arm`].
+    fn start(
+        session: &'a mut dyn GpuSession,
+        settings: &'a NvidiaSettings,
+        shared: &'a Shared,
+    ) -> Result<Self, SessionEnd> {
+        let (view, infos, layout) =
+            discover(session, settings, shared).map_err(SessionEnd::Reopen)?;
+        let now = Instant::now();
+        let mut monitor = Monitor {
+            session,
+            settings,
+            shared,
+            view,
+            infos,
+            layout,
+            book: HealthBook::new(&settings.health.ignored_xids),
+            armed: true,
+            rearm_at: now,
+            rearm_backoff: FIRST_RETRY,
+            last_check: now,
+            unmonitored: BTreeSet::new(),
+        };
+        monitor.armed = !monitor.watching();
+        Ok(monitor)
+    }
+
+    /// How often faulted GPUs are checked for recovery.
+    fn tick(&self) -> Duration {
+        Duration::from_millis(self.settings.health.check_interval_ms)
+    }
+
+    /// Whether MIG layout changes are watched (under a MIG strategy).
+    fn watch_mig(&self) -> bool {
+        self.settings.mig_strategy != MigStrategy::None
+    }
+
+    /// Whether events are watched at all: for health, or for MIG layout changes.
+    fn watching(&self) -> bool {
+        self.settings.health.enabled || self.watch_mig()
+    }
+
+    fn publish(&self) {
+        self.shared.publish(&self.view, |u| self.book.health(u));
+    }
+
+    /// Builds the event set again at once.
+    fn rearm_now(&mut self) {
+        self.armed = false;
+        self.rearm_at = Instant::now();
+    }
+
+    /// Builds the event set again after the backoff, which doubles up to `retry_max_ms`.
+    fn rearm_later(&mut self) {
+        let retry_max = Duration::from_millis(self.settings.retry_max_ms);
+        self.rearm_at = Instant::now() + self.rearm_backoff;
+        self.rearm_backoff = self.rearm_backoff.saturating_mul(2).min(retry_max);
+    }
+
+    /// Discovers the GPUs again (the MIG layout changed) and watches the new layout.
+    fn rediscover(&mut self) -> Result<(), SessionEnd> {
+        (self.view, self.infos, self.layout) =
+            discover(&mut *self.session, self.settings, self.shared).map_err(SessionEnd::Reopen)?;
+        self.rearm_now();
+        Ok(())
+    }
+
+    fn arm_due(&self) -> bool {
+        !self.armed && Instant::now() >= self.rearm_at
+    }
+
+    /// Builds the event set; a GPU left out of it is unmonitored (lost, if it does not answer).
+    fn arm(&mut self) -> Result<Armed, SessionEnd> {
+        let (health, watch_mig) = (self.settings.health.enabled, self.watch_mig());
+        match self.session.arm(&self.infos, health, watch_mig) {
+            Ok(left_out) => {
+                self.unmonitored.clear();
+                for (uuid, why) in left_out {
+                    if !health {
+                        tracing::debug!(%uuid, %why, "MIG changes of this GPU are not watched");
+                        continue;
+                    }
+                    // Not answering at all: lost, not just unmonitored.
+                    if let Some(g) = self.view.gpus.iter().find(|g| g.info.uuid == uuid) {
+                        if !self.session.probe(g.info.index, &uuid) {
+                            log(&uuid, self.book.lost(&uuid));
+                        }
+                    }
+                    tracing::warn!(%uuid, %why, "GPU health is not monitored");
+                    self.unmonitored.insert(uuid);
+                }
+                self.armed = true;
+                self.rearm_backoff = FIRST_RETRY;
+                self.book.set_unknown(None);
+                // A MIG change between discovery and this registration sent its event to no
+                // one: look once more now that changes are watched.
+                if watch_mig
+                    && self
+                        .session
+                        .snapshot()
+                        .is_ok_and(|s| layout(&s) != self.layout)
+                {
+                    tracing::info!("MIG layout changed during discovery; discovering again");
+                    self.rediscover()?;
+                    return Ok(Armed::Rediscovered);
+                }
+            }
+            Err(e) if !health => {
+                tracing::warn!(err = %e, "MIG changes are not watched");
+                self.armed = true;
+            }
+            Err(e) => {
+                let reason = format!("health unknown: cannot watch NVML events: {e}");
+                tracing::error!(%reason, retry_in_ms = self.rearm_backoff.as_millis() as u64);
+                self.book.set_unknown(Some(reason));
+                self.rearm_later();
+            }
+        }
+        Ok(Armed::Done)
+    }
+
+    /// Waits for an event, or for the next recovery check or rebuild of the event set; `None`
+    /// when the backend is gone.
+    fn wait(&mut self, wake: &Receiver<()>) -> Option<Result<RawEvent, WaitError>> {
+        let tick = self.tick();
+        if self.armed && self.watching() {
             // Only a GPU waiting for its recovery check needs the tick.
-            let longest = if book.pending().is_empty() {
+            let longest = if self.book.pending().is_empty() {
                 IDLE_WAIT
             } else {
                 tick
             };
-            session.wait(longest)
+            return Some(self.session.wait(longest));
+        }
+        let until = if self.armed {
+            tick
         } else {
-            let until = if armed {
-                tick
-            } else {
-                rearm_at.saturating_duration_since(Instant::now()).min(tick)
-            };
-            if !pause(wake, until) {
-                return SessionEnd::Stop;
-            }
-            Err(WaitError::Timeout)
+            self.rearm_at
+                .saturating_duration_since(Instant::now())
+                .min(tick)
         };
-        let mut changed = false;
+        pause(wake, until).then_some(Err(WaitError::Timeout))
+    }
+
+    /// Applies what the wait gave; true if a GPU's health changed.
+    fn on_wait(&mut self, result: Result<RawEvent, WaitError>) -> Result<bool, SessionEnd> {
         match result {
             Ok(RawEvent::MigChanged { uuid }) => {
                 tracing::info!(%uuid, "MIG layout changed; discovering again");
-                match discover(session, settings, shared) {
-                    Ok(found) => (view, infos, seen_layout) = found,
-                    Err(e) => return SessionEnd::Reopen(e),
-                }
-                // Watch the new layout; published (only if the list changed) once re-armed.
-                armed = false;
-                rearm_at = Instant::now();
+                // Published (only if the list changed) once the new layout is watched.
+                self.rediscover()?;
+                Ok(false)
             }
-            Ok(event) => changed |= handle(session, &view, &mut book, event),
-            Err(WaitError::Timeout) => {}
+            Ok(event) => Ok(handle(
+                &mut *self.session,
+                &self.view,
+                &mut self.book,
+                event,
+            )),
+            Err(WaitError::Timeout) => Ok(false),
             Err(WaitError::GpuLost) => {
-                for gpu in &view.gpus {
-                    if !session.probe(gpu.info.index, &gpu.info.uuid) {
-                        changed |= log(&gpu.info.uuid, book.lost(&gpu.info.uuid));
+                let mut changed = false;
+                for gpu in &self.view.gpus {
+                    if !self.session.probe(gpu.info.index, &gpu.info.uuid) {
+                        changed |= log(&gpu.info.uuid, self.book.lost(&gpu.info.uuid));
                     }
                 }
+                Ok(changed)
             }
             Err(WaitError::Failed(e)) => {
                 let reason = format!("health unknown: NVML event wait failed: {e}");
                 tracing::error!(%reason, "rebuilding the event set");
-                book.set_unknown(Some(reason));
-                armed = false;
-                rearm_at = Instant::now() + rearm_backoff;
-                rearm_backoff = rearm_backoff.saturating_mul(2).min(retry_max);
-                changed = true;
+                self.book.set_unknown(Some(reason));
+                self.armed = false;
+                self.rearm_later();
+                Ok(true)
             }
         }
-        // Publish a fault before anything can clear it, then look for recovery once a tick.
-        if changed {
-            shared.publish(&view, |u| book.health(u));
-            changed = false;
+    }
+
+    /// Checks the faulted GPUs for recovery, once a tick; true if a GPU's health changed.
+    fn check_recoveries(&mut self) -> bool {
+        if self.last_check.elapsed() < self.tick() {
+            return false;
         }
-        if last_check.elapsed() >= tick {
-            last_check = Instant::now();
-            for (uuid, _) in book.pending() {
-                let Some(gpu) = view.gpus.iter().find(|g| g.info.uuid == uuid) else {
-                    continue;
-                };
-                let answers = session.probe(gpu.info.index, &uuid);
-                let action = if answers {
-                    session.recovery_action(gpu.info.index).ok().flatten()
-                } else {
-                    None
-                };
-                let change = book.check(&uuid, action, answers);
-                if matches!(change, Change::Recovered(_)) && unmonitored.contains(&uuid) {
-                    // Back, but not in the event set: build it again with this GPU before it
-                    // is published healthy (the set's rebuild publishes).
-                    armed = false;
-                    rearm_at = Instant::now();
-                }
-                changed |= log(&uuid, change);
+        self.last_check = Instant::now();
+        let mut changed = false;
+        for (uuid, _) in self.book.pending() {
+            let Some(gpu) = self.view.gpus.iter().find(|g| g.info.uuid == uuid) else {
+                continue;
+            };
+            let answers = self.session.probe(gpu.info.index, &uuid);
+            let action = if answers {
+                self.session.recovery_action(gpu.info.index).ok().flatten()
+            } else {
+                None
+            };
+            let change = self.book.check(&uuid, action, answers);
+            if matches!(change, Change::Recovered(_)) && self.unmonitored.contains(&uuid) {
+                // Back, but not in the event set: build it again with this GPU before it is
+                // published healthy (the set's rebuild publishes).
+                self.rearm_now();
             }
+            changed |= log(&uuid, change);
         }
-        if changed && armed {
-            shared.publish(&view, |u| book.health(u));
-        }
+        changed
     }
 }
 

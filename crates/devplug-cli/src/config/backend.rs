@@ -391,7 +391,7 @@ mod tests {
         let intel = settings!(config.resources[2], IntelGpu);
         assert_eq!(intel.driver, devplug_backends::intel_gpu::IntelDriver::Xe);
         assert_eq!(intel.count, 4);
-        assert_eq!(intel.policy, devplug_backends::hostdev::SharePolicy::Pack);
+        assert_eq!(intel.policy, devplug_backends::hostdev::ReplicaPolicy::Pack);
         assert!(!intel.by_path);
         assert_eq!(
             config.resources[2].backend.key(),
@@ -426,7 +426,7 @@ mod tests {
         assert_eq!(gpu.replica_overrides[0].gpus.len(), 3);
         assert_eq!(
             gpu.replica_policy,
-            devplug_backends::hostdev::SharePolicy::Pack
+            devplug_backends::hostdev::ReplicaPolicy::Pack
         );
         assert_eq!(gpu.health.ignored_xids, [13, 43]);
         assert!(gpu.health.enabled);
