@@ -9,7 +9,7 @@
 //! Each device carries its file name as the DRA attribute `file`.
 //!
 //! Hidden files (starting with `.`) are not devices, nor are names the kubelet would refuse as
-//! device ids ([`devplug::check_id`]: over 63 bytes, or with `,`, spaces or control
+//! device ids ([`devplug::device::check_id`]: over 63 bytes, or with `,`, spaces or control
 //! characters); those are logged with the reason, since one bad id would make the kubelet drop
 //! the whole list.
 
@@ -309,7 +309,7 @@ fn read_device(dir: &Path, name: &str) -> Option<Device> {
         return None;
     }
     // The same rules as every device id: the kubelet would refuse the whole list otherwise.
-    if let Err(problem) = devplug::check_id(name) {
+    if let Err(problem) = devplug::device::check_id(name) {
         tracing::warn!(
             dir = %dir.display(),
             file = name,

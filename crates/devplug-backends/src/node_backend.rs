@@ -1,12 +1,12 @@
 //! The backend shared by the accelerators whose devices are device nodes plus environment
 //! variables: `vfio` (and `qat`, which is `vfio` with Intel's selection and names), `ascend`
-//! and `fpga`. Each of those modules only scans sysfs and /dev into a list of [`Found`]
+//! and `fpga`. Each of those modules only scans sysfs and /dev into a list of `Found`
 //! devices; the rest is here, once: following changes with inotify and keeping a vanished
 //! device Unhealthy with the reason (`sysfs_watch`), the CDI spec, allocation, and NUMA-first
 //! preferred allocation ([`crate::replicas`]).
 //!
 //! Allocation gives each device's nodes, the nodes every device needs (`/dev/vfio/vfio`,
-//! `/dev/davinci_manager`) once, and the environment in the backend's [`EnvNaming`]: one list
+//! `/dev/davinci_manager`) once, and the environment in the backend's `EnvNaming`: one list
 //! (`PCI_RESOURCE_INTEL_COM_QAT=0000:3d:01.0,0000:3d:01.1`, `ASCEND_VISIBLE_DEVICES=0,1`) or
 //! one numbered variable per value (`QAT0`, `QAT1`). With CDI on, the devices' CDI names are
 //! sent as well (kind = the resource name).
@@ -15,8 +15,8 @@ use crate::replicas::{prefer, ReplicaPolicy, ShareInfo};
 use crate::settings::SettingsError;
 use crate::sysfs::{dev_node, node_edits};
 use crate::sysfs_watch::{Entry, Scan, ScanFn, Watched, Words};
-use devplug::attributes::DeviceAttributes;
 use devplug::cdi::{qualified_name, validate_kind, CdiWriter, Spec};
+use devplug::dra::DeviceAttributes;
 use devplug::{AllocateError, Backend, ContainerEdits, DeviceList, Options, PreferenceRequest};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;

@@ -10,8 +10,8 @@
 //! nothing, and fake trees in tests do report them).
 
 use crate::inotify_batch::Batches;
-use devplug::attributes::DeviceAttributes;
 use devplug::cdi::{CdiWriter, Spec};
+use devplug::dra::DeviceAttributes;
 use devplug::{Device, DeviceList, Health};
 use inotify::{WatchDescriptor, WatchMask};
 use std::collections::{BTreeMap, BTreeSet, HashSet};

@@ -10,10 +10,8 @@
 //! derives it from the NUMA node when it writes the slice, at no cost here.
 
 use crate::settings::{check_env_name, SettingsError};
-use devplug::{
-    AllocateError, AttributeValue, Backend, ContainerEdits, CounterSet, Device, DeviceList, Health,
-    SharePolicy,
-};
+use devplug::dra::{AttributeValue, CounterSet, SharePolicy};
+use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList, Health};
 use serde::Deserialize;
 use tokio::sync::watch;
 
@@ -125,7 +123,7 @@ impl VirtualShare {
 }
 
 fn quantity_field(field: &str, value: &str) -> Result<u64, SettingsError> {
-    devplug::quantity::parse_quantity(value).ok_or_else(|| {
+    devplug::dra::parse_quantity(value).ok_or_else(|| {
         SettingsError::new(
             field,
             format!("{value:?} is not a whole quantity; write it as 16Gi, 512Mi or 1000000"),
@@ -164,13 +162,13 @@ impl VirtualSettings {
         }
         check_env_name("env", &self.env)?;
         let longest = format!("{}{}", self.id_prefix, self.count - 1);
-        if longest.len() > devplug::MAX_ID_LEN {
+        if longest.len() > devplug::device::MAX_ID_LEN {
             return Err(SettingsError::new(
                 "id_prefix",
                 "device ids would be longer than the kubelet's 63 characters; shorten the prefix",
             ));
         }
-        if let Err(problem) = devplug::check_id(&longest) {
+        if let Err(problem) = devplug::device::check_id(&longest) {
             return Err(SettingsError::new(
                 "id_prefix",
                 format!("{problem}; ids are joined with ',' in the env var"),
@@ -189,7 +187,7 @@ impl VirtualSettings {
     }
 
     fn check_partitions(&self, partitions: &VirtualPartitions) -> Result<(), SettingsError> {
-        use devplug::attributes::{check_label, MAX_COUNTERS, MAX_COUNTER_SETS};
+        use devplug::dra::{check_label, MAX_COUNTERS, MAX_COUNTER_SETS};
         if self.share.is_some() {
             return Err(SettingsError::new(
                 "partitions",

@@ -157,7 +157,7 @@ async fn a_missing_folder_is_waited_for_and_followed_when_it_comes_and_goes() {
 /// label gets a hashed ResourceSlice name, so selectors need it).
 #[tokio::test]
 async fn the_file_name_is_a_dra_attribute() {
-    use devplug::attributes::AttributeValue;
+    use devplug::dra::AttributeValue;
     use devplug::Backend;
     let tmp = tempfile::tempdir().unwrap();
     std::fs::write(tmp.path().join("Cola_1"), "").unwrap();

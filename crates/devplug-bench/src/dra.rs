@@ -6,7 +6,8 @@
 
 use crate::{print_row, WAIT};
 use anyhow::Context;
-use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, DeviceList, Health};
+use devplug::dra::AttributeValue;
+use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList, Health};
 use devplug_dra::kubelet::{KubeletDirs, Registered};
 use devplug_dra::{ClaimBackend, DraDriver, DraDriverSettings};
 use devplug_testkit::api_server::{self, ApiServer};

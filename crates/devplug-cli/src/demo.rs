@@ -5,7 +5,8 @@
 
 use crate::output::line;
 use anyhow::Context;
-use devplug::{Health, Host, Registration, ResourceSettings, ResourceStatus};
+use devplug::host::ResourceStatus;
+use devplug::{Health, Host, Registration, ResourceSettings};
 use devplug_backends::{VirtualBackend, VirtualSettings};
 use kubelet_sim::{Kubelet, NodeState, SimConfig};
 use std::sync::Arc;

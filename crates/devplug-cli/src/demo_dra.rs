@@ -10,7 +10,8 @@
 use crate::demo::{detail, ms, step};
 use crate::output::line;
 use anyhow::Context;
-use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, DeviceList};
+use devplug::dra::AttributeValue;
+use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList};
 use devplug_dra::kubelet::{KubeletDirs, Registered};
 use devplug_dra::{DraDriver, DraDriverSettings};
 use devplug_testkit::api_server::{self, ControlPlane};

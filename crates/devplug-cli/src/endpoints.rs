@@ -5,7 +5,8 @@
 //! ResourceSlices published and current and is registered with the kubelet).
 
 use crate::http::{self, Response};
-use devplug::{Host, MetricsSnapshot, ALLOCATE_BUCKETS};
+use devplug::host::{MetricsSnapshot, ALLOCATE_BUCKETS};
+use devplug::Host;
 use std::fmt::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

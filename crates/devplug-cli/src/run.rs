@@ -70,9 +70,9 @@ pub struct RunArgs {
 }
 
 /// The plugin-watcher folders from the flags, defaulting beside the kubelet folder.
-fn watcher_dirs(args: &RunArgs) -> devplug::WatcherDirs {
-    let beside = devplug::WatcherDirs::beside(&args.kubelet_dir);
-    devplug::WatcherDirs {
+fn watcher_dirs(args: &RunArgs) -> devplug::host::WatcherDirs {
+    let beside = devplug::host::WatcherDirs::beside(&args.kubelet_dir);
+    devplug::host::WatcherDirs {
         registry: args.plugins_registry_dir.clone().unwrap_or(beside.registry),
         sockets: args.plugin_socket_dir.clone().unwrap_or(beside.sockets),
     }
@@ -277,7 +277,7 @@ fn settings_of(resource: &ResourceConfig) -> ResourceSettings {
     ResourceSettings {
         health_hold_down: resource
             .health_hold_down
-            .unwrap_or(devplug::DEFAULT_HEALTH_HOLD_DOWN),
+            .unwrap_or(devplug::host::DEFAULT_HEALTH_HOLD_DOWN),
         registration: resource
             .registration
             .map(devplug::Registration::from)

@@ -723,7 +723,7 @@ async fn dra_health_shows_each_devices_health_and_reason() {
     let router = tonic::transport::Server::builder().add_service(
         devplug_dra::device_health::DeviceHealthService::server("node-a", rx, stop.clone()),
     );
-    let listener = devplug::bind_socket(&socket).unwrap();
+    let listener = devplug::host::bind_socket(&socket).unwrap();
     devplug_proto::uds::spawn_server(
         router,
         listener,

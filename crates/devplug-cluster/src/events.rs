@@ -16,7 +16,7 @@
 //! `kubectl describe node` finds beside events that carry the Node object's UID. So no Node
 //! is read, and an install with only `--node-events` needs no access to Nodes.
 
-use devplug::HostEvent;
+use devplug::host::HostEvent;
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -26,7 +26,7 @@ pub trait ClaimBackend: Backend {
     }
 
     /// The edits for one share of device `id`, a device shared by capacity
-    /// ([`devplug::DeviceAttributes::shared`]), given what the share consumed of each
+    /// ([`devplug::dra::DeviceAttributes::shared`]), given what the share consumed of each
     /// capacity (`cores` → 40, `memory` → bytes), as the scheduler recorded it. The edits are
     /// where the limits reach the container. The default refuses, so a share is never handed
     /// out as if it were the whole device.

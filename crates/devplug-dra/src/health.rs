@@ -20,7 +20,7 @@ pub struct DraHealth {
     /// What the kubelet last said about the registration.
     pub registered: watch::Receiver<Registered>,
     /// Whether the plugin watcher's folder, where its registration socket goes, can be followed.
-    pub registry: devplug::FolderHealth,
+    pub registry: devplug::host::FolderHealth,
 }
 
 impl DraHealth {

@@ -5,7 +5,7 @@
 //!
 //! Both sockets are bound under a dot-name (the watcher ignores those) and renamed into place,
 //! so the watcher never sees a socket that is not served yet. The registration socket is the
-//! core's [`devplug::RegistrationSocket`], as the device plugins' watcher route has it: created
+//! core's [`devplug::host::RegistrationSocket`], as the device plugins' watcher route has it: created
 //! again when deleted, offered again after a delay that doubles from 1 s to 60 s while the
 //! kubelet refuses it (the kubelet never retries a registration it refused,
 //! kubernetes#133725). Whether the kubelet registered us is published on
@@ -14,7 +14,7 @@
 use super::prepare::Preparer;
 use super::service::{DraV1, DraV1beta1};
 use crate::device_health::DeviceHealthService;
-use devplug::{RefusedRetry, RegistrationSocket};
+use devplug::host::{RefusedRetry, RegistrationSocket};
 use devplug_proto::constants::{
     DRA_HEALTH_SERVICE, DRA_SOCKET_NAME, DRA_SUPPORTED_VERSIONS, PLUGIN_TYPE_DRA,
 };
@@ -24,7 +24,7 @@ use std::sync::Arc;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-pub use devplug::Registered;
+pub use devplug::host::Registered;
 
 /// The kubelet's folders a DRA driver uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,7 +40,7 @@ impl KubeletDirs {
     /// The folders beside a device-plugins folder: `../plugins_registry` and `../plugins` (the
     /// same root as the device plugin host's watcher route).
     pub fn beside(device_plugins: &Path) -> KubeletDirs {
-        let watcher = devplug::WatcherDirs::beside(device_plugins);
+        let watcher = devplug::host::WatcherDirs::beside(device_plugins);
         let plugins = watcher
             .sockets
             .parent()
@@ -83,7 +83,7 @@ impl KubeletSide {
         std::fs::create_dir_all(dirs.driver_dir(&driver))?;
         std::fs::create_dir_all(&dirs.registry)?;
         let stop = CancellationToken::new();
-        let listener = devplug::bind_socket(&endpoint)?;
+        let listener = devplug::host::bind_socket(&endpoint)?;
         let router = tonic::transport::Server::builder()
             .add_service(DraV1::server(preparer.clone()))
             .add_service(DraV1beta1::server(preparer.clone()))
@@ -129,7 +129,7 @@ impl KubeletSide {
     }
 
     /// Whether the plugin watcher's folder can be followed.
-    pub fn folder_health(&self) -> devplug::FolderHealth {
+    pub fn folder_health(&self) -> devplug::host::FolderHealth {
         self.registration.folder_health()
     }
 

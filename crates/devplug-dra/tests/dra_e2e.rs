@@ -12,7 +12,8 @@
 
 use devplug_testkit::dra_node as common;
 
-use devplug::{AllocateError, AttributeValue, Backend, ContainerEdits, Device, DeviceList, Health};
+use devplug::dra::AttributeValue;
+use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList, Health};
 use devplug_dra::ClaimBackend;
 use devplug_testkit::api_server::until;
 use k8s_openapi::api::core::v1::Pod;

@@ -7,7 +7,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
-use devplug::attributes::AttributeValue;
+use devplug::dra::AttributeValue;
 use devplug::{Device, DeviceList, Health};
 use devplug_dra::slices::{SliceOptions, SlicePublisher, MAX_DEVICES_PER_SLICE};
 use devplug_testkit::api_server::{admin, new_node};

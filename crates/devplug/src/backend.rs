@@ -45,7 +45,7 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Resolves when the backend's first discovery has ended: it has found its devices, or
     /// found that it cannot (a driver that is not there). The host registers the resource only
-    /// after that (or after [`crate::FIRST_DISCOVERY_WAIT`] at most), so the kubelet's first
+    /// after that (or after [`crate::host::FIRST_DISCOVERY_WAIT`] at most), so the kubelet's first
     /// device list is the truth, not an empty list that a slow discovery fills a moment later.
     /// The default resolves at once, for backends whose first list is ready when they are built.
     fn discovered(&self) -> BoxFuture<'_, ()> {

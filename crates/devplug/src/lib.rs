@@ -5,40 +5,40 @@
 //! sockets, registration, ListAndWatch streaming, re-registration after kubelet restarts, and
 //! clean shutdown.
 //!
-//! - [`device`]: devices, health and the published list.
-//! - [`attributes`]: what a device says about itself for DRA selectors (model, NUMA, UUID…).
+//! At the root is what a plugin author needs: the [`Backend`] trait with its options and
+//! errors, [`Device`]s and their [`Health`] in a [`DeviceList`], the [`ContainerEdits`] an
+//! allocation makes, the [`Host`] that serves backends to the kubelet, and [`shutdown_signal`].
+//!
+//! - [`device`]: devices, health and the published list (id rules, the kubelet's size limit).
+//! - [`dra`]: what a device says about itself for DRA (attributes, capacities shared by
+//!   claims, counters of partitions) and Kubernetes quantities; the DRA driver itself is the
+//!   `devplug-dra` crate.
 //! - [`edits`]: what an allocation does to a container.
 //! - [`cdi`]: the same edits as CDI spec files, written atomically.
 //! - [`backend`]: the trait a vendor implements.
 //! - [`health`]: health that recovers, after a hold-down.
-//! - [`host`]: the kubelet lifecycle.
+//! - [`host`]: the kubelet lifecycle, and what an operator's binary reads of it (metrics,
+//!   status, events, applying a new set of resources, the registration sockets).
 //! - [`podresources`]: a client of the kubelet's pod resources API (who holds which device).
 
-pub mod attributes;
+mod attributes;
 pub mod backend;
 pub mod cdi;
 pub mod device;
+pub mod dra;
 pub mod edits;
 pub mod health;
 pub mod host;
 pub mod podresources;
-pub mod quantity;
+mod quantity;
 mod signal;
 
-pub use attributes::{
-    AttributeValue, CounterConsumption, CounterSet, DeviceAttributes, SharePolicy,
-};
 pub use backend::{
     AllocateError, Backend, BackendWarning, BoxFuture, Options, PreStartError, PreferenceRequest,
 };
-pub use device::{check_id, Device, DeviceList, Health, ListTooLarge, MAX_ID_LEN};
+pub use device::{Device, DeviceList, Health};
 pub use edits::{ContainerEdits, DeviceNode, Mount};
-pub use host::{
-    bind_socket, Applied, ApplyFailure, FolderHealth, Host, HostError, HostEvent, MetricsSnapshot,
-    RefusedRetry, Registered, Registration, RegistrationSocket, ResourceSettings, ResourceStatus,
-    ShutdownReport, Updated, WatcherDirs, ALLOCATE_BUCKETS, DEFAULT_HEALTH_HOLD_DOWN,
-    FIRST_DISCOVERY_WAIT, RELINK_WAIT,
-};
+pub use host::{Host, HostError, Registration, ResourceSettings};
 pub use signal::shutdown_signal;
 
 /// The kubelet's plugin-watcher folder on Linux.

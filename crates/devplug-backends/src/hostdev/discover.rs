@@ -5,7 +5,7 @@
 use super::settings::{normalize_hex, GroupSettings, HostdevSettings, PciMatch, UsbMatch};
 use crate::dra_attributes::Attributes;
 use crate::sysfs::{self, parse_hex, read_trimmed};
-use devplug::attributes::DeviceAttributes;
+use devplug::dra::DeviceAttributes;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 

@@ -1,5 +1,5 @@
 //! The seam between the `nvidia` backend and NVML: a small trait over owned data (no
-//! lifetimes, no NVML types), implemented by [`super::nvml`] with `nvml-wrapper`. Everything
+//! lifetimes, no NVML types), implemented by `nvml` with `nvml-wrapper`. Everything
 //! else in the backend (discovery into devices, health, allocation) works on these types.
 
 use std::time::Duration;

@@ -137,7 +137,7 @@ fn default_mps_dir() -> PathBuf {
 impl MpsShare {
     /// The memory step in bytes, or what is wrong with it.
     pub fn memory_step_bytes(&self) -> Result<u64, SettingsError> {
-        devplug::quantity::parse_quantity(&self.memory_step)
+        devplug::dra::parse_quantity(&self.memory_step)
             .filter(|&b| b > 0)
             .ok_or_else(|| {
                 SettingsError::new(

@@ -11,10 +11,10 @@ use crate::dra_attributes::Attributes;
 use crate::placement::PairMatrix;
 use crate::replicas::ShareInfo;
 use crate::sysfs::{dev_node, numa_node};
-use devplug::attributes::{
+use devplug::cdi::Spec;
+use devplug::dra::{
     CounterConsumption, CounterSet, DeviceAttributes, SharePolicy, MAX_COUNTER_SETS,
 };
-use devplug::cdi::Spec;
 use devplug::ContainerEdits;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};

@@ -73,7 +73,7 @@ pub async fn counts(kubelet: &Kubelet, resource: &str, total: usize, healthy: us
 /// A device's DRA attributes and capacities as text (`"index" → "3"`, capacities as
 /// `"capacity memory" → "85899345920"`), after checking them against the API server's rules.
 pub fn dra(list: &devplug::DeviceList, id: &str) -> std::collections::BTreeMap<String, String> {
-    use devplug::attributes::AttributeValue;
+    use devplug::dra::AttributeValue;
     let device = list
         .get(id)
         .unwrap_or_else(|| panic!("no device {id} in {list:?}"));

@@ -111,7 +111,7 @@ fn mutated(rng: &mut XorShift, text: &str) -> String {
 fn drive_health_gate(resource: &ResourceConfig) {
     let hold = resource
         .health_hold_down
-        .unwrap_or(devplug::DEFAULT_HEALTH_HOLD_DOWN);
+        .unwrap_or(devplug::host::DEFAULT_HEALTH_HOLD_DOWN);
     let list = |health: Health| DeviceList::new([Device::new("d").with_health(health)]);
     let mut gate = HealthGate::new(hold);
     let t0 = tokio::time::Instant::now();

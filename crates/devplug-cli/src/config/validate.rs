@@ -106,8 +106,7 @@ fn dra_problem(
             resource.backend.key()
         ));
     }
-    devplug::attributes::check_dns_subdomain(&dra.driver)
-        .map_err(|e| format!("dra.driver: {e}"))?;
+    devplug::dra::check_dns_subdomain(&dra.driver).map_err(|e| format!("dra.driver: {e}"))?;
     if dra
         .no_execute_after
         .is_some_and(|d| d < std::time::Duration::from_secs(1))

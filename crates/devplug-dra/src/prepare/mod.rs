@@ -3,13 +3,13 @@
 //! failure for one bad claim.
 //!
 //! Preparing a claim: its allocation from the [`ClaimSource`] (our driver's results only, in our
-//! pool), checked against the devices that other prepared claims hold ([`conflicts`]), the
+//! pool), checked against the devices that other prepared claims hold (`conflicts`), the
 //! devices looked up by their slice names in the backend's newest list and grouped by request
-//! ([`plan`]: a device that left or is unhealthy is that claim's error), the backend's edits
+//! (`plan`: a device that left or is unhealthy is that claim's error), the backend's edits
 //! for each request ([`ClaimBackend::prepare_devices`] for the devices given whole,
-//! [`ClaimBackend::prepare_share`] for shares; run off the runtime by [`handover`]; its
+//! [`ClaimBackend::prepare_share`] for shares; run off the runtime by `handover`; its
 //! `pre_start` too when the backend asks for it), one CDI spec file per claim written
-//! atomically with one CDI device per request ([`claim_spec`]), then the claim in the
+//! atomically with one CDI device per request (`claim_spec`), then the claim in the
 //! checkpoint, then the answer.
 //!
 //! Repeats are answered from the checkpoint; unpreparing a claim we do not know is a success.

@@ -5,7 +5,7 @@
 use super::quantity::quantity;
 use super::spec::Skipped;
 use super::validate::{check_attribute, check_capacity};
-use devplug::attributes::{AttributeValue, SharePolicy, MAX_PER_DEVICE};
+use devplug::dra::{AttributeValue, SharePolicy, MAX_PER_DEVICE};
 use devplug::Device;
 use k8s_openapi::api::resource::v1 as api;
 use std::collections::BTreeMap;

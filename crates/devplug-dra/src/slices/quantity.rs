@@ -2,10 +2,10 @@
 //! read back from the forms it may use ([`devplug::quantity`]), so a published capacity
 //! compares equal and is never written again for nothing.
 
-pub(crate) use devplug::quantity::parse_quantity;
+pub(crate) use devplug::dra::parse_quantity;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 /// `value` as the API server writes it back.
 pub(super) fn quantity(value: u64) -> Quantity {
-    Quantity(devplug::quantity::canonical_quantity(value))
+    Quantity(devplug::dra::canonical_quantity(value))
 }

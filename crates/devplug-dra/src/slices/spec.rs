@@ -260,7 +260,7 @@ pub(super) fn pool_content(list: &DeviceList, unhealthy: Unhealthy<'_>) -> PoolC
 #[cfg(test)]
 mod tests {
     use super::*;
-    use devplug::attributes::AttributeValue;
+    use devplug::dra::AttributeValue;
     use devplug::{Device, Health};
 
     fn attr<'a>(

@@ -2,7 +2,7 @@
 //! and capacity of a device (a value it would refuse is left out, not sent).
 
 use super::publisher::SliceError;
-use devplug::attributes::{AttributeValue, DeviceAttributes};
+use devplug::dra::{AttributeValue, DeviceAttributes};
 
 /// The longest DRA driver name the API server takes.
 pub const MAX_DRIVER_NAME_LEN: usize = 63;
@@ -14,7 +14,7 @@ pub fn check_driver_name(driver: &str) -> Result<(), SliceError> {
         name: driver.to_owned(),
         reason,
     };
-    devplug::attributes::check_dns_subdomain(driver).map_err(bad)?;
+    devplug::dra::check_dns_subdomain(driver).map_err(bad)?;
     if driver.len() > MAX_DRIVER_NAME_LEN {
         return Err(bad(format!(
             "{} characters; the API server takes at most {MAX_DRIVER_NAME_LEN}",

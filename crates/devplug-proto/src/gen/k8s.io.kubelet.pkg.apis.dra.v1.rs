@@ -82,7 +82,7 @@ pub mod dra_plugin_client {
     use tonic::codegen::*;
     use tonic::codegen::http::Uri;
     /// DRAPlugin is served by a DRA driver on its node, by default on
-    /// /var/lib/kubelet/plugins/<driver>/dra.sock. Both calls are unary; the kubelet gives each 45 s.
+    /// `/var/lib/kubelet/plugins/<driver>/dra.sock`. Both calls are unary; the kubelet gives each 45 s.
     #[derive(Debug, Clone)]
     pub struct DraPluginClient<T> {
         inner: tonic::client::Grpc<T>,
@@ -256,7 +256,7 @@ pub mod dra_plugin_server {
         >;
     }
     /// DRAPlugin is served by a DRA driver on its node, by default on
-    /// /var/lib/kubelet/plugins/<driver>/dra.sock. Both calls are unary; the kubelet gives each 45 s.
+    /// `/var/lib/kubelet/plugins/<driver>/dra.sock`. Both calls are unary; the kubelet gives each 45 s.
     #[derive(Debug)]
     pub struct DraPluginServer<T> {
         inner: Arc<T>,

@@ -1,7 +1,8 @@
 //! `Host::apply`: a new set of resources applied to a running host, as a config reload does.
 
 use crate::support::{kubelet, wait_capacity, TestBackend};
-use devplug::{ApplyFailure, Backend, Host, ResourceSettings, Updated};
+use devplug::host::{ApplyFailure, Updated};
+use devplug::{Backend, Host, ResourceSettings};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;

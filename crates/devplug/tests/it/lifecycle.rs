@@ -370,7 +370,7 @@ async fn update_swaps_a_backend_in_place_or_restarts_when_options_change() {
         .update("example.com/npu", same_options, ResourceSettings::default())
         .await
         .unwrap();
-    assert_eq!(done, devplug::Updated::InPlace);
+    assert_eq!(done, devplug::host::Updated::InPlace);
     wait_capacity(&kubelet, "example.com/npu", (5, 5)).await;
     assert_eq!(
         kubelet.read(|n| n.resource("example.com/npu").unwrap().connections()),
@@ -400,7 +400,7 @@ async fn update_swaps_a_backend_in_place_or_restarts_when_options_change() {
         )
         .await
         .unwrap();
-    assert_eq!(done, devplug::Updated::Restarted);
+    assert_eq!(done, devplug::host::Updated::Restarted);
     kubelet
         .wait_for(WAIT, |n| {
             let r = n.resource("example.com/npu")?;

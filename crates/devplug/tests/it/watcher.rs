@@ -5,7 +5,8 @@
 
 use crate::raw_h2::RawH2Client;
 use crate::support::{wait_capacity, TestBackend, WAIT};
-use devplug::{Host, RefusedRetry, Registration, ResourceSettings};
+use devplug::host::RefusedRetry;
+use devplug::{Host, Registration, ResourceSettings};
 use devplug_proto::pluginregistration as pr;
 use kubelet_sim::{Kubelet, SimConfig};
 use std::os::unix::fs::MetadataExt;
@@ -174,7 +175,7 @@ async fn a_stream_dropped_without_a_restart_is_offered_again() {
     wait_capacity(&kubelet, RESOURCE, (2, 0)).await;
     // The kubelet does not redial; after RELINK_WAIT the host offers itself again.
     let got = kubelet
-        .wait_for(devplug::RELINK_WAIT + WAIT, |n| {
+        .wait_for(devplug::host::RELINK_WAIT + WAIT, |n| {
             (n.registration_count(RESOURCE) == 2 && n.capacity(RESOURCE) == (2, 2)).then_some(())
         })
         .await;
