@@ -1,0 +1,190 @@
+//! A claim backend whose prepare blocks for 2 s (as an NVML call creating a MIG partition or an
+//! MPS daemon starting can) must not stall the device plugins served beside it. `devplug run`
+//! serves every device plugin and every DRA driver from one current-thread runtime, as this
+//! test does (`#[tokio::test]` is current-thread): the kubelet simulator, a device plugin host
+//! and the DRA driver's kubelet side all share the one thread. While the kubelet's
+//! `NodePrepareResources` waits on the slow backend, a device plugin's `Allocate` is called over
+//! and over; each must come back at its usual speed.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
+
+use devplug::backend::BoxFuture;
+use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList, Host, ResourceSettings};
+use devplug_dra::claims::{AllocatedDevice, ClaimRef, ClaimSource};
+use devplug_dra::kubelet::{KubeletDirs, KubeletSide, Registered};
+use devplug_dra::prepare::{PrepareFiles, Preparer};
+use devplug_dra::{ClaimBackend, Hold};
+use kubelet_sim::{DraClaim, Kubelet, SimConfig};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+const DRIVER: &str = "gpu.example.com";
+const RESOURCE: &str = "example.com/npu";
+const PREPARE_TAKES: Duration = Duration::from_secs(2);
+
+/// Devices whose `allocate` answers at once.
+struct Quick(watch::Sender<DeviceList>);
+
+impl Backend for Quick {
+    fn devices(&self) -> watch::Receiver<DeviceList> {
+        self.0.subscribe()
+    }
+    fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
+        Ok(ContainerEdits::default().env("NPU_VISIBLE_DEVICES", ids.join(",")))
+    }
+}
+
+/// A claim backend whose prepare blocks its thread for [`PREPARE_TAKES`].
+struct Slow(watch::Sender<DeviceList>);
+
+impl Backend for Slow {
+    fn devices(&self) -> watch::Receiver<DeviceList> {
+        self.0.subscribe()
+    }
+    fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
+        Ok(ContainerEdits::default().env("GPU_VISIBLE_DEVICES", ids.join(",")))
+    }
+}
+
+impl ClaimBackend for Slow {
+    fn prepare_devices(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
+        std::thread::sleep(PREPARE_TAKES);
+        self.allocate(ids)
+    }
+}
+
+/// One claim, `uid-1`, of device `gpu-0`.
+struct OneClaim;
+
+impl ClaimSource for OneClaim {
+    fn allocation<'a>(
+        &'a self,
+        claim: &'a ClaimRef,
+    ) -> BoxFuture<'a, Result<Vec<AllocatedDevice>, String>> {
+        let found = (claim.uid == "uid-1").then(|| {
+            vec![AllocatedDevice {
+                request: "gpu".into(),
+                pool: "node-a".into(),
+                device: "gpu-0".into(),
+                hold: Hold::Exclusive,
+                consumed: Default::default(),
+                tolerates_unhealthy: false,
+            }]
+        });
+        Box::pin(async move { found.ok_or_else(|| "no such claim".to_owned()) })
+    }
+}
+
+#[tokio::test]
+async fn a_slow_claim_backend_does_not_delay_another_resources_allocate() {
+    let root = tempfile::tempdir().unwrap();
+    let device_plugins = root.path().join("device-plugins");
+    std::fs::create_dir_all(&device_plugins).unwrap();
+    let config = SimConfig {
+        watcher_reconcile: Duration::from_millis(50),
+        ..SimConfig::default()
+    }
+    .with_watcher_beside(&device_plugins);
+    let kubelet = Kubelet::start_with(&device_plugins, config).await.unwrap();
+
+    // The device plugin: 4 NPUs.
+    let host = Host::new(&device_plugins).unwrap();
+    let npus = DeviceList::new((0..4).map(|i| Device::new(format!("npu-{i}"))));
+    host.add_with(
+        RESOURCE,
+        Arc::new(Quick(watch::channel(npus).0)),
+        ResourceSettings::default(),
+    )
+    .unwrap();
+    kubelet
+        .wait_for(Duration::from_secs(10), |n| {
+            (n.resource(RESOURCE)?.devices().len() == 4).then_some(())
+        })
+        .await
+        .unwrap();
+
+    // The DRA driver over the slow backend, registered through the plugin watcher.
+    let dirs = KubeletDirs::beside(&device_plugins);
+    let gpus = DeviceList::new([Device::new("gpu-0")]);
+    let preparer = Preparer::new(
+        DRIVER,
+        "node-a",
+        Arc::new(Slow(watch::channel(gpus).0)),
+        Arc::new(OneClaim),
+        PrepareFiles {
+            cdi_dir: root.path().join("cdi"),
+            checkpoint: dirs.driver_dir(DRIVER).join("checkpoint.json"),
+        },
+    )
+    .unwrap();
+    let side = KubeletSide::start(Arc::new(preparer), &dirs).unwrap();
+    let mut registered = side.registered();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        registered.wait_for(|r| *r == Registered::Yes),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+
+    let claims = [DraClaim::new("ns", "claim-1", "uid-1")];
+    let started = Instant::now();
+    // Allocate and free NPUs in a loop until the prepare answers.
+    let mut took: Vec<Duration> = Vec::new();
+    let prepared = {
+        let prepare = kubelet.dra_prepare(DRIVER, &claims);
+        tokio::pin!(prepare);
+        loop {
+            let pod = format!("pod-{}", took.len());
+            let asked = Instant::now();
+            tokio::select! {
+                biased;
+                answer = &mut prepare => break answer.unwrap(),
+                allocated = kubelet.allocate(&pod, "main", RESOURCE, 1) => {
+                    allocated.unwrap();
+                    took.push(asked.elapsed());
+                    assert!(kubelet.remove_pod(&pod));
+                }
+            }
+        }
+    };
+    let prepare_took = started.elapsed();
+    assert!(prepared["uid-1"].is_ok(), "{prepared:?}");
+    assert!(
+        prepare_took >= PREPARE_TAKES,
+        "the prepare waited on the backend: {prepare_took:?}"
+    );
+    took.sort();
+    let at = |q: f64| {
+        let last = took.len().saturating_sub(1);
+        took[((last as f64) * q).round() as usize]
+    };
+    println!(
+        "{} Allocates while one NodePrepareResources waited {prepare_took:?} on its backend: \
+         p50 {:?}, p99 {:?}, max {:?}",
+        took.len(),
+        at(0.5),
+        at(0.99),
+        at(1.0)
+    );
+    // Had the prepare run on the runtime, no Allocate could have answered within the 2 s.
+    assert!(
+        took.len() >= 10,
+        "Allocate answered only {} times during the prepare",
+        took.len()
+    );
+    assert!(
+        at(0.5) < Duration::from_millis(50),
+        "Allocate's median during the prepare: {:?}",
+        at(0.5)
+    );
+    assert!(
+        at(1.0) < PREPARE_TAKES / 2,
+        "no Allocate waited for the prepare: {:?}",
+        at(1.0)
+    );
+    drop(side);
+    host.shutdown().await;
+    kubelet.stop().await;
+}
