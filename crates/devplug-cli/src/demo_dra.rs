@@ -584,7 +584,7 @@ fn show_slices(slices: &[ResourceSlice]) {
         }
     }
     line("");
-    for row in crate::inspect::table(&rows).lines() {
+    for row in crate::inspect::render::table(&rows).lines() {
         detail(row);
     }
     line("");

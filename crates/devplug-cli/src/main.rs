@@ -5,12 +5,14 @@
 //! `completions` and `man` print shell completions and the man page.
 //! `capacity` sets, removes and lists extended resources on a Node through the API server.
 //!
-//! Two cargo features, both on by default: `cluster` (the Kubernetes API client: `capacity`,
-//! `advertise:` resources, `run --node-events`) and `tools` (`demo` with the kubelet simulator,
-//! `inspect`, `completions`, `man`). Built with neither (`--no-default-features`), the binary is
-//! `devplug-lite`, the node agent the DaemonSets run: `run` and `check-config` only, and they
-//! refuse a config or flag that needs the API server, naming it ([`config::needs_cluster`]).
-//! `demo --dra` needs both features.
+//! Three cargo features, all on by default: `cluster` (the Kubernetes API client: `capacity`,
+//! `advertise:` resources, `run --node-events`, `dra:` resources), `tools` (`demo` with the
+//! kubelet simulator, `inspect`, `completions`, `man`) and `dev-demos` (`demo nvidia` and
+//! `demo --dra`, on fake hardware and a local control plane, through the test kit). The image's
+//! `devplug` is built with `cluster` and `tools`; built with none (`--no-default-features`), the
+//! binary is `devplug-lite`, the node agent the DaemonSets run: `run` and `check-config` only,
+//! and they refuse a config or flag that needs the API server, naming it
+//! ([`config::needs_cluster`]).
 
 #[cfg(feature = "cluster")]
 mod capacity;
@@ -18,11 +20,11 @@ mod check_config;
 mod config;
 #[cfg(feature = "tools")]
 mod demo;
-#[cfg(all(feature = "cluster", feature = "tools"))]
+#[cfg(all(feature = "cluster", feature = "dev-demos"))]
 mod demo_dra;
-#[cfg(all(feature = "cluster", feature = "tools"))]
+#[cfg(all(feature = "cluster", feature = "dev-demos"))]
 mod demo_dra_sharing;
-#[cfg(feature = "tools")]
+#[cfg(feature = "dev-demos")]
 mod demo_nvidia;
 #[cfg(feature = "cluster")]
 mod dra;
@@ -206,16 +208,51 @@ fn write_run_page(dir: &std::path::Path) -> std::io::Result<()> {
     std::fs::write(dir.join(man.get_filename()), page)
 }
 
-/// `devplug demo --dra`, or in a build without the API client the refusal.
-#[cfg(all(feature = "cluster", feature = "tools"))]
+/// `devplug demo --dra`.
+#[cfg(all(feature = "cluster", feature = "dev-demos"))]
 fn demo_dra(runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
     runtime.block_on(demo_dra::demo())
 }
 
-/// `devplug demo --dra`, or in a build without the API client the refusal.
-#[cfg(all(not(feature = "cluster"), feature = "tools"))]
+/// `devplug demo --dra` in a build without the API client: the refusal.
+#[cfg(all(not(feature = "cluster"), feature = "dev-demos"))]
 fn demo_dra(_: &tokio::runtime::Runtime) -> anyhow::Result<()> {
     Err(anyhow::anyhow!(config::not_in_this_build("demo --dra")))
+}
+
+/// `devplug demo nvidia`.
+#[cfg(feature = "dev-demos")]
+fn demo_nvidia(
+    runtime: &tokio::runtime::Runtime,
+    library: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    runtime.block_on(demo_nvidia::demo(library))
+}
+
+/// `demo --dra` and `demo nvidia` in a build without the demos on fake hardware (the image's):
+/// the refusal, naming the build that has them.
+#[cfg(all(feature = "tools", not(feature = "dev-demos")))]
+fn dev_demo_left_out(which: &str) -> anyhow::Error {
+    anyhow::anyhow!(
+        "demo {which}: not in this build of {NAME}: the demos on fake hardware and a local \
+         control plane are built with the dev-demos feature, which the image leaves out; run it \
+         from a checkout (`cargo run -- demo {which}`)"
+    )
+}
+
+/// `devplug demo --dra` without the dev-demos feature.
+#[cfg(all(feature = "tools", not(feature = "dev-demos")))]
+fn demo_dra(_: &tokio::runtime::Runtime) -> anyhow::Result<()> {
+    Err(dev_demo_left_out("--dra"))
+}
+
+/// `devplug demo nvidia` without the dev-demos feature.
+#[cfg(all(feature = "tools", not(feature = "dev-demos")))]
+fn demo_nvidia(
+    _: &tokio::runtime::Runtime,
+    _: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    Err(dev_demo_left_out("nvidia"))
 }
 
 /// Which demo.
@@ -265,7 +302,7 @@ fn main() -> ExitCode {
             if args.dra {
                 demo_dra(&runtime)
             } else if args.what == "nvidia" {
-                runtime.block_on(demo_nvidia::demo(args.library.as_deref()))
+                demo_nvidia(&runtime, args.library.as_deref())
             } else {
                 runtime.block_on(demo::demo())
             }

@@ -12,12 +12,8 @@ mod clock;
 mod discover;
 mod dra_health;
 mod model;
-mod render;
+pub(crate) mod render;
 mod watch;
-
-/// The table layout of `inspect`'s output, for other commands' tables.
-#[cfg(feature = "cluster")]
-pub use render::table;
 
 use anyhow::Context;
 use client::Plugin;
