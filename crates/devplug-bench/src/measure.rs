@@ -198,8 +198,8 @@ pub(crate) fn spawn_run(
 }
 
 /// Peak RSS of `devplug run` serving one resource of 64 virtual devices after 64 Allocate calls:
-/// the scenario in which the issue measured a Go plugin (squat/generic-device-plugin) at
-/// 10.4 MiB. Returns (peak, anonymous, file-backed) in KiB.
+/// the scenario in which a Go plugin (squat/generic-device-plugin) peaks at 10.4 MiB
+/// (docs/benchmarks.md). Returns (peak, anonymous, file-backed) in KiB.
 pub async fn small_process_memory() -> anyhow::Result<(u64, u64, u64)> {
     let bin = devplug_binary()?;
     let dir = tempfile::tempdir()?;

@@ -32,8 +32,8 @@
 //!   someone is repaired at once) and a watch on the Node (its UID for the owner reference).
 //! - **Errors**: an API error is retried after 1 s, doubling to 60 s; a conflict (409) re-reads
 //!   the slices and tries again at once. Nothing panics.
-//! - **Shutdown**: [`SlicePublisher::shutdown`] deletes this driver's slices of the node (the
-//!   issue's "removed on shutdown of the driver"); dropping the publisher only stops it, leaving
+//! - **Shutdown**: [`SlicePublisher::shutdown`] deletes this driver's slices of the node (a
+//!   driver that stops takes its devices off the scheduler's list); dropping the publisher only stops it, leaving
 //!   the slices for the next instance to adopt.
 //!
 //! The module, one idea a file:
