@@ -18,7 +18,7 @@
 //! Values that would break the API server's rules (a string over 64 bytes, a malformed PCI
 //! address) are left out here rather than refused there.
 
-use devplug::dra::{AttributeValue, DeviceAttributes, SharePolicy};
+use devplug::dra::{AttributeValue, DeviceAttributes, CapacityRequestPolicy};
 use std::path::Path;
 
 /// The standard attribute for a device's PCI address in extended BDF form (`0000:3b:00.0`).
@@ -87,7 +87,7 @@ impl Attributes {
 
     /// A capacity of `value` that claims share by `policy` (left out, as the device's sharing
     /// is, when the policy does not fit the value).
-    pub(crate) fn shared(mut self, name: &str, value: u64, policy: SharePolicy) -> Self {
+    pub(crate) fn shared(mut self, name: &str, value: u64, policy: CapacityRequestPolicy) -> Self {
         if policy.check(value).is_ok() {
             self.0.capacity.insert(name.to_owned(), value);
             self.0.shared.insert(name.to_owned(), policy);

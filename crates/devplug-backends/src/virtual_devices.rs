@@ -10,7 +10,7 @@
 //! derives it from the NUMA node when it writes the slice, at no cost here.
 
 use crate::settings::{check_env_name, SettingsError};
-use devplug::dra::{AttributeValue, CounterSet, SharePolicy};
+use devplug::dra::{AttributeValue, CounterSet, CapacityRequestPolicy};
 use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList, Health};
 use serde::Deserialize;
 use tokio::sync::watch;
@@ -96,9 +96,9 @@ fn default_memory_step() -> String {
 
 impl VirtualShare {
     /// The device's shared capacities and their policies, or what is wrong with a field.
-    fn capacities(&self) -> Result<Vec<(&'static str, u64, SharePolicy)>, SettingsError> {
+    fn capacities(&self) -> Result<Vec<(&'static str, u64, CapacityRequestPolicy)>, SettingsError> {
         let mut out = Vec::new();
-        let cores = SharePolicy::steps_of(1);
+        let cores = CapacityRequestPolicy::steps_of(1);
         cores.check(self.cores).map_err(|e| {
             SettingsError::new(
                 "share.cores",
@@ -109,7 +109,7 @@ impl VirtualShare {
         if let Some(memory) = &self.memory {
             let bytes = quantity_field("share.memory", memory)?;
             let step = quantity_field("share.memory_step", &self.memory_step)?;
-            let policy = SharePolicy::steps_of(step);
+            let policy = CapacityRequestPolicy::steps_of(step);
             policy.check(bytes).map_err(|e| {
                 SettingsError::new(
                     "share.memory_step",
@@ -515,7 +515,7 @@ mod tests {
         let attrs = list.get("virtual-1").unwrap().dra_attributes();
         assert!(attrs.is_shared() && attrs.check().is_ok());
         assert_eq!(attrs.capacity["memory"], 16 << 30);
-        assert_eq!(attrs.shared["memory"], SharePolicy::steps_of(1 << 30));
+        assert_eq!(attrs.shared["memory"], CapacityRequestPolicy::steps_of(1 << 30));
         let consumed = std::collections::BTreeMap::from([
             ("cores".to_owned(), 40),
             ("memory".to_owned(), 4 << 30),

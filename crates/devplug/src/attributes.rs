@@ -31,7 +31,7 @@ pub enum AttributeValue {
 /// up to `min + n × step`; a claim that does not ask for this capacity consumes `default`. The
 /// scheduler keeps the sum of what the shares consumed within the capacity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SharePolicy {
+pub struct CapacityRequestPolicy {
     /// The least one share consumes.
     pub min: u64,
     /// The unit above `min`.
@@ -40,10 +40,10 @@ pub struct SharePolicy {
     pub default: u64,
 }
 
-impl SharePolicy {
+impl CapacityRequestPolicy {
     /// Shares of `step` and its multiples, a claim that names nothing getting one step.
-    pub fn steps_of(step: u64) -> SharePolicy {
-        SharePolicy {
+    pub fn steps_of(step: u64) -> CapacityRequestPolicy {
+        CapacityRequestPolicy {
             min: step,
             step,
             default: step,
@@ -116,7 +116,7 @@ pub struct DeviceAttributes {
     /// The device is shared by capacity: claims consume parts of its capacities by these
     /// policies, one for every capacity, and several claims hold it at once (the DRA driver
     /// publishes it with `allowMultipleAllocations`). Empty: the device goes to one claim.
-    pub shared: BTreeMap<String, SharePolicy>,
+    pub shared: BTreeMap<String, CapacityRequestPolicy>,
     /// The counters of its list's [`CounterSet`]s the device consumes when allocated (a
     /// partition of a partitionable device, or the whole of it). Empty: none.
     pub consumes: Vec<CounterConsumption>,
@@ -312,18 +312,18 @@ mod tests {
         attrs.capacity.insert("memory".into(), 16 << 30);
         attrs
             .shared
-            .insert("cores".into(), SharePolicy::steps_of(1));
+            .insert("cores".into(), CapacityRequestPolicy::steps_of(1));
         assert!(attrs
             .check()
             .unwrap_err()
             .contains("memory has no share policy"));
         attrs
             .shared
-            .insert("memory".into(), SharePolicy::steps_of(256 << 20));
+            .insert("memory".into(), CapacityRequestPolicy::steps_of(256 << 20));
         assert!(attrs.is_shared() && attrs.check().is_ok());
         attrs
             .shared
-            .insert("power".into(), SharePolicy::steps_of(1));
+            .insert("power".into(), CapacityRequestPolicy::steps_of(1));
         assert!(attrs
             .check()
             .unwrap_err()
@@ -331,7 +331,7 @@ mod tests {
         attrs.shared.remove("power");
         let bad = [
             (
-                SharePolicy {
+                CapacityRequestPolicy {
                     min: 0,
                     step: 0,
                     default: 0,
@@ -339,7 +339,7 @@ mod tests {
                 "step must be",
             ),
             (
-                SharePolicy {
+                CapacityRequestPolicy {
                     min: 50,
                     step: 60,
                     default: 50,
@@ -347,7 +347,7 @@ mod tests {
                 "more than the capacity",
             ),
             (
-                SharePolicy {
+                CapacityRequestPolicy {
                     min: 10,
                     step: 20,
                     default: 20,
@@ -355,7 +355,7 @@ mod tests {
                 "plus a multiple",
             ),
             (
-                SharePolicy {
+                CapacityRequestPolicy {
                     min: 10,
                     step: 20,
                     default: 5,

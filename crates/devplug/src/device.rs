@@ -2,7 +2,7 @@
 //! backend publishes.
 
 use crate::attributes::{
-    AttributeValue, CounterConsumption, CounterSet, DeviceAttributes, SharePolicy,
+    AttributeValue, CounterConsumption, CounterSet, DeviceAttributes, CapacityRequestPolicy,
 };
 use devplug_proto::constants::{HEALTHY, MAX_RECV_MESSAGE_BYTES, UNHEALTHY};
 use devplug_proto::v1beta1 as pb;
@@ -135,7 +135,7 @@ impl Device {
         mut self,
         name: impl Into<String>,
         value: u64,
-        policy: SharePolicy,
+        policy: CapacityRequestPolicy,
     ) -> Self {
         let name = name.into();
         let attributes = self.attributes.get_or_insert_with(Box::default);

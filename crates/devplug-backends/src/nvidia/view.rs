@@ -13,7 +13,7 @@ use crate::replicas::ShareInfo;
 use crate::sysfs::{dev_node, numa_node};
 use devplug::cdi::Spec;
 use devplug::dra::{
-    CounterConsumption, CounterSet, DeviceAttributes, SharePolicy, MAX_COUNTER_SETS,
+    CounterConsumption, CounterSet, DeviceAttributes, CapacityRequestPolicy, MAX_COUNTER_SETS,
 };
 use devplug::ContainerEdits;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -312,11 +312,11 @@ fn dra_attributes(
         None if memory_step.is_some() => common
             .string("type", "gpu")
             .string("uuid", &gpu.uuid)
-            .shared(MPS_CORES, 100, SharePolicy::steps_of(1))
+            .shared(MPS_CORES, 100, CapacityRequestPolicy::steps_of(1))
             .shared(
                 "memory",
                 gpu.memory_bytes,
-                SharePolicy::steps_of(memory_step.unwrap_or(1)),
+                CapacityRequestPolicy::steps_of(memory_step.unwrap_or(1)),
             ),
         None => common
             .string("type", "gpu")

@@ -5,7 +5,7 @@
 use super::quantity::quantity;
 use super::spec::Skipped;
 use super::validate::{check_attribute, check_capacity};
-use devplug::dra::{AttributeValue, SharePolicy, MAX_PER_DEVICE};
+use devplug::dra::{AttributeValue, CapacityRequestPolicy, MAX_PER_DEVICE};
 use devplug::Device;
 use k8s_openapi::api::resource::v1 as api;
 use std::collections::BTreeMap;
@@ -99,7 +99,7 @@ pub(super) fn counters(values: &BTreeMap<String, u64>) -> BTreeMap<String, api::
 }
 
 /// A share policy as the API's request policy: a range from `min` in `step`s, and the default.
-fn request_policy(policy: &SharePolicy) -> api::CapacityRequestPolicy {
+fn request_policy(policy: &CapacityRequestPolicy) -> api::CapacityRequestPolicy {
     api::CapacityRequestPolicy {
         default: Some(quantity(policy.default)),
         valid_range: Some(api::CapacityRequestPolicyRange {
@@ -151,8 +151,8 @@ mod tests {
     #[test]
     fn a_shared_device_allows_multiple_allocations_with_its_policies() {
         let device = Device::new("gpu")
-            .with_shared_capacity("cores", 100, SharePolicy::steps_of(1))
-            .with_shared_capacity("memory", 16 << 30, SharePolicy::steps_of(256 << 20));
+            .with_shared_capacity("cores", 100, CapacityRequestPolicy::steps_of(1))
+            .with_shared_capacity("memory", 16 << 30, CapacityRequestPolicy::steps_of(256 << 20));
         let out = slice_specs("d.example.com", "n", 1, &DeviceList::new([device]));
         let published = &out.specs[0].devices.as_ref().unwrap()[0];
         assert_eq!(published.allow_multiple_allocations, Some(true));
