@@ -23,7 +23,8 @@
 //! root. Where the loader would load libraries of another driver version than the one NVML
 //! reports (an upgrade's leftovers, or a new driver installed while the old module still
 //! runs), nothing is handed out: [`MixedVersions`] says which file is which version and what
-//! to do.
+//! to do. CUDA's forward-compatibility package (a newer libcuda in a `compat` folder, on
+//! purpose) is no such mix.
 //!
 //! The lists are the compute and utility sets of the toolkit's driver capabilities
 //! (`NVIDIA_DRIVER_CAPABILITIES=compute,utility`): what CUDA and `nvidia-smi` need.
@@ -214,6 +215,14 @@ fn file_version(file: &Path, name: &str) -> Option<String> {
     .then(|| rest.to_owned())
 }
 
+/// True for a file of CUDA's forward-compatibility package (`/usr/local/cuda-*/compat/`): a
+/// newer libcuda meant to run on an older kernel driver, on purpose, so not a leftover. It is
+/// not handed to containers either (they get the running driver's files and bring their own
+/// compat package if they need one).
+fn is_forward_compat(file: &Path) -> bool {
+    file.components().any(|c| c.as_os_str() == "compat")
+}
+
 /// Pushes `dir` to `dirs` unless it is there already.
 fn push_dir(dirs: &mut Vec<PathBuf>, dir: PathBuf) {
     if !dirs.contains(&dir) {
@@ -264,6 +273,9 @@ impl DriverFiles {
             let Some(file) = resolve(root, path) else {
                 return;
             };
+            if is_forward_compat(&file) {
+                return;
+            }
             let Some(v) = file_version(&file, name).filter(|v| v != version) else {
                 return;
             };
@@ -853,6 +865,30 @@ mod tests {
                     .to_owned(),
                 "580.159.04".to_owned()
             )
+        );
+    }
+
+    /// CUDA's forward-compatibility package is a newer libcuda on purpose: where ld.so.conf
+    /// names its folder, that is no mix, and containers still get the running driver's files.
+    #[test]
+    fn cudas_forward_compatibility_libraries_are_not_a_mix() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        driver_libraries(root, "/usr/lib/x86_64-linux-gnu", RUNNING);
+        library(
+            root,
+            "/usr/local/cuda-13.1/compat",
+            "libcuda",
+            "590.44.01",
+            Some("1"),
+        );
+        std::fs::create_dir_all(root.join("etc")).unwrap();
+        std::fs::write(root.join("etc/ld.so.conf"), "/usr/local/cuda-13.1/compat\n").unwrap();
+        let nvml = root.join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
+        let found = DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).unwrap();
+        assert_eq!(
+            host(&found, "/usr/local/nvidia/lib64/libcuda.so.1").as_deref(),
+            Some("/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04")
         );
     }
 
