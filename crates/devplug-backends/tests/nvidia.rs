@@ -1081,6 +1081,42 @@ async fn the_drivers_files_reach_allocate_and_the_cdi_spec_at_host_paths() {
     assert!(backend.allocate(&[first]).unwrap().mounts.is_empty());
 }
 
+/// Driver libraries of another version where the dynamic loader looks (an older driver's
+/// leftovers in a folder `ld.so.conf` names) make the resource not ready with which file is
+/// which version, and containers get no driver files; the GPUs are still listed.
+#[tokio::test]
+async fn a_mix_of_driver_versions_is_refused_with_the_files_and_the_fix() {
+    use std::os::unix::fs::symlink;
+    let node = Node::new("pcie-4gpu", true);
+    let version = "570.86.15"; // what the fake NVML reports
+    std::fs::write(node.lib_dir.join(format!("libcuda.so.{version}")), "cuda").unwrap();
+    let root = node._tmp.path().join("driver");
+    let old = root.join("usr/local/old-driver/lib64");
+    std::fs::create_dir_all(&old).unwrap();
+    std::fs::write(old.join("libcuda.so.550.54.15"), "old cuda").unwrap();
+    symlink("libcuda.so.550.54.15", old.join("libcuda.so.1")).unwrap();
+    std::fs::create_dir_all(root.join("etc")).unwrap();
+    std::fs::write(root.join("etc/ld.so.conf"), "/usr/local/old-driver/lib64\n").unwrap();
+    let mut settings = node.settings();
+    settings.device_list_strategy = vec![ListStrategy::DeviceSpecs];
+    let backend = NvidiaBackend::start("nvidia.com/gpu", &settings).unwrap();
+    tokio::time::timeout(WAIT, backend.discovered())
+        .await
+        .unwrap();
+    let reason = not_ready(&backend, "more than one version").await;
+    assert!(
+        reason.contains(
+            "NVML reports driver 570.86.15, but /usr/local/old-driver/lib64/libcuda.so.1 \
+             (-> /usr/local/old-driver/lib64/libcuda.so.550.54.15) is 550.54.15"
+        ),
+        "{reason}"
+    );
+    assert!(reason.contains("Fix: "), "{reason}");
+    assert_eq!(backend.devices().borrow().len(), 4);
+    let first = backend.devices().borrow().devices()[0].id.clone();
+    assert!(backend.allocate(&[first]).unwrap().mounts.is_empty());
+}
+
 /// A stand-in for the driver's `nvidia-cuda-mps-control`: `-f` records a start (GPU, folders,
 /// library path), makes the pipe folder's `control` and runs until it is gone; otherwise it
 /// reads one command from stdin, records it, and on `quit` removes `control`.

@@ -12,11 +12,27 @@
 //! `libnvidia-ml.so`) under that too: a bind mount of the file itself, as an `Allocate`
 //! response cannot make symlinks.
 //!
+//! Where the files are: as the dynamic loader would find them ([`DriverFiles::locate`]): the
+//! folder NVML was loaded from, the loader cache of the driver root (`etc/ld.so.cache`), the
+//! folders its `etc/ld.so.conf` names, then the root's usual library folders. That covers
+//! distribution packages (`/usr/lib/x86_64-linux-gnu`), NVIDIA's runfile (`/usr/lib64`,
+//! `/usr/lib`), the GPU operator's driver container (all of it under `/run/nvidia/driver`) and
+//! split layouts (NVML in `/usr/lib`, `libcuda` and the rest in a folder such as
+//! `/usr/local/nvidia/lib64` that only `ld.so.conf.d` names). Links are followed as a process
+//! chrooted into the driver root would follow them, so an absolute link means a path in that
+//! root. Where the loader would load libraries of another driver version than the one NVML
+//! reports (an upgrade's leftovers, or a new driver installed while the old module still
+//! runs), nothing is handed out: [`MixedVersions`] says which file is which version and what
+//! to do. CUDA's forward-compatibility package (a newer libcuda in a `compat` folder, on
+//! purpose) is no such mix.
+//!
 //! The lists are the compute and utility sets of the toolkit's driver capabilities
 //! (`NVIDIA_DRIVER_CAPABILITIES=compute,utility`): what CUDA and `nvidia-smi` need.
 
+mod loader;
+
 use devplug::{ContainerEdits, Mount};
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 
 /// Where libraries go in the container.
 pub const CONTAINER_LIB_DIR: &str = "/usr/local/nvidia/lib64";
@@ -49,11 +65,36 @@ const PROGRAMS: [&str; 5] = [
     "nvidia-cuda-mps-server",
 ];
 
-/// Folders under a driver root that hold its programs, in the order they are searched.
-const PROGRAM_DIRS: [&str; 3] = ["usr/bin", "usr/local/bin", "bin"];
+/// Folders under a driver root that hold its programs, in the order they are searched (the
+/// last is the split layout's, beside `/usr/local/nvidia/lib64`).
+const PROGRAM_DIRS: [&str; 4] = ["usr/bin", "usr/local/bin", "bin", "usr/local/nvidia/bin"];
 
 /// Folders under a driver root that hold its firmware (`nvidia/<version>` below them).
 const FIRMWARE_DIRS: [&str; 2] = ["lib/firmware", "usr/lib/firmware"];
+
+/// The library folders of a driver root, searched after the loader cache and `ld.so.conf`:
+/// Debian's multiarch folders, then the RPM and runfile ones.
+#[cfg(target_arch = "aarch64")]
+const LIBRARY_DIRS: [&str; 6] = [
+    "/usr/lib/aarch64-linux-gnu",
+    "/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/lib64",
+    "/usr/lib",
+    "/lib",
+];
+#[cfg(not(target_arch = "aarch64"))]
+const LIBRARY_DIRS: [&str; 6] = [
+    "/usr/lib/x86_64-linux-gnu",
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib64",
+    "/lib64",
+    "/usr/lib",
+    "/lib",
+];
+
+/// How many symlinks a path may go through (the kernel's limit is 40; the driver uses one).
+const MAX_LINKS: usize = 16;
 
 /// One file to mount: where devplug sees it, relative to the driver root, and where it goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,6 +118,35 @@ pub struct DriverFiles {
     pub files: Vec<DriverFile>,
 }
 
+/// The loader would load driver libraries of another version than the one NVML reports.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the driver's libraries are of more than one version: NVML reports driver {version}, but \
+     {} (in the driver root {root}). A CUDA program would load a library of another driver \
+     than the one running, so containers get no driver files. Fix: if that version is the \
+     driver installed, reboot (or reload the nvidia kernel modules) so that it runs; otherwise \
+     remove the other driver's files (its packages, or what its runfile installed), run \
+     `ldconfig`, and restart devplug",
+    list(.files)
+)]
+pub struct MixedVersions {
+    /// The version NVML reports (the running kernel module's).
+    pub version: String,
+    /// The driver root searched, as devplug sees it.
+    pub root: PathBuf,
+    /// Each file of another version: its path in the root's view (with the file its links
+    /// lead to) and its version.
+    pub files: Vec<(String, String)>,
+}
+
+fn list(files: &[(String, String)]) -> String {
+    files
+        .iter()
+        .map(|(path, version)| format!("{path} is {version}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// The driver root a library was loaded from: the longest of `roots` that holds it, or `/`.
 pub fn root_of(library: &Path, roots: &[PathBuf]) -> PathBuf {
     roots
@@ -87,37 +157,193 @@ pub fn root_of(library: &Path, roots: &[PathBuf]) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/"))
 }
 
-/// A regular file named `name` in `dir`, or the file a relative symlink of that name in the
-/// same folder points to (the driver's layout: `libnvidia-ml.so.1 -> libnvidia-ml.so.550.54.15`).
-/// Absolute links are not followed: they point into the host's tree, not devplug's view of it.
-fn regular_file(dir: &Path, name: &str) -> Option<PathBuf> {
-    let path = dir.join(name);
-    let meta = std::fs::symlink_metadata(&path).ok()?;
-    if meta.is_file() {
-        return Some(path);
-    }
-    if meta.file_type().is_symlink() {
-        let target = std::fs::read_link(&path).ok()?;
-        if target.is_relative() && target.components().count() == 1 {
-            let resolved = dir.join(target);
-            if std::fs::symlink_metadata(&resolved).is_ok_and(|m| m.is_file()) {
-                return Some(resolved);
+/// `path` made absolute without `.` and `..`, as the kernel reads it inside a chroot (`/..` is
+/// `/`).
+fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::from("/");
+    for part in path.components() {
+        match part {
+            Component::Normal(name) => out.push(name),
+            Component::ParentDir => {
+                out.pop();
             }
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
         }
+    }
+    out
+}
+
+/// `path` (absolute, in the root's view) on this machine.
+fn real(root: &Path, path: &Path) -> PathBuf {
+    root.join(path.strip_prefix("/").unwrap_or(path))
+}
+
+/// The regular file `path` (absolute, in the root's view) is or leads to through symlinks, in
+/// the root's view: links are followed as in a process chrooted into `root` (an absolute
+/// target is a path in the root).
+fn resolve(root: &Path, path: &Path) -> Option<PathBuf> {
+    let mut current = normalize(path);
+    for _ in 0..MAX_LINKS {
+        let on_disk = real(root, &current);
+        let meta = std::fs::symlink_metadata(&on_disk).ok()?;
+        if meta.is_file() {
+            return Some(current);
+        }
+        if !meta.file_type().is_symlink() {
+            return None;
+        }
+        let target = std::fs::read_link(&on_disk).ok()?;
+        let next = match current.parent() {
+            Some(dir) if target.is_relative() => dir.join(target),
+            _ => target,
+        };
+        current = normalize(&next);
     }
     None
 }
 
+/// The version in a library's file name (`libcuda.so.550.54.15` → `550.54.15`): what follows
+/// `<name>.so.`, when it has at least three parts (a SONAME's `1` is not a version).
+fn file_version(file: &Path, name: &str) -> Option<String> {
+    let file_name = file.file_name()?.to_str()?;
+    let rest = file_name.strip_prefix(name)?.strip_prefix(".so.")?;
+    let parts: Vec<&str> = rest.split('.').collect();
+    (parts.len() >= 3
+        && parts
+            .iter()
+            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())))
+    .then(|| rest.to_owned())
+}
+
+/// True for a file of CUDA's forward-compatibility package (`/usr/local/cuda-*/compat/`): a
+/// newer libcuda meant to run on an older kernel driver, on purpose, so not a leftover. It is
+/// not handed to containers either (they get the running driver's files and bring their own
+/// compat package if they need one).
+fn is_forward_compat(file: &Path) -> bool {
+    file.components().any(|c| c.as_os_str() == "compat")
+}
+
+/// Pushes `dir` to `dirs` unless it is there already.
+fn push_dir(dirs: &mut Vec<PathBuf>, dir: PathBuf) {
+    if !dirs.contains(&dir) {
+        dirs.push(dir);
+    }
+}
+
 impl DriverFiles {
-    /// Finds the files of driver `version`: libraries in `lib_dir` (the folder NVML was loaded
-    /// from), programs and firmware elsewhere under `root`. `host_root` is the same root as the
-    /// host names it. Files that are missing are left out (drivers differ in what they ship).
+    /// Finds the files of driver `version`: libraries in `lib_dir` (a folder under `root`),
+    /// programs and firmware elsewhere under `root`. `host_root` is the same root as the host
+    /// names it. Files that are missing are left out (drivers differ in what they ship).
     pub fn find(root: &Path, host_root: &Path, lib_dir: &Path, version: &str) -> DriverFiles {
+        let dirs: Vec<PathBuf> = lib_dir
+            .strip_prefix(root)
+            .map(|rel| vec![Path::new("/").join(rel)])
+            .unwrap_or_default();
+        Self::find_in(root, host_root, &dirs, version)
+    }
+
+    /// Finds the files of driver `version` where the dynamic loader would look, given the NVML
+    /// library devplug loaded (`nvml`, under `root`): its folder, `root`'s loader cache, the
+    /// folders its `etc/ld.so.conf` names, then its usual library folders. Refuses when the
+    /// loader would load a driver library of another version.
+    pub fn locate(
+        root: &Path,
+        host_root: &Path,
+        nvml: &Path,
+        version: &str,
+    ) -> Result<DriverFiles, MixedVersions> {
+        let cache = loader::read_cache(root);
+        let conf = loader::conf_dirs(root);
+        let nvml = nvml
+            .strip_prefix(root)
+            .map(|rel| Path::new("/").join(rel))
+            .ok();
+        // Where each library's SONAME leads the loader: the cache first, then the folders it
+        // searches without one (ld.so.conf's, which `ldconfig` would have cached, and the
+        // usual ones).
+        let searched: Vec<PathBuf> = {
+            let mut dirs = conf.clone();
+            for d in LIBRARY_DIRS {
+                push_dir(&mut dirs, PathBuf::from(d));
+            }
+            dirs
+        };
+        let mut others: Vec<(String, String)> = Vec::new();
+        let seen_version = |path: &Path, name: &str, others: &mut Vec<(String, String)>| {
+            let Some(file) = resolve(root, path) else {
+                return;
+            };
+            if is_forward_compat(&file) {
+                return;
+            }
+            let Some(v) = file_version(&file, name).filter(|v| v != version) else {
+                return;
+            };
+            let shown = if file == path {
+                path.display().to_string()
+            } else {
+                format!("{} (-> {})", path.display(), file.display())
+            };
+            if !others.iter().any(|(p, _)| *p == shown) {
+                others.push((shown, v));
+            }
+        };
+        if let Some(nvml) = &nvml {
+            seen_version(nvml, "libnvidia-ml", &mut others);
+        }
+        for (name, soname, _) in LIBRARIES {
+            let Some(soname) = soname.map(|v| format!("{name}.so.{v}")) else {
+                continue;
+            };
+            let picked = cache
+                .iter()
+                .filter(|e| e.name == soname)
+                .map(|e| e.path.clone())
+                .chain(searched.iter().map(|d| d.join(&soname)))
+                .find(|p| resolve(root, p).is_some());
+            if let Some(picked) = picked {
+                seen_version(&picked, name, &mut others);
+            }
+        }
+        if !others.is_empty() {
+            return Err(MixedVersions {
+                version: version.to_owned(),
+                root: root.to_owned(),
+                files: others,
+            });
+        }
+        // Where the versioned files are looked for: NVML's folder, the cache's folders of the
+        // driver's libraries, then the searched folders.
+        let mut dirs = Vec::new();
+        if let Some(dir) = nvml.as_deref().and_then(Path::parent) {
+            push_dir(&mut dirs, dir.to_path_buf());
+        }
+        for entry in &cache {
+            let ours = LIBRARIES
+                .iter()
+                .any(|(name, _, _)| entry.name.starts_with(&format!("{name}.so")));
+            if let (true, Some(dir)) = (ours, entry.path.parent()) {
+                push_dir(&mut dirs, normalize(dir));
+            }
+        }
+        for dir in searched {
+            push_dir(&mut dirs, dir);
+        }
+        Ok(Self::find_in(root, host_root, &dirs, version))
+    }
+
+    /// The files of `version`: each library from the first of `lib_dirs` (absolute, in the
+    /// root's view) holding it, programs and firmware from their usual folders.
+    fn find_in(root: &Path, host_root: &Path, lib_dirs: &[PathBuf], version: &str) -> DriverFiles {
         let mut files = Vec::new();
-        let rel = |p: &Path| p.strip_prefix(root).map(Path::to_path_buf).ok();
+        let rel = |p: PathBuf| p.strip_prefix("/").map(Path::to_path_buf).ok();
         for (name, soname, dev) in LIBRARIES {
             let versioned = format!("{name}.so.{version}");
-            let Some(found) = regular_file(lib_dir, &versioned).and_then(|p| rel(&p)) else {
+            let Some(found) = lib_dirs
+                .iter()
+                .find_map(|d| resolve(root, &d.join(&versioned)))
+                .and_then(rel)
+            else {
                 continue;
             };
             let mut names = vec![versioned];
@@ -135,8 +361,8 @@ impl DriverFiles {
         for program in PROGRAMS {
             let found = PROGRAM_DIRS
                 .iter()
-                .find_map(|d| regular_file(&root.join(d), program))
-                .and_then(|p| rel(&p));
+                .find_map(|d| resolve(root, &Path::new("/").join(d).join(program)))
+                .and_then(rel);
             if let Some(found) = found {
                 files.push(DriverFile {
                     rel: found,
@@ -323,6 +549,384 @@ mod tests {
         )
         .unwrap();
         assert!(!DriverFiles::find(&root, &root, &lib, VERSION).has_cuda());
+    }
+
+    const RUNNING: &str = "580.159.04";
+
+    /// Writes `<root>/<dir>/<name>.so.<version>` and, with `soname`, the link
+    /// `<name>.so.<soname>` to it beside it, as the driver's installers do.
+    fn library(root: &Path, dir: &str, name: &str, version: &str, soname: Option<&str>) {
+        let dir = real(root, Path::new(dir));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = format!("{name}.so.{version}");
+        std::fs::write(dir.join(&file), name).unwrap();
+        if let Some(soname) = soname {
+            let link = dir.join(format!("{name}.so.{soname}"));
+            let _ = std::fs::remove_file(&link);
+            symlink(&file, link).unwrap();
+        }
+    }
+
+    /// The three libraries every layout below has, in `dir`.
+    fn driver_libraries(root: &Path, dir: &str, version: &str) {
+        library(root, dir, "libnvidia-ml", version, Some("1"));
+        library(root, dir, "libcuda", version, Some("1"));
+        library(root, dir, "libnvidia-ptxjitcompiler", version, Some("1"));
+    }
+
+    /// `<root>/etc/ld.so.cache` listing `libs` (name, path) as this machine's libraries.
+    fn loader_cache(root: &Path, libs: &[(&str, &str)]) {
+        let flags = loader::tests::native_flags();
+        let entries: Vec<(&str, &str, u32)> = libs.iter().map(|(n, p)| (*n, *p, flags)).collect();
+        std::fs::create_dir_all(root.join("etc")).unwrap();
+        std::fs::write(
+            root.join("etc/ld.so.cache"),
+            loader::tests::cache_bytes(&entries),
+        )
+        .unwrap();
+    }
+
+    /// The container path → host path of each library mount.
+    fn library_mounts(found: &DriverFiles) -> Vec<(String, String)> {
+        found
+            .mounts()
+            .into_iter()
+            .filter(|m| m.container_path.starts_with(CONTAINER_LIB_DIR))
+            .map(|m| (m.container_path, m.host_path))
+            .collect()
+    }
+
+    fn host(found: &DriverFiles, container: &str) -> Option<String> {
+        found
+            .mounts()
+            .into_iter()
+            .find(|m| m.container_path == container)
+            .map(|m| m.host_path)
+    }
+
+    #[test]
+    fn distribution_packages_are_found_through_the_loader_cache() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let dir = "/usr/lib/x86_64-linux-gnu";
+        driver_libraries(root, dir, RUNNING);
+        loader_cache(
+            root,
+            &[
+                (
+                    "libnvidia-ml.so.1",
+                    "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+                ),
+                ("libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+                ("libc.so.6", "/lib/x86_64-linux-gnu/libc.so.6"),
+            ],
+        );
+        let nvml = root.join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
+        let found = DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).unwrap();
+        assert!(found.has_cuda());
+        assert_eq!(
+            host(&found, "/usr/local/nvidia/lib64/libcuda.so.1").as_deref(),
+            Some("/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04")
+        );
+        assert_eq!(
+            host(
+                &found,
+                "/usr/local/nvidia/lib64/libnvidia-ptxjitcompiler.so.1"
+            )
+            .as_deref(),
+            Some("/usr/lib/x86_64-linux-gnu/libnvidia-ptxjitcompiler.so.580.159.04")
+        );
+        // Versioned name, SONAME and development name for libcuda and NVML; two for the JIT.
+        assert_eq!(
+            library_mounts(&found).len(),
+            8,
+            "{:?}",
+            library_mounts(&found)
+        );
+        assert_eq!(found.lib_dir(), Some(root.join("usr/lib/x86_64-linux-gnu")));
+    }
+
+    #[test]
+    fn the_runfiles_folders_are_searched_without_a_cache_and_32_bit_libraries_are_not_taken() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        // RHEL-like: 64-bit in /usr/lib64, the 32-bit compatibility libraries in /usr/lib.
+        driver_libraries(root, "/usr/lib64", RUNNING);
+        library(root, "/usr/lib", "libcuda", RUNNING, Some("1"));
+        let nvml = root.join("usr/lib64/libnvidia-ml.so.1");
+        let found = DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).unwrap();
+        assert_eq!(
+            host(&found, "/usr/local/nvidia/lib64/libcuda.so.1").as_deref(),
+            Some("/usr/lib64/libcuda.so.580.159.04")
+        );
+        // A cache that lists the 32-bit libcuda first (as another architecture's) changes
+        // nothing.
+        let flags = loader::tests::native_flags();
+        std::fs::create_dir_all(root.join("etc")).unwrap();
+        std::fs::write(
+            root.join("etc/ld.so.cache"),
+            loader::tests::cache_bytes(&[
+                ("libcuda.so.1", "/usr/lib/libcuda.so.1", 0x0003),
+                ("libcuda.so.1", "/usr/lib64/libcuda.so.1", flags),
+            ]),
+        )
+        .unwrap();
+        let found = DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).unwrap();
+        assert_eq!(
+            host(&found, "/usr/local/nvidia/lib64/libcuda.so.1").as_deref(),
+            Some("/usr/lib64/libcuda.so.580.159.04")
+        );
+
+        // Debian's runfile layout: everything in /usr/lib.
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        driver_libraries(root, "/usr/lib", RUNNING);
+        let nvml = root.join("usr/lib/libnvidia-ml.so.1");
+        let found = DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).unwrap();
+        assert_eq!(
+            host(&found, "/usr/local/nvidia/lib64/libcuda.so").as_deref(),
+            Some("/usr/lib/libcuda.so.580.159.04")
+        );
+    }
+
+    #[test]
+    fn the_gpu_operators_driver_container_is_read_through_its_own_cache_at_host_paths() {
+        let tmp = tempfile::tempdir().unwrap();
+        // devplug sees the host's /run/nvidia/driver at /driver-root (the chart's mount).
+        let root = tmp.path().join("driver-root");
+        driver_libraries(&root, "/usr/lib/x86_64-linux-gnu", RUNNING);
+        std::fs::create_dir_all(root.join("usr/bin")).unwrap();
+        std::fs::write(root.join("usr/bin/nvidia-smi"), "smi").unwrap();
+        loader_cache(
+            &root,
+            &[("libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libcuda.so.1")],
+        );
+        let nvml = root.join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
+        let found =
+            DriverFiles::locate(&root, Path::new("/run/nvidia/driver"), &nvml, RUNNING).unwrap();
+        assert_eq!(
+            host(&found, "/usr/local/nvidia/lib64/libcuda.so.1").as_deref(),
+            Some("/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04")
+        );
+        assert_eq!(
+            host(&found, "/usr/local/nvidia/bin/nvidia-smi").as_deref(),
+            Some("/run/nvidia/driver/usr/bin/nvidia-smi")
+        );
+        assert_eq!(
+            found.program("nvidia-smi"),
+            Some(root.join("usr/bin/nvidia-smi"))
+        );
+    }
+
+    /// As seen on a lent H100 machine: NVML loads from /usr/lib, libcuda and the rest sit in
+    /// /usr/local/nvidia/lib64, which only ld.so.conf.d names; nvidia-smi beside them.
+    #[test]
+    fn the_split_layout_is_found_through_ld_so_conf() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let split = "/usr/local/nvidia/lib64";
+        driver_libraries(root, split, RUNNING);
+        library(root, split, "libnvidia-nvvm", RUNNING, Some("4"));
+        library(root, split, "libnvidia-gpucomp", RUNNING, None);
+        std::fs::create_dir_all(root.join("usr/lib")).unwrap();
+        std::fs::write(root.join("usr/lib/libnvidia-ml.so.1"), "nvml").unwrap();
+        std::fs::create_dir_all(root.join("etc/ld.so.conf.d")).unwrap();
+        std::fs::write(
+            root.join("etc/ld.so.conf"),
+            "include /etc/ld.so.conf.d/*.conf
+",
+        )
+        .unwrap();
+        std::fs::write(
+            root.join("etc/ld.so.conf.d/000_cuda.conf"),
+            "/usr/local/nvidia/lib64
+",
+        )
+        .unwrap();
+        std::fs::create_dir_all(root.join("usr/local/nvidia/bin")).unwrap();
+        std::fs::write(root.join("usr/local/nvidia/bin/nvidia-smi"), "smi").unwrap();
+        let nvml = root.join("usr/lib/libnvidia-ml.so.1");
+        let found = DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).unwrap();
+        assert!(found.has_cuda());
+        for (container, host_path) in [
+            ("libcuda.so.1", "libcuda.so.580.159.04"),
+            (
+                "libnvidia-ptxjitcompiler.so.1",
+                "libnvidia-ptxjitcompiler.so.580.159.04",
+            ),
+            ("libnvidia-nvvm.so.4", "libnvidia-nvvm.so.580.159.04"),
+            (
+                "libnvidia-gpucomp.so.580.159.04",
+                "libnvidia-gpucomp.so.580.159.04",
+            ),
+            ("libnvidia-ml.so.1", "libnvidia-ml.so.580.159.04"),
+        ] {
+            assert_eq!(
+                host(&found, &format!("{CONTAINER_LIB_DIR}/{container}")),
+                Some(format!("{split}/{host_path}")),
+                "{container}"
+            );
+        }
+        assert_eq!(
+            host(&found, "/usr/local/nvidia/bin/nvidia-smi").as_deref(),
+            Some("/usr/local/nvidia/bin/nvidia-smi")
+        );
+        assert_eq!(found.lib_dir(), Some(root.join("usr/local/nvidia/lib64")));
+        // Without ld.so.conf but with the loader cache listing the folder: the same.
+        std::fs::remove_file(root.join("etc/ld.so.conf")).unwrap();
+        loader_cache(
+            root,
+            &[("libcuda.so.1", "/usr/local/nvidia/lib64/libcuda.so.1")],
+        );
+        let again = DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).unwrap();
+        assert_eq!(again, found);
+        // NVML in /usr/lib as an absolute link into the driver's folder: read in the root.
+        std::fs::remove_file(root.join("usr/lib/libnvidia-ml.so.1")).unwrap();
+        symlink(
+            "/usr/local/nvidia/lib64/libnvidia-ml.so.1",
+            root.join("usr/lib/libnvidia-ml.so.1"),
+        )
+        .unwrap();
+        let linked = DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).unwrap();
+        assert_eq!(linked, found);
+    }
+
+    #[test]
+    fn libraries_of_another_version_where_the_loader_looks_are_refused_with_the_fix() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        // The running driver's files in the split folder, an older driver's packages left in
+        // the multiarch folder, which the cache lists first.
+        driver_libraries(root, "/usr/local/nvidia/lib64", RUNNING);
+        driver_libraries(root, "/usr/lib/x86_64-linux-gnu", "550.54.15");
+        loader_cache(
+            root,
+            &[
+                ("libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+                ("libcuda.so.1", "/usr/local/nvidia/lib64/libcuda.so.1"),
+                (
+                    "libnvidia-ml.so.1",
+                    "/usr/local/nvidia/lib64/libnvidia-ml.so.1",
+                ),
+            ],
+        );
+        let nvml = root.join("usr/local/nvidia/lib64/libnvidia-ml.so.1");
+        let err = DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).unwrap_err();
+        assert_eq!(
+            err.files,
+            [
+                (
+                    "/usr/lib/x86_64-linux-gnu/libcuda.so.1 \
+                     (-> /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15)"
+                        .to_owned(),
+                    "550.54.15".to_owned()
+                ),
+                (
+                    "/usr/lib/x86_64-linux-gnu/libnvidia-ptxjitcompiler.so.1 \
+                     (-> /usr/lib/x86_64-linux-gnu/libnvidia-ptxjitcompiler.so.550.54.15)"
+                        .to_owned(),
+                    "550.54.15".to_owned()
+                ),
+            ]
+        );
+        let text = err.to_string();
+        assert!(
+            text.starts_with(
+                "the driver's libraries are of more than one version: NVML reports driver \
+                 580.159.04, but /usr/lib/x86_64-linux-gnu/libcuda.so.1 (-> \
+                 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15) is 550.54.15, "
+            ),
+            "{text}"
+        );
+        assert!(text.contains("Fix: "), "{text}");
+        assert!(text.contains("run `ldconfig`"), "{text}");
+
+        // The old driver's files removed: served from the split folder.
+        for name in ["libnvidia-ml", "libcuda", "libnvidia-ptxjitcompiler"] {
+            let dir = root.join("usr/lib/x86_64-linux-gnu");
+            std::fs::remove_file(dir.join(format!("{name}.so.1"))).unwrap();
+            std::fs::remove_file(dir.join(format!("{name}.so.550.54.15"))).unwrap();
+        }
+        let found = DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).unwrap();
+        assert_eq!(
+            host(&found, "/usr/local/nvidia/lib64/libcuda.so.1").as_deref(),
+            Some("/usr/local/nvidia/lib64/libcuda.so.580.159.04")
+        );
+        // A leftover versioned file no SONAME leads to is not a mix (nothing loads it).
+        library(root, "/usr/lib64", "libcuda", "535.1.1", None);
+        assert!(DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).is_ok());
+        // NVML itself of another version (a new driver installed, the old module running).
+        let err = DriverFiles::locate(root, Path::new("/"), &nvml, "570.86.15").unwrap_err();
+        assert_eq!(
+            err.files[0],
+            (
+                "/usr/local/nvidia/lib64/libnvidia-ml.so.1 \
+                 (-> /usr/local/nvidia/lib64/libnvidia-ml.so.580.159.04)"
+                    .to_owned(),
+                "580.159.04".to_owned()
+            )
+        );
+    }
+
+    /// CUDA's forward-compatibility package is a newer libcuda on purpose: where ld.so.conf
+    /// names its folder, that is no mix, and containers still get the running driver's files.
+    #[test]
+    fn cudas_forward_compatibility_libraries_are_not_a_mix() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        driver_libraries(root, "/usr/lib/x86_64-linux-gnu", RUNNING);
+        library(
+            root,
+            "/usr/local/cuda-13.1/compat",
+            "libcuda",
+            "590.44.01",
+            Some("1"),
+        );
+        std::fs::create_dir_all(root.join("etc")).unwrap();
+        std::fs::write(root.join("etc/ld.so.conf"), "/usr/local/cuda-13.1/compat\n").unwrap();
+        let nvml = root.join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
+        let found = DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).unwrap();
+        assert_eq!(
+            host(&found, "/usr/local/nvidia/lib64/libcuda.so.1").as_deref(),
+            Some("/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04")
+        );
+    }
+
+    #[test]
+    fn links_are_followed_inside_the_root_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        library(root, "/usr/lib64", "libcuda", RUNNING, Some("1"));
+        let lib = root.join("usr/lib64");
+        symlink("../../usr/lib64/libcuda.so.1", lib.join("up.so")).unwrap();
+        symlink(
+            "../../../../../../usr/lib64/libcuda.so.1",
+            lib.join("above.so"),
+        )
+        .unwrap();
+        symlink("loop.so", lib.join("loop.so")).unwrap();
+        let at = |p: &str| resolve(root, Path::new(p));
+        let file = Some(PathBuf::from("/usr/lib64/libcuda.so.580.159.04"));
+        assert_eq!(at("/usr/lib64/libcuda.so.1"), file);
+        assert_eq!(at("/usr/lib64/up.so"), file);
+        // `..` above the root stays at the root, as in a chroot.
+        assert_eq!(at("/usr/lib64/above.so"), file);
+        assert_eq!(at("/usr/lib64/loop.so"), None);
+        assert_eq!(at("/usr/lib64"), None);
+        assert_eq!(at("/usr/lib64/missing.so"), None);
+        assert_eq!(
+            file_version(Path::new("/x/libcuda.so.580.159.04"), "libcuda").as_deref(),
+            Some("580.159.04")
+        );
+        assert_eq!(file_version(Path::new("/x/libcuda.so.1"), "libcuda"), None);
+        assert_eq!(
+            file_version(Path::new("/x/libcuda.so.1.1.x"), "libcuda"),
+            None
+        );
+        assert_eq!(
+            file_version(Path::new("/x/libcuda.so.580.159.04"), "libnvidia-ml"),
+            None
+        );
     }
 
     #[test]

@@ -208,7 +208,11 @@ fn discover(
         .snapshot()
         .map_err(|e| format!("GPU discovery failed: {e}"))?;
     let mut view = View::build(settings, &snapshot);
-    view.driver = driver_files(settings, session.driver());
+    let (driver, refused) = match driver_files(settings, session.driver()) {
+        Ok(found) => (found, None),
+        Err(refused) => (None, Some(refused)),
+    };
+    view.driver = driver;
     if settings.mig_strategy == MigStrategy::None {
         for gpu in view.gpus.iter().filter(|g| g.info.mig_enabled) {
             tracing::warn!(uuid = %gpu.info.uuid, "MIG mode is on; served whole (mig_strategy none)");
@@ -222,7 +226,7 @@ fn discover(
         devices = view.index.len(),
         "NVIDIA GPUs discovered"
     );
-    let problem = view.problem.clone();
+    let problem = view.problem.clone().or(refused);
     shared.install(view, settings);
     shared.set_not_ready(problem);
     let view = shared.view();
@@ -245,10 +249,14 @@ fn discover(
 }
 
 /// The driver's files to give containers, found from where NVML was loaded and the version
-/// it reports; `None` when turned off or when the driver's folder is unknown.
-fn driver_files(settings: &NvidiaSettings, driver: DriverInfo) -> Option<Arc<DriverFiles>> {
+/// it reports; `None` when turned off or when the driver's folder is unknown; `Err` (the
+/// resource's not-ready reason) when the loader would mix driver versions.
+fn driver_files(
+    settings: &NvidiaSettings,
+    driver: DriverInfo,
+) -> Result<Option<Arc<DriverFiles>>, String> {
     if !settings.driver_files {
-        return None;
+        return Ok(None);
     }
     let (Some(library), Some(version)) = (driver.library, driver.version) else {
         tracing::warn!(
@@ -256,20 +264,28 @@ fn driver_files(settings: &NvidiaSettings, driver: DriverInfo) -> Option<Arc<Dri
              its folder is unknown, so containers get no driver files; set `library` or \
              `driver_roots`"
         );
-        return None;
+        return Ok(None);
     };
-    let lib_dir = library.parent()?;
     let root = root_of(&library, &settings.driver_roots);
     let host_root = settings.host_driver_root.clone().unwrap_or(root.clone());
-    let files = DriverFiles::find(&root, &host_root, lib_dir, &version);
+    let files = match DriverFiles::locate(&root, &host_root, &library, &version) {
+        Ok(files) => files,
+        Err(mixed) => {
+            tracing::error!(%mixed, "containers get no driver files");
+            return Err(mixed.to_string());
+        }
+    };
     if files.has_cuda() {
         tracing::info!(%version, root = %root.display(), host_root = %host_root.display(),
+            libraries = %files.lib_dir().unwrap_or_default().display(),
             files = files.files.len(), "driver files found; containers get them read-only");
     } else {
-        tracing::warn!(%version, dir = %lib_dir.display(),
-            "no libcuda.so.{version} beside NVML: containers get no CUDA library");
+        tracing::warn!(%version, root = %root.display(),
+            "no libcuda.so.{version} where the dynamic loader looks (NVML's folder, the loader \
+             cache, ld.so.conf's folders, the usual library folders): containers get no CUDA \
+             library");
     }
-    Some(Arc::new(files))
+    Ok(Some(Arc::new(files)))
 }
 
 /// One NVML session: discover, publish, watch health (and MIG changes, discovering again).
