@@ -65,8 +65,9 @@ const PROGRAMS: [&str; 5] = [
     "nvidia-cuda-mps-server",
 ];
 
-/// Folders under a driver root that hold its programs, in the order they are searched (the
-/// last is the split layout's, beside `/usr/local/nvidia/lib64`).
+/// Folders under a driver root that hold its programs, in the order they are searched after
+/// the `bin` folder beside the driver's libraries (the last is the split layout's, beside
+/// `/usr/local/nvidia/lib64`, for when libcuda is not found).
 const PROGRAM_DIRS: [&str; 4] = ["usr/bin", "usr/local/bin", "bin", "usr/local/nvidia/bin"];
 
 /// Folders under a driver root that hold its firmware (`nvidia/<version>` below them).
@@ -337,15 +338,21 @@ impl DriverFiles {
     fn find_in(root: &Path, host_root: &Path, lib_dirs: &[PathBuf], version: &str) -> DriverFiles {
         let mut files = Vec::new();
         let rel = |p: PathBuf| p.strip_prefix("/").map(Path::to_path_buf).ok();
+        // The `bin` folder beside the folder libcuda came from (`/usr/local/nvidia/lib64` →
+        // `/usr/local/nvidia/bin`): where the driver's own programs are when it is installed
+        // in a folder of its own.
+        let mut beside_libraries: Option<PathBuf> = None;
         for (name, soname, dev) in LIBRARIES {
             let versioned = format!("{name}.so.{version}");
-            let Some(found) = lib_dirs
-                .iter()
-                .find_map(|d| resolve(root, &d.join(&versioned)))
-                .and_then(rel)
-            else {
+            let Some((dir, found)) = lib_dirs.iter().find_map(|d| {
+                let found = resolve(root, &d.join(&versioned))?;
+                Some((d, rel(found)?))
+            }) else {
                 continue;
             };
+            if beside_libraries.is_none() {
+                beside_libraries = dir.parent().map(|p| p.join("bin"));
+            }
             let mut names = vec![versioned];
             names.extend(soname.map(|v| format!("{name}.so.{v}")));
             if dev {
@@ -358,10 +365,17 @@ impl DriverFiles {
                 });
             }
         }
+        let program_dirs: Vec<PathBuf> = beside_libraries
+            .into_iter()
+            .chain(PROGRAM_DIRS.iter().map(|d| Path::new("/").join(d)))
+            .collect();
         for program in PROGRAMS {
-            let found = PROGRAM_DIRS
+            // The driver's own folder first: a host can have a wrapper of the same name on its
+            // PATH (one that runs "the next nvidia-smi on the PATH"), which in a container finds
+            // nothing but itself.
+            let found = program_dirs
                 .iter()
-                .find_map(|d| resolve(root, &Path::new("/").join(d).join(program)))
+                .find_map(|d| resolve(root, &d.join(program)))
                 .and_then(rel);
             if let Some(found) = found {
                 files.push(DriverFile {
@@ -719,7 +733,8 @@ mod tests {
     }
 
     /// As seen on a lent H100 machine: NVML loads from /usr/lib, libcuda and the rest sit in
-    /// /usr/local/nvidia/lib64, which only ld.so.conf.d names; nvidia-smi beside them.
+    /// /usr/local/nvidia/lib64, which only ld.so.conf.d names; nvidia-smi beside them, and a
+    /// wrapper of that name on the PATH.
     #[test]
     fn the_split_layout_is_found_through_ld_so_conf() {
         let tmp = tempfile::tempdir().unwrap();
@@ -745,6 +760,10 @@ mod tests {
         .unwrap();
         std::fs::create_dir_all(root.join("usr/local/nvidia/bin")).unwrap();
         std::fs::write(root.join("usr/local/nvidia/bin/nvidia-smi"), "smi").unwrap();
+        // The lent H100 machine also has a wrapper script /usr/bin/nvidia-smi on the PATH; in a
+        // container it finds only itself, so the driver's own program must win.
+        std::fs::create_dir_all(root.join("usr/bin")).unwrap();
+        std::fs::write(root.join("usr/bin/nvidia-smi"), "#!/bin/sh\nexec next-on-path").unwrap();
         let nvml = root.join("usr/lib/libnvidia-ml.so.1");
         let found = DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).unwrap();
         assert!(found.has_cuda());
