@@ -14,7 +14,7 @@ use devplug_dra::claims::{AllocatedDevice, ClaimRef, ClaimSource};
 use devplug_dra::kubelet::{KubeletDirs, KubeletSide, Registered};
 use devplug_dra::prepare::{PrepareFiles, Preparer};
 use devplug_dra::{ClaimBackend, Hold};
-use kubelet_sim::{DraClaim, Kubelet, SimConfig};
+use kubelet_sim::DraClaim;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -78,15 +78,7 @@ impl ClaimSource for OneClaim {
 
 #[tokio::test]
 async fn a_slow_claim_backend_does_not_delay_another_resources_allocate() {
-    let root = tempfile::tempdir().unwrap();
-    let device_plugins = root.path().join("device-plugins");
-    std::fs::create_dir_all(&device_plugins).unwrap();
-    let config = SimConfig {
-        watcher_reconcile: Duration::from_millis(50),
-        ..SimConfig::default()
-    }
-    .with_watcher_beside(&device_plugins);
-    let kubelet = Kubelet::start_with(&device_plugins, config).await.unwrap();
+    let (root, device_plugins, kubelet) = devplug_testkit::dra_node::kubelet().await;
 
     // The device plugin: 4 NPUs.
     let host = Host::new(&device_plugins).unwrap();

@@ -26,14 +26,10 @@ pub struct DraNode {
     pub driver: DraDriver,
 }
 
-/// Starts the kubelet simulator for `node` and devplug's driver `driver` over `backend`, and
-/// waits (10 s at most) until the kubelet has registered the driver.
-pub async fn start(
-    client: &kube::Client,
-    node: &str,
-    driver: &str,
-    backend: Arc<dyn ClaimBackend>,
-) -> DraNode {
+/// A node's kubelet (the simulator) in a temp folder, with its plugin watcher beside its
+/// device-plugins folder (checking every 50 ms): the folder (removed on drop), the
+/// device-plugins folder and the kubelet.
+pub async fn kubelet() -> (tempfile::TempDir, std::path::PathBuf, Kubelet) {
     let root = tempfile::tempdir().unwrap();
     let device_plugins = root.path().join("device-plugins");
     std::fs::create_dir_all(&device_plugins).unwrap();
@@ -43,6 +39,18 @@ pub async fn start(
     }
     .with_watcher_beside(&device_plugins);
     let kubelet = Kubelet::start_with(&device_plugins, config).await.unwrap();
+    (root, device_plugins, kubelet)
+}
+
+/// Starts the kubelet simulator for `node` and devplug's driver `driver` over `backend`, and
+/// waits (10 s at most) until the kubelet has registered the driver.
+pub async fn start(
+    client: &kube::Client,
+    node: &str,
+    driver: &str,
+    backend: Arc<dyn ClaimBackend>,
+) -> DraNode {
+    let (root, device_plugins, kubelet) = kubelet().await;
     let settings = DraDriverSettings {
         driver: driver.into(),
         node: node.into(),
