@@ -598,7 +598,10 @@ async fn one_gpu_lost_while_serving_keeps_the_others_healthy_and_nvml_is_not_reo
     }
     assert_eq!(kubelet.read(|n| n.capacity("nvidia.com/gpu")), (8, 7));
     let reopened = node.inits() - opened;
-    assert_eq!(reopened, 0, "NVML opened {reopened} times in 3 s while GPU 3 was lost");
+    assert_eq!(
+        reopened, 0,
+        "NVML opened {reopened} times in 3 s while GPU 3 was lost"
+    );
     node.inject("found 3");
     counts(&kubelet, "nvidia.com/gpu", 8, 8).await;
     assert_eq!(node.inits(), opened);
@@ -1027,9 +1030,18 @@ async fn an_xid_attributed_to_a_gpu_instance_marks_only_that_mig_device() {
     assert_eq!(reason(&backends[1], &g0[0]), "Healthy");
     assert_eq!(reason(&backends[2], &g0[1]), "Healthy");
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(kubelet.read(|n| n.capacity("nvidia.com/mig-1g.5gb")), (6, 5));
-    assert_eq!(kubelet.read(|n| n.capacity("nvidia.com/mig-3g.20gb")), (2, 2));
-    assert_eq!(kubelet.read(|n| n.capacity("nvidia.com/mig-2g.10gb")), (1, 1));
+    assert_eq!(
+        kubelet.read(|n| n.capacity("nvidia.com/mig-1g.5gb")),
+        (6, 5)
+    );
+    assert_eq!(
+        kubelet.read(|n| n.capacity("nvidia.com/mig-3g.20gb")),
+        (2, 2)
+    );
+    assert_eq!(
+        kubelet.read(|n| n.capacity("nvidia.com/mig-2g.10gb")),
+        (1, 1)
+    );
     // The GPU's recovery action reads NONE again: the instance recovers with it.
     node.inject("action 0 0");
     counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 6).await;

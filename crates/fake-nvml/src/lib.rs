@@ -2744,6 +2744,37 @@ mod tests {
     }
 
     #[test]
+    fn xid_lines_carry_the_instance_ids_they_name_and_none_otherwise() {
+        let _serial = install(PARTITIONS);
+        let mut set = std::ptr::null_mut();
+        assert_eq!(nvmlEventSetCreate(&mut set), SUCCESS);
+        assert_eq!(nvmlDeviceRegisterEvents(gpu(0), EVENT_XID, set), SUCCESS);
+        let apply = |line: &str| lock().as_mut().unwrap().apply(line);
+        let mut data: nvmlEventData_t = unsafe { std::mem::zeroed() };
+        apply("xid 0 79 1 gi=9 ci=0").unwrap();
+        assert_eq!(nvmlEventSetWait_v2(set, &mut data, 0), SUCCESS);
+        assert_eq!(
+            (data.eventData, data.gpuInstanceId, data.computeInstanceId),
+            (79, 9, 0)
+        );
+        assert_eq!(lock().as_ref().unwrap().gpus[0].recovery_action, 1);
+        // The ids go anywhere after the code; without them, not attributed.
+        apply("xid 0 48 gi=3 2").unwrap();
+        assert_eq!(nvmlEventSetWait_v2(set, &mut data, 0), SUCCESS);
+        assert_eq!((data.gpuInstanceId, data.computeInstanceId), (3, u32::MAX));
+        assert_eq!(lock().as_ref().unwrap().gpus[0].recovery_action, 2);
+        apply("xid 0 13").unwrap();
+        assert_eq!(nvmlEventSetWait_v2(set, &mut data, 0), SUCCESS);
+        assert_eq!(
+            (data.eventData, data.gpuInstanceId, data.computeInstanceId),
+            (13, u32::MAX, u32::MAX)
+        );
+        assert!(apply("xid 0 13 gi=x").is_err());
+        assert!(apply("xid 0 13 1 2").is_err());
+        assert_eq!(nvmlEventSetWait_v2(set, &mut data, 0), TIMEOUT);
+    }
+
+    #[test]
     fn creating_and_destroying_send_the_mig_event_to_the_gpu_registered() {
         let _serial = install(PARTITIONS);
         let mut set = std::ptr::null_mut();

@@ -92,9 +92,15 @@ impl<'n> InstanceEvents<'n> {
 
     /// Registers `device` for `types`. On an error the set is gone (nvml-wrapper frees it),
     /// as with `Device::register_events`.
-    pub(crate) fn register(self, device: &Device<'n>, types: EventTypes) -> Result<Self, NvmlError> {
+    pub(crate) fn register(
+        self,
+        device: &Device<'n>,
+        types: EventTypes,
+    ) -> Result<Self, NvmlError> {
         let nvml = self.nvml;
-        let set = device.register_events(types, self.set).map_err(|e| e.error)?;
+        let set = device
+            .register_events(types, self.set)
+            .map_err(|e| e.error)?;
         Ok(InstanceEvents { nvml, set })
     }
 

@@ -446,8 +446,7 @@ impl GpuSession for NvmlSession<'_> {
             masks.push((gpu, mask));
         }
         'build: for _ in 0..=masks.len() {
-            let mut set =
-                InstanceEvents::new(self.nvml).map_err(|e| format!("event set: {e}"))?;
+            let mut set = InstanceEvents::new(self.nvml).map_err(|e| format!("event set: {e}"))?;
             for (i, (gpu, mask)) in masks.iter().enumerate() {
                 let registered = self
                     .nvml

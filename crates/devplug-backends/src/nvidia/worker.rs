@@ -158,9 +158,8 @@ pub(crate) fn run(
         // so that NVML opening but discovery failing (a GPU lost at discovery) is retried
         // with the same growing backoff as NVML not opening at all.
         let mut served = false;
-        let outcome = driver.open(&mut |session| {
-            monitor(session, &settings, &shared, &wake, &mut served)
-        });
+        let outcome =
+            driver.open(&mut |session| monitor(session, &settings, &shared, &wake, &mut served));
         let reason = match outcome {
             Ok(SessionEnd::Stop) => return,
             Ok(SessionEnd::Reopen(reason)) => reason,
