@@ -18,7 +18,7 @@
 //! Values that would break the API server's rules (a string over 64 bytes, a malformed PCI
 //! address) are left out here rather than refused there.
 
-use devplug::dra::{AttributeValue, CapacityRequestPolicy, DeviceAttributes};
+use devplug::dra::{AttributeValue, DeviceAttributes, CapacityRequestPolicy};
 use std::path::Path;
 
 /// The standard attribute for a device's PCI address in extended BDF form (`0000:3b:00.0`).

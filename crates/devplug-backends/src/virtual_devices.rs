@@ -10,7 +10,7 @@
 //! derives it from the NUMA node when it writes the slice, at no cost here.
 
 use crate::settings::{check_env_name, SettingsError};
-use devplug::dra::{AttributeValue, CapacityRequestPolicy, CounterSet};
+use devplug::dra::{AttributeValue, CounterSet, CapacityRequestPolicy};
 use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList, Health};
 use serde::Deserialize;
 use tokio::sync::watch;
@@ -515,10 +515,7 @@ mod tests {
         let attrs = list.get("virtual-1").unwrap().dra_attributes();
         assert!(attrs.is_shared() && attrs.check().is_ok());
         assert_eq!(attrs.capacity["memory"], 16 << 30);
-        assert_eq!(
-            attrs.shared["memory"],
-            CapacityRequestPolicy::steps_of(1 << 30)
-        );
+        assert_eq!(attrs.shared["memory"], CapacityRequestPolicy::steps_of(1 << 30));
         let consumed = std::collections::BTreeMap::from([
             ("cores".to_owned(), 40),
             ("memory".to_owned(), 4 << 30),

@@ -248,7 +248,10 @@ fn demo_dra(_: &tokio::runtime::Runtime) -> anyhow::Result<()> {
 
 /// `devplug demo nvidia` without the dev-demos feature.
 #[cfg(all(feature = "tools", not(feature = "dev-demos")))]
-fn demo_nvidia(_: &tokio::runtime::Runtime, _: Option<&std::path::Path>) -> anyhow::Result<()> {
+fn demo_nvidia(
+    _: &tokio::runtime::Runtime,
+    _: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
     Err(dev_demo_left_out("nvidia"))
 }
 

@@ -2,7 +2,7 @@
 //! backend publishes.
 
 use crate::attributes::{
-    AttributeValue, CapacityRequestPolicy, CounterConsumption, CounterSet, DeviceAttributes,
+    AttributeValue, CounterConsumption, CounterSet, DeviceAttributes, CapacityRequestPolicy,
 };
 use devplug_proto::constants::{HEALTHY, MAX_RECV_MESSAGE_BYTES, UNHEALTHY};
 use devplug_proto::v1beta1 as pb;

@@ -763,11 +763,7 @@ mod tests {
         // The lent H100 machine also has a wrapper script /usr/bin/nvidia-smi on the PATH; in a
         // container it finds only itself, so the driver's own program must win.
         std::fs::create_dir_all(root.join("usr/bin")).unwrap();
-        std::fs::write(
-            root.join("usr/bin/nvidia-smi"),
-            "#!/bin/sh\nexec next-on-path",
-        )
-        .unwrap();
+        std::fs::write(root.join("usr/bin/nvidia-smi"), "#!/bin/sh\nexec next-on-path").unwrap();
         let nvml = root.join("usr/lib/libnvidia-ml.so.1");
         let found = DriverFiles::locate(root, Path::new("/"), &nvml, RUNNING).unwrap();
         assert!(found.has_cuda());

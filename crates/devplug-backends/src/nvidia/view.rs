@@ -13,7 +13,7 @@ use crate::replicas::ShareInfo;
 use crate::sysfs::{dev_node, numa_node};
 use devplug::cdi::Spec;
 use devplug::dra::{
-    CapacityRequestPolicy, CounterConsumption, CounterSet, DeviceAttributes, MAX_COUNTER_SETS,
+    CounterConsumption, CounterSet, DeviceAttributes, CapacityRequestPolicy, MAX_COUNTER_SETS,
 };
 use devplug::ContainerEdits;
 use std::collections::{BTreeMap, BTreeSet, HashMap};

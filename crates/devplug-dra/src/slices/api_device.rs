@@ -152,11 +152,7 @@ mod tests {
     fn a_shared_device_allows_multiple_allocations_with_its_policies() {
         let device = Device::new("gpu")
             .with_shared_capacity("cores", 100, CapacityRequestPolicy::steps_of(1))
-            .with_shared_capacity(
-                "memory",
-                16 << 30,
-                CapacityRequestPolicy::steps_of(256 << 20),
-            );
+            .with_shared_capacity("memory", 16 << 30, CapacityRequestPolicy::steps_of(256 << 20));
         let out = slice_specs("d.example.com", "n", 1, &DeviceList::new([device]));
         let published = &out.specs[0].devices.as_ref().unwrap()[0];
         assert_eq!(published.allow_multiple_allocations, Some(true));
