@@ -159,6 +159,21 @@ impl Node {
         writeln!(file, "{line}").unwrap();
     }
 
+    /// Makes the fake log every `nvmlInit` (read back with [`Node::inits`]); before serving.
+    fn log_inits(&self) {
+        let path = self.lib_dir.join("fake-nvml.yaml");
+        let mut text = std::fs::read_to_string(&path).unwrap();
+        text.push_str("\ninit_log: inits.log\n");
+        std::fs::write(path, text).unwrap();
+    }
+
+    /// How often NVML has been initialised so far.
+    fn inits(&self) -> usize {
+        std::fs::read_to_string(self.lib_dir.join("inits.log"))
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    }
+
     fn uuid(&self, i: usize) -> String {
         self.topology.gpus[i].uuid.clone()
     }
@@ -560,6 +575,39 @@ async fn a_lost_gpu_is_unhealthy_until_it_answers_again() {
 }
 
 #[tokio::test]
+async fn one_gpu_lost_while_serving_keeps_the_others_healthy_and_nvml_is_not_reopened() {
+    let node = Node::new("dgx-h100", true);
+    node.log_inits();
+    let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
+    counts(&kubelet, "nvidia.com/gpu", 8, 8).await;
+    let opened = node.inits();
+    assert!(opened >= 1, "the fake logged no nvmlInit");
+    node.inject("lost 3");
+    counts(&kubelet, "nvidia.com/gpu", 8, 7).await;
+    assert_eq!(
+        reason(&backends[0], &node.uuid(3)),
+        "Unhealthy (GPU is lost (fallen off the bus))"
+    );
+    // While it stays lost (probed every tick, 20 ms here), NVML stays open: no re-open at
+    // all, let alone one per tick, and the other GPUs stay Healthy throughout.
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for i in (0..8).filter(|&i| i != 3) {
+            assert_eq!(reason(&backends[0], &node.uuid(i)), "Healthy", "GPU {i}");
+        }
+    }
+    assert_eq!(kubelet.read(|n| n.capacity("nvidia.com/gpu")), (8, 7));
+    let reopened = node.inits() - opened;
+    assert_eq!(
+        reopened, 0,
+        "NVML opened {reopened} times in 3 s while GPU 3 was lost"
+    );
+    node.inject("found 3");
+    counts(&kubelet, "nvidia.com/gpu", 8, 8).await;
+    assert_eq!(node.inits(), opened);
+}
+
+#[tokio::test]
 async fn library_missing_then_appearing() {
     let node = Node::new("pcie-4gpu", false);
     let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
@@ -951,6 +999,60 @@ async fn an_xid_on_a_parent_gpu_makes_its_mig_devices_unhealthy_until_it_recover
     node.inject("action 1 0");
     counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 6).await;
     counts(&kubelet, "nvidia.com/mig-3g.20gb", 2, 2).await;
+}
+
+#[tokio::test]
+async fn an_xid_attributed_to_a_gpu_instance_marks_only_that_mig_device() {
+    let node = Node::new("a100-mig", true);
+    let (kubelet, _host, backends) = serve(
+        &node,
+        vec![
+            ("nvidia.com/mig-1g.5gb", node.mixed(Some("1g.5gb"))),
+            ("nvidia.com/mig-3g.20gb", node.mixed(Some("3g.20gb"))),
+            ("nvidia.com/mig-2g.10gb", node.mixed(Some("2g.10gb"))),
+        ],
+    )
+    .await;
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 6).await;
+    counts(&kubelet, "nvidia.com/mig-3g.20gb", 2, 2).await;
+    counts(&kubelet, "nvidia.com/mig-2g.10gb", 1, 1).await;
+    // A fatal XID (the driver asks for a reset) that NVML attributes to GPU instance 9 of
+    // GPU 0: that 1g.5gb device alone goes; its siblings on GPU 0 (GI 2, 3 and 10) stay.
+    node.inject("xid 0 79 1 gi=9 ci=0");
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 5).await;
+    let g0 = migs(&node, 0);
+    assert_eq!(
+        reason(&backends[0], &g0[2]),
+        "Unhealthy (xid 79: GPU has fallen off the bus (recovery action GPU_RESET) on GPU \
+         instance 9)"
+    );
+    assert_eq!(reason(&backends[0], &g0[3]), "Healthy");
+    assert_eq!(reason(&backends[1], &g0[0]), "Healthy");
+    assert_eq!(reason(&backends[2], &g0[1]), "Healthy");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        kubelet.read(|n| n.capacity("nvidia.com/mig-1g.5gb")),
+        (6, 5)
+    );
+    assert_eq!(
+        kubelet.read(|n| n.capacity("nvidia.com/mig-3g.20gb")),
+        (2, 2)
+    );
+    assert_eq!(
+        kubelet.read(|n| n.capacity("nvidia.com/mig-2g.10gb")),
+        (1, 1)
+    );
+    // The GPU's recovery action reads NONE again: the instance recovers with it.
+    node.inject("action 0 0");
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 6).await;
+    // Not attributed (0xFFFFFFFF): every MIG device of the GPU.
+    node.inject("xid 0 79 1");
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 4).await;
+    counts(&kubelet, "nvidia.com/mig-3g.20gb", 2, 1).await;
+    counts(&kubelet, "nvidia.com/mig-2g.10gb", 1, 0).await;
+    node.inject("action 0 0");
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 6).await;
+    counts(&kubelet, "nvidia.com/mig-2g.10gb", 1, 1).await;
 }
 
 #[tokio::test]

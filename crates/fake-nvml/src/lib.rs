@@ -24,7 +24,7 @@
 //!
 //! | line | effect |
 //! |---|---|
-//! | `xid <gpu> <code> [action]` | a critical XID event; `action` sets the GPU recovery action |
+//! | `xid <gpu> <code> [action] [gi=<id>] [ci=<id>]` | a critical XID event; `action` sets the GPU recovery action; `gi=`/`ci=` fill the event's `gpuInstanceId`/`computeInstanceId` (else `0xFFFFFFFF`: not attributed to an instance) |
 //! | `ecc <gpu> [action]` | a double-bit ECC event; `action` sets the GPU recovery action |
 //! | `action <gpu> <n>` | sets the GPU recovery action (field 230) and sends its event (0x8000) |
 //! | `lost <gpu>` | the GPU falls off the bus: its calls fail `GPU_IS_LOST`, waits fail once |
@@ -33,6 +33,10 @@
 //! | `events ok` | they work again |
 //! | `mig <gpu> <layout>` | MIG on with the devices of `mig_layouts.<layout>`; sends `nvmlEventMigConfigChange` (0x100) |
 //! | `mig <gpu> off` | MIG off; sends the same event |
+//!
+//! **Counting inits.** If the config names an `init_log` file (relative paths as `control`),
+//! every successful `nvmlInit` appends one line to it, so a test can tell how often NVML was
+//! opened.
 //!
 //! **MIG.** A GPU with `mig: true` is in MIG mode with `mig_devices` (UUID, GPU- and
 //! compute-instance ids, slice counts, memory). Their handles answer UUID, name, memory,
@@ -141,6 +145,10 @@ pub struct Config {
     /// The fault-injection file (relative paths are relative to the config file).
     #[serde(default)]
     pub control: Option<PathBuf>,
+    /// A file that every successful `nvmlInit` appends a line to (relative paths are relative
+    /// to the config file).
+    #[serde(default)]
+    pub init_log: Option<PathBuf>,
     /// Whether the driver has the GPU recovery action (field 230 and event 0x8000).
     #[serde(default = "yes")]
     pub recovery_action: bool,
@@ -480,6 +488,9 @@ struct Event {
     device: usize,
     kind: u64,
     data: u64,
+    /// `gpuInstanceId` and `computeInstanceId` of the event data (`u32::MAX`: none).
+    gi: u32,
+    ci: u32,
 }
 
 #[derive(Default)]
@@ -668,6 +679,8 @@ struct State {
     sets: Vec<Option<Set>>,
     control: Option<PathBuf>,
     control_offset: usize,
+    /// Where each `nvmlInit` is logged (`init_log`).
+    init_log: Option<PathBuf>,
     users: u32,
     /// `events broken`: waits and registrations fail.
     events_broken: bool,
@@ -706,18 +719,22 @@ fn load() -> Result<State, String> {
     let path = config_path().ok_or("cannot tell where the config is")?;
     let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     let config = Config::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-    let control = config.control.as_ref().map(|c| {
+    let beside = |c: &PathBuf| {
         if c.is_absolute() {
             c.clone()
         } else {
             path.parent().unwrap_or(Path::new("/")).join(c)
         }
-    });
+    };
+    let control = config.control.as_ref().map(beside);
+    let init_log = config.init_log.as_ref().map(beside);
     let control_offset = control
         .as_ref()
         .and_then(|c| std::fs::metadata(c).ok())
         .map_or(0, |m| usize::try_from(m.len()).unwrap_or(usize::MAX));
-    Ok(State::new(config, control, control_offset))
+    let mut state = State::new(config, control, control_offset);
+    state.init_log = init_log;
+    Ok(state)
 }
 
 impl State {
@@ -741,6 +758,7 @@ impl State {
             sets: Vec::new(),
             control,
             control_offset,
+            init_log: None,
             users: 0,
             events_broken: false,
         }
@@ -870,13 +888,25 @@ impl State {
     }
 
     fn send(&mut self, device: usize, kind: u64, data: u64) {
+        self.send_to_instance(device, kind, data, (u32::MAX, u32::MAX));
+    }
+
+    /// Sends an event that NVML attributes to GPU instance `gi`, compute instance `ci`
+    /// (`u32::MAX`: not attributed).
+    fn send_to_instance(&mut self, device: usize, kind: u64, data: u64, (gi, ci): (u32, u32)) {
         let Some(gpu) = self.gpus.get(device) else {
             return;
         };
         for &(set, mask) in &gpu.registered {
             if mask & kind != 0 {
                 if let Some(Some(set)) = self.sets.get_mut(set) {
-                    set.events.push_back(Event { device, kind, data });
+                    set.events.push_back(Event {
+                        device,
+                        kind,
+                        data,
+                        gi,
+                        ci,
+                    });
                 }
             }
         }
@@ -963,11 +993,26 @@ impl State {
         match verb {
             "xid" => {
                 let code = number(1)?;
-                if args.len() > 2 {
-                    let action = u32::try_from(number(2)?).map_err(|e| e.to_string())?;
+                // `gi=<id>` and `ci=<id>` anywhere after the code; the rest is positional.
+                let (mut gi, mut ci) = (u32::MAX, u32::MAX);
+                let mut positional = 0usize;
+                for (i, word) in args.iter().enumerate().skip(2) {
+                    let id = |v: &str| v.parse::<u32>().map_err(|e| format!("{word}: {e}"));
+                    if let Some(v) = word.strip_prefix("gi=") {
+                        gi = id(v)?;
+                    } else if let Some(v) = word.strip_prefix("ci=") {
+                        ci = id(v)?;
+                    } else if positional == 0 {
+                        positional = i;
+                    } else {
+                        return Err(format!("unexpected {word:?}"));
+                    }
+                }
+                if positional != 0 {
+                    let action = u32::try_from(number(positional)?).map_err(|e| e.to_string())?;
                     self.gpus[gpu].recovery_action = action;
                 }
-                self.send(gpu, EVENT_XID, code);
+                self.send_to_instance(gpu, EVENT_XID, code, (gi, ci));
             }
             "ecc" => {
                 if args.len() > 1 {
@@ -1213,6 +1258,16 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
     }
     if let Some(state) = guard.as_mut() {
         state.users = state.users.saturating_add(1);
+        if let Some(path) = &state.init_log {
+            let logged = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .and_then(|mut f| std::io::Write::write_all(&mut f, b"init\n"));
+            if let Err(err) = logged {
+                eprintln!("fake-nvml: {}: {err}", path.display());
+            }
+        }
     }
     SUCCESS
 }
@@ -2163,8 +2218,8 @@ pub extern "C" fn nvmlEventSetWait_v2(
                     device: handle(event.device),
                     eventType: event.kind,
                     eventData: event.data,
-                    gpuInstanceId: u32::MAX,
-                    computeInstanceId: u32::MAX,
+                    gpuInstanceId: event.gi,
+                    computeInstanceId: event.ci,
                 },
             ) {
                 Ok(()) => SUCCESS,
@@ -2686,6 +2741,37 @@ mod tests {
         }
         assert_eq!(nvmlGpuInstanceDestroy(whole), SUCCESS);
         assert!(mig_devices(gpu(1)).is_empty());
+    }
+
+    #[test]
+    fn xid_lines_carry_the_instance_ids_they_name_and_none_otherwise() {
+        let _serial = install(PARTITIONS);
+        let mut set = std::ptr::null_mut();
+        assert_eq!(nvmlEventSetCreate(&mut set), SUCCESS);
+        assert_eq!(nvmlDeviceRegisterEvents(gpu(0), EVENT_XID, set), SUCCESS);
+        let apply = |line: &str| lock().as_mut().unwrap().apply(line);
+        let mut data: nvmlEventData_t = unsafe { std::mem::zeroed() };
+        apply("xid 0 79 1 gi=9 ci=0").unwrap();
+        assert_eq!(nvmlEventSetWait_v2(set, &mut data, 0), SUCCESS);
+        assert_eq!(
+            (data.eventData, data.gpuInstanceId, data.computeInstanceId),
+            (79, 9, 0)
+        );
+        assert_eq!(lock().as_ref().unwrap().gpus[0].recovery_action, 1);
+        // The ids go anywhere after the code; without them, not attributed.
+        apply("xid 0 48 gi=3 2").unwrap();
+        assert_eq!(nvmlEventSetWait_v2(set, &mut data, 0), SUCCESS);
+        assert_eq!((data.gpuInstanceId, data.computeInstanceId), (3, u32::MAX));
+        assert_eq!(lock().as_ref().unwrap().gpus[0].recovery_action, 2);
+        apply("xid 0 13").unwrap();
+        assert_eq!(nvmlEventSetWait_v2(set, &mut data, 0), SUCCESS);
+        assert_eq!(
+            (data.eventData, data.gpuInstanceId, data.computeInstanceId),
+            (13, u32::MAX, u32::MAX)
+        );
+        assert!(apply("xid 0 13 gi=x").is_err());
+        assert!(apply("xid 0 13 1 2").is_err());
+        assert_eq!(nvmlEventSetWait_v2(set, &mut data, 0), TIMEOUT);
     }
 
     #[test]

@@ -1,5 +1,8 @@
 //! Health of physical GPUs: one state per GPU (by UUID), fanned out by the backend to every
-//! replica. A fatal XID or a double-bit ECC error makes the GPU Unhealthy with the reason; it
+//! replica and every MIG device of it, and one state per GPU instance (by parent UUID and GI
+//! id) for an XID that NVML attributes to a GPU instance: that marks only the MIG devices of
+//! that instance (and a unit that is the whole GPU, or a partition without an instance id).
+//! A fatal XID or a double-bit ECC error makes the GPU Unhealthy with the reason; it
 //! comes back only on a positive signal: NVML's GPU recovery action reads NONE (for XIDs and
 //! ECC), or the GPU answers again with its UUID (for a lost GPU). The kubelet then sees it
 //! Healthy after the resource's hold-down (`health_hold_down`, devplug's `HealthGate`). When
@@ -65,6 +68,8 @@ pub enum Change {
 #[derive(Debug, Clone, Default)]
 pub struct HealthBook {
     states: BTreeMap<String, State>,
+    /// Faults of single GPU instances: (parent UUID, GI id).
+    instances: BTreeMap<(String, u32), String>,
     ignored: BTreeSet<u64>,
     /// Set while NVML's events cannot be watched: every GPU reads Unhealthy with this.
     unknown: Option<String>,
@@ -75,19 +80,39 @@ impl HealthBook {
     pub fn new(ignored: &[u64]) -> Self {
         HealthBook {
             states: BTreeMap::new(),
+            instances: BTreeMap::new(),
             ignored: ignored.iter().copied().collect(),
             unknown: None,
         }
     }
 
-    /// The health to publish for a GPU.
+    /// The health of the whole GPU (as a unit without a GI id reads it).
+    #[cfg(test)]
     pub fn health(&self, uuid: &str) -> Health {
-        match self.states.get(uuid) {
-            Some(State::Faulted(r)) | Some(State::Lost(r)) => Health::unhealthy(r.clone()),
-            None => match &self.unknown {
-                Some(reason) => Health::unhealthy(reason.clone()),
-                None => Health::Healthy,
-            },
+        self.unit_health(uuid, None)
+    }
+
+    /// The health to publish for a unit of GPU `uuid`: a MIG device of GPU instance `gi`
+    /// reads the GPU's state, then its instance's; a unit without a GI id (the whole GPU, a
+    /// partition) reads the GPU's state, then any of its instances' faults.
+    pub fn unit_health(&self, uuid: &str, gi: Option<u32>) -> Health {
+        if let Some(State::Faulted(r) | State::Lost(r)) = self.states.get(uuid) {
+            return Health::unhealthy(r.clone());
+        }
+        let instance = match gi {
+            Some(gi) => self.instances.get(&(uuid.to_owned(), gi)),
+            None => self
+                .instances
+                .iter()
+                .find(|((u, _), _)| u == uuid)
+                .map(|(_, r)| r),
+        };
+        if let Some(r) = instance {
+            return Health::unhealthy(r.clone());
+        }
+        match &self.unknown {
+            Some(reason) => Health::unhealthy(reason.clone()),
+            None => Health::Healthy,
         }
     }
 
@@ -100,6 +125,19 @@ impl HealthBook {
     /// has no recovery action). A recovery action other than NONE makes any XID count; else
     /// the policy's ignore list decides.
     pub fn xid(&mut self, uuid: &str, xid: u64, action: Option<RecoveryAction>) -> Change {
+        self.xid_in(uuid, None, xid, action)
+    }
+
+    /// An XID that NVML attributes to GPU instance `gi` of GPU `uuid` (`None`: to the whole
+    /// GPU). The policy is [`HealthBook::xid`]'s; an attributed fault marks only that
+    /// instance, and clears as the GPU's faults do (its recovery action reads NONE).
+    pub fn xid_in(
+        &mut self,
+        uuid: &str,
+        gi: Option<u32>,
+        xid: u64,
+        action: Option<RecoveryAction>,
+    ) -> Change {
         let what = format!("xid {xid}: {}", xid_description(xid));
         let needs_action = action.is_some_and(|a| a != RecoveryAction::None);
         if self.ignored.contains(&xid) && !needs_action {
@@ -111,7 +149,20 @@ impl HealthBook {
             }
             _ => what,
         };
-        self.fault(uuid, State::Faulted(reason))
+        let Some(gi) = gi else {
+            return self.fault(uuid, State::Faulted(reason));
+        };
+        // A GPU already down has all its instances down with it.
+        if self.states.contains_key(uuid) {
+            return Change::None;
+        }
+        let reason = format!("{reason} on GPU instance {gi}");
+        let key = (uuid.to_owned(), gi);
+        if self.instances.get(&key) == Some(&reason) {
+            return Change::None;
+        }
+        self.instances.insert(key, reason.clone());
+        Change::Unhealthy(reason)
     }
 
     /// A double-bit ECC error.
@@ -139,29 +190,54 @@ impl HealthBook {
         Change::Unhealthy(reason)
     }
 
-    /// GPUs that wait for a recovery signal: (uuid, true if lost).
+    /// GPUs that wait for a recovery signal, themselves or one of their GPU instances:
+    /// (uuid, true if lost).
     pub fn pending(&self) -> Vec<(String, bool)> {
-        self.states
+        let mut out: Vec<(String, bool)> = self
+            .states
             .iter()
             .map(|(u, s)| (u.clone(), matches!(s, State::Lost(_))))
-            .collect()
+            .collect();
+        for (uuid, _) in self.instances.keys() {
+            if !out.iter().any(|(u, _)| u == uuid) {
+                out.push((uuid.clone(), false));
+            }
+        }
+        out
     }
 
     /// A positive signal for a faulted GPU: its recovery action read `action` (`None`: the
     /// driver has none, so no signal), or, for a lost GPU, whether it answered.
+    /// Faulted GPU instances of the GPU recover on the same signal as a faulted GPU.
     pub fn check(&mut self, uuid: &str, action: Option<RecoveryAction>, answers: bool) -> Change {
+        let at_none = answers && action == Some(RecoveryAction::None);
         let recovered = match self.states.get(uuid) {
-            Some(State::Faulted(_)) => answers && action == Some(RecoveryAction::None),
+            Some(State::Faulted(_)) => at_none,
             Some(State::Lost(_)) => answers,
             None => false,
         };
-        if !recovered {
-            return Change::None;
+        let mut change = Change::None;
+        if recovered {
+            if let Some(State::Faulted(r) | State::Lost(r)) = self.states.remove(uuid) {
+                change = Change::Recovered(r);
+            }
         }
-        match self.states.remove(uuid) {
-            Some(State::Faulted(r)) | Some(State::Lost(r)) => Change::Recovered(r),
-            None => Change::None,
+        if at_none && !self.states.contains_key(uuid) {
+            let faulted: Vec<(String, u32)> = self
+                .instances
+                .keys()
+                .filter(|(u, _)| u == uuid)
+                .cloned()
+                .collect();
+            for key in faulted {
+                if let Some(r) = self.instances.remove(&key) {
+                    if change == Change::None {
+                        change = Change::Recovered(r);
+                    }
+                }
+            }
         }
+        change
     }
 }
 
@@ -210,6 +286,42 @@ mod tests {
             book.xid("GPU-b", 13, Some(RecoveryAction::NodeReboot)),
             Change::Unhealthy(_)
         ));
+    }
+
+    #[test]
+    fn an_attributed_xid_marks_only_its_gpu_instance_until_the_gpu_recovers() {
+        let mut book = HealthBook::new(&DEFAULT_IGNORED_XIDS);
+        assert_eq!(
+            book.xid_in("GPU-a", Some(9), 79, Some(RecoveryAction::GpuReset)),
+            Change::Unhealthy(
+                "xid 79: GPU has fallen off the bus (recovery action GPU_RESET) on GPU instance 9"
+                    .into()
+            )
+        );
+        assert!(!book.unit_health("GPU-a", Some(9)).is_healthy());
+        assert!(book.unit_health("GPU-a", Some(10)).is_healthy());
+        assert!(book.unit_health("GPU-b", Some(9)).is_healthy());
+        // The whole GPU (served whole, or a partition) reads any instance's fault.
+        assert!(!book.unit_health("GPU-a", None).is_healthy());
+        // An ignored XID on an instance is ignored as on a GPU.
+        assert!(matches!(
+            book.xid_in("GPU-a", Some(10), 13, Some(RecoveryAction::None)),
+            Change::Ignored(_)
+        ));
+        assert_eq!(book.pending(), vec![("GPU-a".to_owned(), false)]);
+        assert_eq!(
+            book.check("GPU-a", Some(RecoveryAction::GpuReset), true),
+            Change::None
+        );
+        assert!(matches!(
+            book.check("GPU-a", Some(RecoveryAction::None), true),
+            Change::Recovered(_)
+        ));
+        assert!(book.unit_health("GPU-a", Some(9)).is_healthy());
+        assert!(book.pending().is_empty());
+        // A GPU-wide fault covers every instance.
+        assert!(matches!(book.xid("GPU-a", 48, None), Change::Unhealthy(_)));
+        assert!(!book.unit_health("GPU-a", Some(10)).is_healthy());
     }
 
     #[test]

@@ -16,7 +16,8 @@
 //! - `claims`: the backend as a DRA claim backend (feature `dra`): MPS shares, MIG partitions.
 //!
 //! - `mig_ids` and `mig_instances`: the two modules with `unsafe`: a MIG device's GPU- and
-//!   compute-instance ids, and MIG profiles, placements and instances made and destroyed.
+//!   compute-instance ids and the event wait that keeps an event's instance ids, and MIG
+//!   profiles, placements and instances made and destroyed.
 //!
 //! Ids are GPU UUIDs, MIG device UUIDs (`mig_strategy` `single` or `mixed`),
 //! `gpu-<index>-mig-<profile>-<start>` for MIG partitions (`dynamic`), or `<uuid>::<n>` for

@@ -6,7 +6,7 @@
 //! session ends. `register_events` frees the event set on any error (nvml-wrapper's contract),
 //! so a failed registration rebuilds the whole set.
 
-use super::mig_ids::instance_ids;
+use super::mig_ids::{instance_ids, InstanceEvents};
 use super::mig_instances;
 use super::seam::{
     mig_profile, DriverInfo, GiProfile, GpuDriver, GpuInfo, GpuSession, MigInfo, MigPartitioner,
@@ -15,10 +15,9 @@ use super::seam::{
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::TopologyLevel;
 use nvml_wrapper::enums::device::SampleValue;
-use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::{Bits, NvmlError};
 use nvml_wrapper::structs::device::FieldId;
-use nvml_wrapper::{Device, EventSet, Nvml};
+use nvml_wrapper::{Device, Nvml};
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -256,7 +255,8 @@ fn describe(err: &NvmlError) -> String {
 
 struct NvmlSession<'n> {
     nvml: &'n Nvml,
-    set: Option<EventSet<'n>>,
+    /// The event set; its wait keeps the GPU- and compute-instance ids of events.
+    set: Option<InstanceEvents<'n>>,
     library: Option<PathBuf>,
     /// Whether discovery reads the MIG profiles of GPUs in MIG mode.
     mig_profiles: bool,
@@ -446,19 +446,15 @@ impl GpuSession for NvmlSession<'_> {
             masks.push((gpu, mask));
         }
         'build: for _ in 0..=masks.len() {
-            let mut set = self
-                .nvml
-                .create_event_set()
-                .map_err(|e| format!("event set: {e}"))?;
+            let mut set = InstanceEvents::new(self.nvml).map_err(|e| format!("event set: {e}"))?;
             for (i, (gpu, mask)) in masks.iter().enumerate() {
                 let registered = self
                     .nvml
                     .device_by_index(gpu.index)
                     .map_err(|e| e.to_string())
                     .and_then(|device| {
-                        device
-                            .register_events(EventTypes::from_bits_retain(*mask), set)
-                            .map_err(|e| e.error.to_string())
+                        set.register(&device, EventTypes::from_bits_retain(*mask))
+                            .map_err(|e| e.to_string())
                     });
                 match registered {
                     Ok(next) => set = next,
@@ -486,15 +482,18 @@ impl GpuSession for NvmlSession<'_> {
                 let Ok(uuid) = event.device.uuid() else {
                     return Err(WaitError::GpuLost);
                 };
-                if event.event_type.contains(EventTypes::MIG_CONFIG_CHANGE) {
+                let is = |t: EventTypes| event.event_type & t.bits() != 0;
+                if is(EventTypes::MIG_CONFIG_CHANGE) {
                     Ok(RawEvent::MigChanged { uuid })
-                } else if event.event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
-                    let xid = match event.event_data {
-                        Some(XidError::Value(v)) => v,
-                        _ => 999,
-                    };
-                    Ok(RawEvent::Xid { uuid, xid })
-                } else if event.event_type.contains(EventTypes::DOUBLE_BIT_ECC_ERROR) {
+                } else if is(EventTypes::CRITICAL_XID_ERROR) {
+                    // `eventData` is the XID (999 where the driver does not know it).
+                    Ok(RawEvent::Xid {
+                        uuid,
+                        xid: event.data,
+                        gi: event.gi,
+                        ci: event.ci,
+                    })
+                } else if is(EventTypes::DOUBLE_BIT_ECC_ERROR) {
                     Ok(RawEvent::DoubleBitEcc { uuid })
                 } else {
                     Ok(RawEvent::Other { uuid })

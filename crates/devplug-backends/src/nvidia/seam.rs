@@ -130,6 +130,12 @@ pub enum RawEvent {
         uuid: String,
         /// The XID.
         xid: u64,
+        /// The GPU instance NVML attributes it to (`gpuInstanceId`; `None` for
+        /// `0xFFFFFFFF`, not attributed: the whole GPU).
+        gi: Option<u32>,
+        /// The compute instance NVML attributes it to (`computeInstanceId`; `None` for
+        /// `0xFFFFFFFF`).
+        ci: Option<u32>,
     },
     /// A double-bit ECC error.
     DoubleBitEcc {

@@ -10,7 +10,7 @@ use super::driver_files::{root_of, DriverFiles};
 use super::health::{Change, HealthBook};
 use super::seam::{DriverInfo, GpuDriver, GpuInfo, GpuSession, RawEvent, SessionEnd, WaitError};
 use super::settings::{MigStrategy, NvidiaSettings};
-use super::view::View;
+use super::view::{UnitKind, View};
 use devplug::cdi::CdiWriter;
 use devplug::{Device, DeviceList, Health};
 use std::collections::BTreeSet;
@@ -66,11 +66,16 @@ impl Shared {
         self.view.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Publishes `view` with health from `health` (a function of the UUID).
-    fn publish(&self, view: &View, health: impl Fn(&str) -> Health) {
+    /// Publishes `view` with health from `health` (a function of the GPU's UUID and, for a
+    /// MIG device, its GPU-instance id).
+    fn publish(&self, view: &View, health: impl Fn(&str, Option<u32>) -> Health) {
         let mut devices = Vec::new();
         for gpu in &view.gpus {
-            let h = health(&gpu.info.uuid);
+            let gi = match &gpu.kind {
+                UnitKind::Mig { mig, .. } => Some(mig.gi),
+                UnitKind::Gpu | UnitKind::Partition(_) => None,
+            };
+            let h = health(&gpu.info.uuid, gi);
             for id in &gpu.ids {
                 let mut device = Device::new(id.clone())
                     .with_health(h.clone())
@@ -149,17 +154,18 @@ pub(crate) fn run(
         if shared.stopping() {
             return;
         }
-        let mut opened = false;
-        let outcome = driver.open(&mut |session| {
-            opened = true;
-            monitor(session, &settings, &shared, &wake)
-        });
+        // Set once a session has discovered its GPUs: only then does the backoff start over,
+        // so that NVML opening but discovery failing (a GPU lost at discovery) is retried
+        // with the same growing backoff as NVML not opening at all.
+        let mut served = false;
+        let outcome =
+            driver.open(&mut |session| monitor(session, &settings, &shared, &wake, &mut served));
         let reason = match outcome {
             Ok(SessionEnd::Stop) => return,
             Ok(SessionEnd::Reopen(reason)) => reason,
             Err(reason) => format!("NVML not available: {reason}"),
         };
-        if opened {
+        if served {
             backoff = FIRST_RETRY;
         }
         if logged.as_ref() != Some(&reason) {
@@ -170,7 +176,7 @@ pub(crate) fn run(
         shared.set_not_ready(Some(reason.clone()));
         // Devices served before stay listed, Unhealthy with the reason; never served: none.
         let view = shared.view();
-        shared.publish(&view, |_| Health::unhealthy(reason.clone()));
+        shared.publish(&view, |_, _| Health::unhealthy(reason.clone()));
         shared.set_discovered();
         if !pause(&wake, backoff) {
             return;
@@ -294,11 +300,13 @@ fn monitor(
     settings: &NvidiaSettings,
     shared: &Shared,
     wake: &Receiver<()>,
+    served: &mut bool,
 ) -> SessionEnd {
     let mut monitor = match Monitor::start(session, settings, shared) {
         Ok(m) => m,
         Err(end) => return end,
     };
+    *served = true;
     let mut first = true;
     loop {
         if shared.stopping() {
@@ -409,7 +417,8 @@ impl<'a> Monitor<'a> {
     }
 
     fn publish(&self) {
-        self.shared.publish(&self.view, |u| self.book.health(u));
+        self.shared
+            .publish(&self.view, |u, gi| self.book.unit_health(u, gi));
     }
 
     /// Builds the event set again at once.
@@ -589,9 +598,12 @@ fn handle(
             .map(|g| g.info.index)
     };
     match event {
-        RawEvent::Xid { uuid, xid } => {
+        RawEvent::Xid { uuid, xid, gi, ci } => {
             let action = index_of(&uuid).and_then(|i| session.recovery_action(i).ok().flatten());
-            log(&uuid, book.xid(&uuid, xid, action))
+            if gi.is_some() {
+                tracing::debug!(%uuid, xid, gi, ci, "XID attributed to a GPU instance");
+            }
+            log(&uuid, book.xid_in(&uuid, gi, xid, action))
         }
         RawEvent::DoubleBitEcc { uuid } => log(&uuid, book.ecc(&uuid)),
         RawEvent::MigChanged { .. } => false,
@@ -636,6 +648,8 @@ mod tests {
     use std::collections::VecDeque;
 
     struct Scripted {
+        /// How often the driver was opened (NVML initialised).
+        opens: Arc<std::sync::atomic::AtomicUsize>,
         failures: VecDeque<String>,
         snapshot: Result<Snapshot, String>,
         events: Arc<Mutex<VecDeque<RawEvent>>>,
@@ -684,6 +698,7 @@ mod tests {
             &mut self,
             body: &mut dyn FnMut(&mut dyn GpuSession) -> SessionEnd,
         ) -> Result<SessionEnd, String> {
+            self.opens.fetch_add(1, Ordering::SeqCst);
             if let Some(reason) = self.failures.pop_front() {
                 return Err(reason);
             }
@@ -738,6 +753,7 @@ mod tests {
     fn not_ready_with_the_reason_until_the_driver_opens_and_a_wake_retries_at_once() {
         let events = Arc::new(Mutex::new(VecDeque::new()));
         let driver = Scripted {
+            opens: Arc::default(),
             failures: VecDeque::from(["the NVIDIA driver is not loaded".to_owned()]),
             snapshot: Ok(Snapshot {
                 gpus: vec![gpu(0), gpu(1)],
@@ -763,6 +779,8 @@ mod tests {
         events.lock().unwrap().push_back(RawEvent::Xid {
             uuid: "GPU-1".into(),
             xid: 48,
+            gi: None,
+            ci: None,
         });
         until("GPU-1 unhealthy", || {
             shared.devices.borrow().healthy_count() == 1
@@ -773,6 +791,7 @@ mod tests {
     #[test]
     fn a_failed_discovery_is_a_reason_and_a_retry_not_an_exit() {
         let driver = Scripted {
+            opens: Arc::default(),
             failures: VecDeque::new(),
             snapshot: Err("GPU 3: uuid: Unknown Error".into()),
             events: Arc::default(),
@@ -788,10 +807,30 @@ mod tests {
     }
 
     #[test]
+    fn a_discovery_that_keeps_failing_is_retried_with_a_growing_backoff() {
+        let opens: Arc<std::sync::atomic::AtomicUsize> = Arc::default();
+        let driver = Scripted {
+            opens: opens.clone(),
+            failures: VecDeque::new(),
+            snapshot: Err("GPU 6: uuid: GPU is lost".into()),
+            events: Arc::default(),
+            waits: Arc::default(),
+        };
+        let (shared, _wake) = start(driver);
+        // Backoff 0.5 s, 1 s, 2 s: opens at 0, 0.5, 1.5 and 3.5 s. A backoff that starts
+        // over at every open would open every 0.5 s (7 times in 3.2 s).
+        std::thread::sleep(Duration::from_millis(3200));
+        let n = opens.load(Ordering::SeqCst);
+        assert!((2..=4).contains(&n), "NVML opened {n} times in 3.2 s");
+        shared.stop.store(true, Ordering::Release);
+    }
+
+    #[test]
     fn healthy_gpus_need_no_tick_a_faulted_one_does_until_it_recovers() {
         let events = Arc::new(Mutex::new(VecDeque::new()));
         let waits: Arc<Mutex<Vec<Duration>>> = Arc::default();
         let driver = Scripted {
+            opens: Arc::default(),
             failures: VecDeque::new(),
             snapshot: Ok(Snapshot {
                 gpus: vec![gpu(0)],
@@ -807,6 +846,8 @@ mod tests {
         events.lock().unwrap().push_back(RawEvent::Xid {
             uuid: "GPU-0".into(),
             xid: 48,
+            gi: None,
+            ci: None,
         });
         until("unhealthy", || shared.devices.borrow().healthy_count() == 0);
         // Waiting for its recovery check: the tick (10 ms here), as often as it takes.
