@@ -1364,6 +1364,45 @@ fn given(edits: &devplug::ContainerEdits) -> (Vec<String>, String) {
     (nodes, visible)
 }
 
+/// A DRA claim's edits reach the container only through the claim's own CDI spec, which cannot
+/// name the resource's CDI devices: a whole GPU comes with its nodes and the driver's files
+/// under the default `device_list_strategy` too.
+#[tokio::test]
+#[cfg(feature = "dra")]
+async fn a_whole_gpu_given_to_a_claim_carries_its_nodes_and_driver_files() {
+    let node = Node::new("pcie-4gpu", true);
+    // What the fake NVML reports.
+    std::fs::write(node.lib_dir.join("libcuda.so.570.86.15"), "libcuda").unwrap();
+    let backend = NvidiaBackend::start("nvidia.com/gpu", &node.settings()).unwrap();
+    tokio::time::timeout(WAIT, backend.discovered())
+        .await
+        .unwrap();
+    let first = backend.devices().borrow().devices()[0].id.clone();
+    let plugin = backend.allocate(std::slice::from_ref(&first)).unwrap();
+    let claim = backend
+        .prepare_devices(std::slice::from_ref(&first))
+        .unwrap();
+    let (nodes, visible) = given(&claim);
+    assert_eq!(
+        visible, first,
+        "NVIDIA_VISIBLE_DEVICES as the strategy says"
+    );
+    assert!(nodes.contains(&"/dev/nvidiactl".to_owned()), "{nodes:?}");
+    assert!(
+        nodes
+            .iter()
+            .any(|n| n.starts_with("/dev/nvidia") && n[11..].parse::<u32>().is_ok()),
+        "the GPU's own node: {nodes:?}"
+    );
+    assert!(claim.cdi_devices.is_empty(), "{:?}", claim.cdi_devices);
+    assert!(!claim.mounts.is_empty(), "the driver's files");
+    // The device plugin's answer names the CDI device instead (the runtime reads its spec).
+    assert!(
+        plugin.devices.is_empty() && !plugin.cdi_devices.is_empty(),
+        "{plugin:?}"
+    );
+}
+
 #[tokio::test]
 #[cfg(feature = "dra")]
 async fn dynamic_mig_partitions_are_made_at_allocation_and_destroyed_at_release() {

@@ -3,13 +3,13 @@
 //! (`mig_strategy: dynamic`), and GPUs shared by capacity through an MPS daemon per GPU.
 
 use super::{partitions, view, MigStrategy, NvidiaBackend};
-use devplug::{AllocateError, Backend, ContainerEdits};
+use devplug::{AllocateError, ContainerEdits};
 use devplug_dra::{ClaimBackend, ReleaseError};
 use std::collections::BTreeMap;
 
 impl ClaimBackend for NvidiaBackend {
-    /// MIG partitions among `ids` are made now, through NVML; anything else is what
-    /// [`Backend::allocate`] gives.
+    /// MIG partitions among `ids` are made now, through NVML; whole GPUs and MIG devices are
+    /// given with their nodes and the driver's files in the claim's own spec.
     fn prepare_devices(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
         let view = self.view();
         if partitions::any(&view, ids) {
@@ -17,11 +17,11 @@ impl ClaimBackend for NvidiaBackend {
             let made = partitions::create(&self.settings, &view, partitioner, ids)?;
             return Ok(self.container_edits(&view, &made));
         }
-        self.allocate(ids)
+        self.claim_edits(ids)
     }
 
-    /// A share of a whole GPU: the GPU as [`Backend::allocate`] gives it, on the GPU's MPS
-    /// daemon (started now if this is its first share), with the share's limits.
+    /// A share of a whole GPU: the GPU as a claim is given it, on the GPU's MPS daemon
+    /// (started now if this is its first share), with the share's limits.
     fn prepare_share(
         &self,
         id: &str,
@@ -29,7 +29,7 @@ impl ClaimBackend for NvidiaBackend {
     ) -> Result<ContainerEdits, AllocateError> {
         let (mps, program, uuid) = self.mps_for(id)?;
         mps.ensure(&program, &uuid).map_err(AllocateError::Failed)?;
-        let gpu = self.allocate(&[id.to_owned()])?;
+        let gpu = self.claim_edits(&[id.to_owned()])?;
         let cores = consumed.get(view::MPS_CORES).copied();
         let memory = consumed.get("memory").copied();
         Ok(gpu.merge(mps.share_edits(&uuid, cores, memory)))

@@ -297,6 +297,19 @@ async fn watch_driver(
 
 impl NvidiaBackend {
     /// The container's edits for `units` of `view` ([`edits`]).
+    /// The edits for whole GPUs or MIG devices given to a DRA claim. The claim's own CDI spec
+    /// is how they reach the container, and a CDI spec cannot name the resource's CDI devices,
+    /// so the units' nodes, the control nodes and the driver's files are in the edits whatever
+    /// the device plugin's `device_list_strategy` (`NVIDIA_VISIBLE_DEVICES` as it says).
+    fn claim_edits(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
+        let view = self.view();
+        let mut units = edits::served(&view, ids)?;
+        for unit in &mut units {
+            unit.in_spec = false;
+        }
+        Ok(self.container_edits(&view, &units))
+    }
+
     fn container_edits(&self, view: &View, units: &[edits::Given]) -> ContainerEdits {
         let cdi_ready = self.shared.cdi_ready.load(Ordering::Acquire);
         edits::container_edits(&self.settings, view, cdi_ready, units)
