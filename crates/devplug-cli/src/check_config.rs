@@ -160,8 +160,9 @@ pub fn check_config(
             .iter()
             .zip(&found)
             .filter_map(|(r, d)| d.as_ref().filter(|d| !d.ready()).map(|d| (r, d)))
+            // The reason is in the report above; said once, for scripts that count it.
             .map(|(r, d)| match &d.not_ready {
-                Some(why) => format!("{} (not ready: {why})", r.name),
+                Some(_) => format!("{} (its backend is not ready)", r.name),
                 None => format!("{} (no healthy device)", r.name),
             })
             .collect();

@@ -271,6 +271,31 @@ fn check_config_exit_status_is_one_a_script_can_gate_on() {
         "{stderr}"
     );
     assert!(!stderr.contains("example.com/npu"), "{stderr}");
+    // A backend that is not ready: NVML cannot be loaded.
+    let nvml = write(
+        dir.path(),
+        "nvml.yaml",
+        "resources:\n  - name: nvidia.com/gpu\n    nvidia: { library: /nonexistent/libnvidia-ml.so.1 }\n",
+    );
+    let out = devplug(&[
+        "check-config",
+        "--discover",
+        "--wait",
+        "5s",
+        "--config",
+        &nvml,
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("not ready: nvidia.com/gpu (its backend is not ready)"),
+        "{stderr}"
+    );
+    let out = devplug(&["check-config", "--discover", "--json", "--config", &nvml]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let why = report["resources"][0]["not_ready"].as_str().unwrap();
+    assert!(why.starts_with("NVML not available: "), "{report}");
     // The help says so.
     let help = String::from_utf8_lossy(&devplug(&["check-config", "--help"]).stdout).into_owned();
     for needle in ["Exit status:", "  3  with --discover"] {
