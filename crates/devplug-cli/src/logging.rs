@@ -50,6 +50,13 @@ pub fn filter(rust_log: Option<&str>, default_filter: &str) -> (Targets, Option<
 
 /// Installs the global subscriber. `default_filter` applies when `RUST_LOG` is unset.
 pub fn init(format: LogFormat, default_filter: &str) {
+    init_capturing(format, default_filter, None);
+}
+
+/// [`init`], also keeping every warning and error in `warnings` (whatever `RUST_LOG` says), for
+/// a command that reports them in its output (`check-config --json`).
+pub fn init_capturing(format: LogFormat, default_filter: &str, warnings: Option<Warnings>) {
+    let warn = tracing_subscriber::filter::LevelFilter::WARN;
     let rust_log = std::env::var("RUST_LOG").ok();
     let (targets, problem) = filter(rust_log.as_deref(), default_filter);
     let colour = use_colour(
@@ -62,13 +69,67 @@ pub fn init(format: LogFormat, default_filter: &str) {
     match format {
         LogFormat::Text => tracing_subscriber::registry()
             .with(layer.with_filter(targets))
+            .with(warnings.map(|w| w.with_filter(warn)))
             .init(),
         LogFormat::Json => tracing_subscriber::registry()
             .with(layer.json().with_filter(targets))
+            .with(warnings.map(|w| w.with_filter(warn)))
             .init(),
     }
     if let Some(problem) = problem {
         tracing::warn!("{problem}");
+    }
+}
+
+/// The warnings and errors logged since the last [`Warnings::take`], each as its message
+/// followed by its other fields (`field=value`). A handle: clones share one list.
+#[derive(Debug, Clone, Default)]
+pub struct Warnings(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Warnings {
+    /// The lines kept so far, leaving the list empty.
+    pub fn take(&self) -> Vec<String> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Warnings {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        let mut line = EventLine::default();
+        event.record(&mut line);
+        let text = if line.fields.is_empty() {
+            line.message
+        } else {
+            format!("{}{}", line.message, line.fields)
+        };
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(text);
+    }
+}
+
+/// One event as text: its message, then ` field=value` for each other field.
+#[derive(Default)]
+struct EventLine {
+    message: String,
+    fields: String,
+}
+
+impl tracing::field::Visit for EventLine {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        use std::fmt::Write as _;
+        if field.name() == "message" {
+            self.message = format!("{value:?}");
+        } else {
+            let _ = write!(self.fields, " {}={value:?}", field.name());
+        }
+    }
+
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        use std::fmt::Write as _;
+        if field.name() == "message" {
+            self.message = value.to_owned();
+        } else {
+            let _ = write!(self.fields, " {}={value}", field.name());
+        }
     }
 }
 

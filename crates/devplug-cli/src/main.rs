@@ -58,9 +58,12 @@ const NAME: &str = if cfg!(feature = "cluster") {
     "devplug-lite"
 };
 
-/// Kubernetes device plugins and DRA drivers: virtual devices, device files, host device nodes
-/// and GPUs (NVIDIA, AMD, Intel), served to the kubelet over the device plugin API v1beta1 or
-/// Dynamic Resource Allocation.
+/// Kubernetes device plugins and DRA drivers: virtual devices, device files, host device nodes,
+/// GPUs (NVIDIA, AMD, Intel) and accelerators, served to the kubelet over the device plugin API
+/// v1beta1 or Dynamic Resource Allocation.
+///
+/// Backends (a resource's key in the config file): virtual, files, hostdev, nvidia, amdgpu,
+/// intel_gpu, vfio, qat, ascend, fpga, and advertise (a count on the Node, no device).
 #[derive(Debug, Parser)]
 #[command(name = NAME, version = VERSION, propagate_version = true)]
 struct Cli {
@@ -95,7 +98,9 @@ enum Command {
     /// allocations. Works with any vendor's plugin.
     #[cfg(feature = "tools")]
     Inspect(inspect::InspectArgs),
-    /// Check a config file as `run` would load it, then exit: 0 if valid, 1 with the error.
+    /// Check a config file as `run` would load it, then exit: 0 if valid, 1 with the error;
+    /// `--discover`: also what each resource finds (3 if one has no healthy device).
+    #[command(after_long_help = check_config::EXIT_STATUS)]
     CheckConfig(check_config::CheckConfigArgs),
     /// Extended resources on a Node's status, through the API server: set, remove (also the
     /// clean uninstall of a device plugin's leftover capacity 0), list.
@@ -153,7 +158,8 @@ Config file (YAML; an unknown field is an error naming it):
   resources:
     - name: example.com/npu       # the extended resource pods ask for
       virtual: { count: 8 }       # exactly one backend: virtual, files, hostdev,
-                                  #   nvidia, amdgpu or intel_gpu (or advertise:)
+                                  #   nvidia, amdgpu, intel_gpu, vfio, qat, ascend
+                                  #   or fpga (or advertise:)
       health_hold_down: 5s        # a recovered device waits this long (at most 1h)
       dra: { driver: npu.example.com }   # serve it as a DRA driver instead
                                          #   (device_plugin: true: as both)
@@ -281,6 +287,8 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // The status of a command that succeeded but has a verdict to give (`check-config`).
+    let mut status = ExitCode::SUCCESS;
     let result = match cli.command {
         Command::Run(args) => {
             logging::init(cli.log_format, "info");
@@ -315,8 +323,13 @@ fn main() -> ExitCode {
             runtime.block_on(capacity::capacity(args))
         }
         Command::CheckConfig(args) => {
-            logging::init(cli.log_format, "warn");
-            check_config::check_config(&args, &runtime)
+            let warnings = args.json.then(logging::Warnings::default);
+            logging::init_capturing(cli.log_format, "warn", warnings.clone());
+            check_config::check_config(&args, &runtime, warnings.as_ref()).map(|verdict| {
+                if verdict == check_config::Verdict::NotReady {
+                    status = ExitCode::from(check_config::EXIT_NOT_READY);
+                }
+            })
         }
         #[cfg(feature = "tools")]
         Command::Completions { shell } => completions(shell),
@@ -328,7 +341,7 @@ fn main() -> ExitCode {
     match result {
         // Output that could not all be written is not a success (`devplug demo | head`).
         Ok(()) if output::stdout_closed() => ExitCode::FAILURE,
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => status,
         // The reader went away: nothing to tell it.
         Err(err) if output::is_stdout_closed(&err) => ExitCode::FAILURE,
         Err(err) => {
@@ -349,5 +362,82 @@ fn fatal(format: LogFormat, text: &str) {
         }
     } else {
         eprintln!("error: {text}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::BackendConfig;
+    #[cfg(not(feature = "tools"))]
+    use clap::CommandFactory as _;
+    use std::collections::BTreeSet;
+
+    /// The words of `text`: runs of letters, digits and `_`, so that `intel_gpu` is one word.
+    fn words(text: &str) -> BTreeSet<&str> {
+        text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| !w.is_empty())
+            .collect()
+    }
+
+    /// A file of the repository, by its path from the root.
+    fn repo_file(path: &str) -> String {
+        let full = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(path);
+        std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{}: {e}", full.display()))
+    }
+
+    /// Every list of backends a user reads names each key of the config file, so that a new
+    /// backend cannot be left out of them.
+    #[test]
+    fn every_list_of_backends_names_every_backend_key() {
+        let mut cli = Cli::command();
+        cli.build();
+        let help = cli.render_long_help().to_string();
+        let run_help = cli
+            .find_subcommand_mut("run")
+            .unwrap()
+            .render_long_help()
+            .to_string();
+        let chart = repo_file("deploy/helm/devplug/Chart.yaml");
+        let chart_description = chart
+            .lines()
+            .find(|l| l.starts_with("description:"))
+            .unwrap()
+            .to_owned();
+        let readme = repo_file("README.md");
+        let backends_table: String = readme
+            .split("\n## ")
+            .find(|section| section.starts_with("Backends\n"))
+            .unwrap()
+            .lines()
+            .filter(|l| l.starts_with('|'))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let deploy_readme = repo_file("deploy/README.md");
+        let examples_row = deploy_readme
+            .lines()
+            .find(|l| l.starts_with("| `examples/` |"))
+            .unwrap()
+            .to_owned();
+        let texts = [
+            (format!("{NAME} --help"), help),
+            (format!("{NAME} run --help"), run_help),
+            ("the chart's description".to_owned(), chart_description),
+            ("README.md's backends table".to_owned(), backends_table),
+            ("deploy/README.md's examples row".to_owned(), examples_row),
+        ];
+        for (what, text) in &texts {
+            let found = words(text);
+            let missing: Vec<&str> = BackendConfig::KEYS
+                .into_iter()
+                .filter(|key| !found.contains(key))
+                .collect();
+            assert!(
+                missing.is_empty(),
+                "{what} does not name {missing:?}:\n{text}"
+            );
+        }
     }
 }

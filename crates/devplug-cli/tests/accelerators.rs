@@ -146,3 +146,47 @@ async fn four_accelerator_backends_register_allocate_and_recover() {
         "the GPU left on its driver is reported: {log}"
     );
 }
+
+/// `check-config --discover` on a backend that writes a CDI spec: the container's CDI device is
+/// reported as `run` would give it, and the config's CDI folder is not created (the spec goes to
+/// a scratch folder, removed before the command exits).
+#[test]
+fn check_config_discover_writes_no_cdi_spec_on_the_node() {
+    let tmp = tempfile::tempdir_in(scratch_dir()).unwrap();
+    let tree = FakeSysfs::new(tmp.path()).unwrap();
+    AscendNode::ascend910(2).create(&tree).unwrap();
+    let cdi = tree.path("cdi");
+    let config = format!(
+        "resources:\n  - name: huawei.com/Ascend910\n    ascend: {{ sys_root: {}, dev_root: {}, cdi_dir: {} }}\n",
+        tree.sys_root().display(),
+        tree.dev_root().display(),
+        cdi.display()
+    );
+    let config_path = tmp.path().join("config.yaml");
+    std::fs::write(&config_path, config).unwrap();
+    let scratch = tempfile::tempdir_in(scratch_dir()).unwrap();
+    let out = std::process::Command::new(support::BIN)
+        .args(["check-config", "--discover", "--config"])
+        .arg(&config_path)
+        .env("TMPDIR", scratch.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("huawei.com/Ascend910: 2 devices, 2 healthy"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("    cdi "),
+        "the spec was written: {stdout}"
+    );
+    assert!(!cdi.exists(), "check-config created {}", cdi.display());
+    let left: Vec<_> = std::fs::read_dir(scratch.path()).unwrap().collect();
+    assert!(left.is_empty(), "scratch folder left behind: {left:?}");
+}

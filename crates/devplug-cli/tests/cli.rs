@@ -198,7 +198,12 @@ fn check_config_discover_reports_devices_and_warnings_name_their_resource() {
     let out = devplug(&["check-config", "--discover", "--config", &config]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}{stderr}");
+    // The typo finds no device: the status a script gates on, naming the resource.
+    assert_eq!(out.status.code(), Some(3), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("not ready: example.com/typo (no healthy device)"),
+        "{stderr}"
+    );
     assert!(
         stdout.contains("example.com/npu: 3 devices, 3 healthy"),
         "{stdout}"
@@ -213,6 +218,226 @@ fn check_config_discover_reports_devices_and_warnings_name_their_resource() {
         .find(|l| l.contains("matches no device"))
         .unwrap_or_else(|| panic!("no warning: {stderr}"));
     assert!(warning.contains("resource=example.com/typo"), "{warning}");
+}
+
+/// `check-config` exits 0 for a valid file, and with `--discover` when every resource has a
+/// healthy device; 1 for an invalid file; 3 when a resource finds no healthy device.
+#[test]
+fn check_config_exit_status_is_one_a_script_can_gate_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = write(
+        dir.path(),
+        "good.yaml",
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n",
+    );
+    for args in [&["--config", &good][..], &["--discover", "--config", &good]] {
+        let out = devplug(&[&["check-config"][..], args].concat());
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {out:?}");
+    }
+    let bad = write(
+        dir.path(),
+        "bad.yaml",
+        "resources:\n  - name: example.com/npu\n    virtual: { count: x }\n",
+    );
+    for args in [&["--config", &bad][..], &["--discover", "--config", &bad]] {
+        let out = devplug(&[&["check-config"][..], args].concat());
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {out:?}");
+    }
+    // A files: folder that is missing: no device, so not ready; valid without --discover.
+    let missing = dir.path().join("no-such-folder");
+    let empty = write(
+        dir.path(),
+        "empty.yaml",
+        &format!(
+            "resources:\n  - name: example.com/npu\n    virtual: {{ count: 2 }}\n  \
+             - name: example.com/file\n    files: {{ dir: {} }}\n",
+            missing.display()
+        ),
+    );
+    let out = devplug(&["check-config", "--config", &empty]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let out = devplug(&[
+        "check-config",
+        "--discover",
+        "--wait",
+        "1s",
+        "--config",
+        &empty,
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("not ready: example.com/file (no healthy device)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("example.com/npu"), "{stderr}");
+    // A backend that is not ready: NVML cannot be loaded.
+    let nvml = write(
+        dir.path(),
+        "nvml.yaml",
+        "resources:\n  - name: nvidia.com/gpu\n    nvidia: { library: /nonexistent/libnvidia-ml.so.1 }\n",
+    );
+    let out = devplug(&[
+        "check-config",
+        "--discover",
+        "--wait",
+        "5s",
+        "--config",
+        &nvml,
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("not ready: nvidia.com/gpu (its backend is not ready)"),
+        "{stderr}"
+    );
+    let out = devplug(&["check-config", "--discover", "--json", "--config", &nvml]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let why = report["resources"][0]["not_ready"].as_str().unwrap();
+    assert!(why.starts_with("NVML not available: "), "{report}");
+    // The help says so.
+    let help = String::from_utf8_lossy(&devplug(&["check-config", "--help"]).stdout).into_owned();
+    for needle in ["Exit status:", "  3  with --discover"] {
+        assert!(help.contains(needle), "{help}");
+    }
+}
+
+/// `check-config --discover` creates nothing on the node: a `files:` folder set to
+/// `missing: create` stays missing.
+#[test]
+fn check_config_discover_creates_no_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("made/by/run");
+    let config = write(
+        dir.path(),
+        "config.yaml",
+        &format!(
+            "resources:\n  - name: example.com/file\n    files: {{ dir: {}, missing: create }}\n",
+            missing.display()
+        ),
+    );
+    let out = devplug(&[
+        "check-config",
+        "--discover",
+        "--wait",
+        "1s",
+        "--config",
+        &config,
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    assert!(
+        !missing.exists(),
+        "check-config created {}",
+        missing.display()
+    );
+    assert!(!dir.path().join("made").exists());
+}
+
+/// `check-config --json` prints one JSON object: the verdict, and per resource its name,
+/// backend, devices with their health, readiness and warnings; an invalid file says so too.
+#[test]
+fn check_config_json_reports_resources_devices_and_the_verdict() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("devices");
+    std::fs::create_dir(&folder).unwrap();
+    std::fs::write(folder.join("good"), "").unwrap();
+    std::fs::write(folder.join("bad"), "fan stopped\n").unwrap();
+    let config = write(
+        dir.path(),
+        "config.yaml",
+        &format!(
+            "resources:\n  - name: example.com/npu\n    virtual: {{ count: 2 }}\n  \
+             - name: example.com/file\n    files: {{ dir: {} }}\n  \
+             - name: example.com/typo\n    hostdev: {{ groups: [ {{ paths: [\"/dev/devplug-no-such-node*\"] }} ] }}\n",
+            folder.display()
+        ),
+    );
+    let out = devplug(&["check-config", "--discover", "--json", "--config", &config]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.trim().lines().count(), 1, "one object: {stdout}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(report["valid"], true);
+    assert_eq!(report["verdict"], "not-ready");
+    assert_eq!(report["exit_code"], 3);
+    assert_eq!(report["config"], config.as_str());
+    let resources = report["resources"].as_array().unwrap();
+    let names: Vec<&str> = resources
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["example.com/npu", "example.com/file", "example.com/typo"]
+    );
+    let backends: Vec<&str> = resources
+        .iter()
+        .map(|r| r["backend"].as_str().unwrap())
+        .collect();
+    assert_eq!(backends, ["virtual", "files", "hostdev"]);
+    let npu = &resources[0];
+    assert_eq!(npu["discovered"], true);
+    assert_eq!(npu["ready"], true);
+    assert_eq!(npu["healthy"], 2);
+    assert_eq!(npu["not_ready"], serde_json::Value::Null);
+    assert_eq!(
+        npu["devices"],
+        serde_json::json!([
+            {"id": "virtual-0", "healthy": true, "health": "Healthy"},
+            {"id": "virtual-1", "healthy": true, "health": "Healthy"},
+        ])
+    );
+    let files = &resources[1];
+    assert_eq!(files["ready"], true);
+    assert_eq!(files["healthy"], 1);
+    let bad = files["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["id"] == "bad")
+        .unwrap();
+    assert_eq!(bad["healthy"], false);
+    assert!(
+        bad["health"].as_str().unwrap().contains("fan stopped"),
+        "{bad}"
+    );
+    let typo = &resources[2];
+    assert_eq!(typo["ready"], false);
+    assert_eq!(typo["devices"], serde_json::json!([]));
+    let warnings = typo["warnings"].as_array().unwrap();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.as_str().unwrap().contains("matches no device")),
+        "{typo}"
+    );
+    assert_eq!(npu["warnings"], serde_json::json!([]));
+
+    // Without --discover: valid, nothing started.
+    let out = devplug(&["check-config", "--json", "--config", &config]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["verdict"], "ok");
+    assert_eq!(report["resources"][0]["discovered"], false);
+    assert_eq!(report["resources"][0]["backend"], "virtual");
+
+    // An invalid file: exit 1, the object says why, and stderr too.
+    let bad = write(
+        dir.path(),
+        "bad.yaml",
+        "resources:\n  - name: example.com/npu\n",
+    );
+    let out = devplug(&["check-config", "--json", "--config", &bad]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["valid"], false);
+    assert_eq!(report["verdict"], "invalid");
+    assert!(
+        report["error"].as_str().unwrap().contains("no backend"),
+        "{report}"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no backend"));
 }
 
 /// `capacity` with no cluster to talk to says so in one short line naming what it looked for.
