@@ -211,7 +211,8 @@ fn both_image_builds_make_the_same_image_from_the_same_command() {
     );
     assert!(script.contains("TARGET=\"$ARM_TARGET\" DEVPLUG_LINK_ORDER=off \\\n"));
     assert!(script.contains("ARM_TARGET=aarch64-unknown-linux-musl\n"));
-    // The script: the lean build (no default features), then the full one, each into its name.
+    // The script: the lean build (no default features), then the full one without the demos
+    // on fake hardware (no test kit in the image), each into its name.
     let build_static = read("deploy/build-static");
     let builds: Vec<&str> = build_static
         .lines()
@@ -220,7 +221,10 @@ fn both_image_builds_make_the_same_image_from_the_same_command() {
         .collect();
     assert_eq!(
         builds,
-        ["build devplug-lite --no-default-features", "build devplug"]
+        [
+            "build devplug-lite --no-default-features",
+            "build devplug --no-default-features --features cluster,tools"
+        ]
     );
     // Each link order build ends in its own file, stripped; the plain fallback too.
     assert!(build_static.contains("strip -o \"$out/$name\" \"$built\""));

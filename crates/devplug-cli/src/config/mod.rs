@@ -226,6 +226,7 @@ mod tests {
     use test_parse as parse;
 
     #[test]
+    #[cfg(feature = "cluster")] // devplug-lite refuses `dra:` (its own test says so)
     fn dra_parses_and_decides_the_device_plugin() {
         let config = parse(
             "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.example.com }\n  - name: example.com/both\n    virtual: { count: 2 }\n    dra: { driver: both.example.com, device_plugin: true, no_execute_after: 10m }\n  - name: example.com/dp\n    virtual: { count: 2 }\n",
