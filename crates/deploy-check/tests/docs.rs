@@ -1,7 +1,10 @@
 //! The docs' links work: every relative link in `README.md`, `deploy/README.md` and `docs/*.md`
 //! names a file that exists, and a `#anchor` names a heading of that file, by GitHub's rules
-//! for heading anchors. (That the config reference lists the fields the parser accepts is
-//! checked by devplug-cli's `tests/docs_config.rs`, with the real binary.)
+//! for heading anchors. The code the docs show is the code that is built: a fenced block after
+//! a `<!-- file: PATH -->` line is that file of the repository, or the region of it marked
+//! `region: NAME` … `endregion: NAME` for `<!-- file: PATH#NAME -->`. (That the config
+//! reference lists the fields the parser accepts is checked by devplug-cli's
+//! `tests/docs_config.rs`, with the real binary.)
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
 use deploy_check::repo_root;
@@ -298,4 +301,116 @@ fn the_readme_layout_table_matches_the_tree() {
         "README layout vs the tree:\n{}",
         problems.join("\n")
     );
+}
+
+/// The blocks of a Markdown text that name their file: (line of the marker, the marker's
+/// `PATH` or `PATH#REGION`, the block's text with a final newline per line).
+fn marked_blocks(text: &str) -> Vec<(usize, String, String)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    for (n, line) in lines.iter().enumerate() {
+        let Some(spec) = line
+            .trim()
+            .strip_prefix("<!-- file:")
+            .and_then(|rest| rest.strip_suffix("-->"))
+        else {
+            continue;
+        };
+        let opens = lines.get(n + 1).is_some_and(|l| l.starts_with("```"));
+        assert!(
+            opens,
+            "line {}: a file marker must precede a fenced block",
+            n + 1
+        );
+        let body: Vec<&str> = lines[n + 2..]
+            .iter()
+            .take_while(|l| !l.starts_with("```"))
+            .copied()
+            .collect();
+        let block: String = body.iter().map(|l| format!("{l}\n")).collect();
+        out.push((n + 1, spec.trim().to_owned(), block));
+    }
+    out
+}
+
+/// A file's text, or the lines between its `region: NAME` and `endregion: NAME` comments.
+fn region(text: &str, name: Option<&str>) -> Result<String, String> {
+    let Some(name) = name else {
+        return Ok(text.to_owned());
+    };
+    let lines: Vec<&str> = text.lines().collect();
+    let find = |tag: &str| {
+        lines
+            .iter()
+            .position(|l| l.trim_end().ends_with(&format!(" {tag}: {name}")))
+            .ok_or_else(|| format!("no `{tag}: {name}` line"))
+    };
+    let (start, end) = (find("region")?, find("endregion")?);
+    if end <= start {
+        return Err(format!("`endregion: {name}` before `region: {name}`"));
+    }
+    Ok(lines[start + 1..end]
+        .iter()
+        .map(|l| format!("{l}\n"))
+        .collect())
+}
+
+#[test]
+fn marked_blocks_and_regions_are_read_as_written() {
+    let page = "text\n<!-- file: a.rs#one -->\n```rust\nfn a() {}\n\nfn b() {}\n```\n";
+    assert_eq!(
+        marked_blocks(page),
+        [(
+            2,
+            "a.rs#one".to_owned(),
+            "fn a() {}\n\nfn b() {}\n".to_owned()
+        )]
+    );
+    let file = "use x;\n// region: one\nfn a() {}\n// endregion: one\n";
+    assert_eq!(region(file, Some("one")).unwrap(), "fn a() {}\n");
+    assert_eq!(region(file, None).unwrap(), file);
+    assert!(region(file, Some("two")).is_err());
+    assert!(region("// region: one-two\n// endregion: one-two\n", Some("two")).is_err());
+}
+
+#[test]
+fn the_code_the_docs_show_is_the_code_that_is_built() {
+    let root = repo_root();
+    let mut problems = Vec::new();
+    let mut checked = Vec::new();
+    for doc in documents() {
+        let text = std::fs::read_to_string(root.join(&doc)).unwrap();
+        for (line, spec, block) in marked_blocks(&text) {
+            let (path, name) = match spec.split_once('#') {
+                Some((path, name)) => (path, Some(name)),
+                None => (spec.as_str(), None),
+            };
+            let at = format!("{}:{line} ({spec})", doc.display());
+            let shown = std::fs::read_to_string(root.join(path))
+                .map_err(|e| e.to_string())
+                .and_then(|file| region(&file, name));
+            match shown {
+                Ok(want) if want == block => checked.push(at),
+                Ok(want) => problems.push(format!(
+                    "{at}: the block differs from the file; the file says:\n{want}"
+                )),
+                Err(why) => problems.push(format!("{at}: {why}")),
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n\n"));
+    // The plugin guide shows its example crate: the manifest, both binaries, the backend.
+    for path in [
+        "examples/npu-plugin/Cargo.toml",
+        "examples/npu-plugin/src/main.rs",
+        "examples/npu-plugin/src/bin/npu-dra.rs",
+        "examples/npu-plugin/src/lib.rs#claim-backend",
+    ] {
+        assert!(
+            checked
+                .iter()
+                .any(|c| c.starts_with("docs/writing-a-plugin.md") && c.contains(path)),
+            "docs/writing-a-plugin.md shows {path}; checked: {checked:?}"
+        );
+    }
 }

@@ -1,0 +1,29 @@
+//! The DRA driver: the same NPUs under the driver name `npu.example.com`, published as
+//! ResourceSlices, each claim prepared into a CDI spec. Needs the API server (in-cluster, or
+//! the kubeconfig) and this node's name in `NODE_NAME`.
+
+use devplug_dra::kubelet::KubeletDirs;
+use devplug_dra::{DraDriver, DraDriverSettings};
+use npu_plugin::Npus;
+use std::path::Path;
+use std::sync::Arc;
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt().init();
+    let stop = devplug::shutdown_signal();
+    let settings = DraDriverSettings {
+        driver: "npu.example.com".to_owned(),
+        node: std::env::var("NODE_NAME").map_err(|_| "set NODE_NAME to this node's name")?,
+        dirs: KubeletDirs::beside(Path::new(devplug::DEFAULT_KUBELET_DIR)),
+        cdi_dir: devplug::cdi::DEFAULT_CDI_DIR.into(),
+        no_execute_after: None,
+    };
+    let client = kube::Client::try_default().await?;
+    let driver = DraDriver::start(settings, Arc::new(Npus::discover(4)), client).await?;
+    stop.await;
+    for problem in driver.shutdown().await {
+        eprintln!("at shutdown: {problem}");
+    }
+    Ok(())
+}
