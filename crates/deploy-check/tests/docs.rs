@@ -414,3 +414,26 @@ fn the_code_the_docs_show_is_the_code_that_is_built() {
         );
     }
 }
+
+#[test]
+fn the_changelog_has_one_heading_per_kind_in_each_release() {
+    let changelog = std::fs::read_to_string(repo_root().join("CHANGELOG.md")).unwrap();
+    let mut release = String::new();
+    let mut seen: Vec<String> = Vec::new();
+    let mut repeated = Vec::new();
+    for line in changelog.lines() {
+        if let Some(name) = line.strip_prefix("## ") {
+            release = name.to_owned();
+            seen.clear();
+        } else if let Some(kind) = line.strip_prefix("### ") {
+            if seen.iter().any(|k| k == kind) {
+                repeated.push(format!("{release}: {kind}"));
+            }
+            seen.push(kind.to_owned());
+        }
+    }
+    assert!(
+        repeated.is_empty(),
+        "CHANGELOG.md repeats a heading: {repeated:?}"
+    );
+}
