@@ -157,7 +157,7 @@ impl NodeEvents {
 }
 
 /// The Node as the kubelet's own Node events refer to it: kind, name, and the name as UID.
-fn node_reference(node: &str) -> ObjectReference {
+pub(crate) fn node_reference(node: &str) -> ObjectReference {
     ObjectReference {
         api_version: Some("v1".into()),
         kind: Some("Node".into()),

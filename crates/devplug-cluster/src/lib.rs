@@ -4,6 +4,8 @@
 //!   (a missing key is "already gone"), list.
 //! - [`advertise`]: resources kept on our own Node by `devplug run` (`advertise:`), event-driven.
 //! - [`events`]: device health, registration and config reload problems as Events on the Node.
+//! - [`refused_pods`]: pods the kubelet refused at admission for a resource we serve (after a
+//!   reboot): deleted where their controller replaced them, reported where nothing does.
 //!
 //! The DRA driver is a crate of its own (`devplug-dra`), and the test control plane lives in the
 //! test kit (`devplug-testkit`).
@@ -14,6 +16,7 @@
 pub mod advertise;
 pub mod capacity;
 pub mod events;
+pub mod refused_pods;
 
 use std::path::Path;
 
