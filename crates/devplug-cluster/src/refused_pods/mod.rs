@@ -149,10 +149,8 @@ struct Reported {
 
 async fn run(ctx: Ctx, mut served: watch::Receiver<BTreeSet<String>>, stop: CancellationToken) {
     let pods: Api<Pod> = Api::all(ctx.client.clone());
-    let config = watcher::Config::default().fields(&format!(
-        "spec.nodeName={},status.phase=Failed",
-        ctx.node
-    ));
+    let config = watcher::Config::default()
+        .fields(&format!("spec.nodeName={},status.phase=Failed", ctx.node));
     let mut events = watcher(pods, config).default_backoff().boxed();
     // The node's Failed pods as the watch has them, by UID.
     let mut known: BTreeMap<String, Pod> = BTreeMap::new();
@@ -163,7 +161,8 @@ async fn run(ctx: Ctx, mut served: watch::Receiver<BTreeSet<String>>, stop: Canc
     let mut flush_at: Option<tokio::time::Instant> = None;
     tracing::info!(node = %ctx.node, policy = ?ctx.policy, "watching this node's pods refused at admission");
     loop {
-        let due = flush_at.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(86_400));
+        let due =
+            flush_at.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(86_400));
         tokio::select! {
             () = stop.cancelled() => return,
             changed = served.changed() => {
@@ -395,7 +394,9 @@ async fn report(ctx: &Ctx, batch: Vec<Reported>) {
             continue;
         }
         let why = match &reported.controller {
-            Some(c) if c.kind == "Job" => "its Job counts it as a failed pod; nothing runs it again",
+            Some(c) if c.kind == "Job" => {
+                "its Job counts it as a failed pod; nothing runs it again"
+            }
             Some(_) => "devplug does not know whether its controller makes it again",
             None => "it has no controller; nothing runs it again",
         };

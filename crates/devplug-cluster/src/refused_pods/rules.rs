@@ -102,7 +102,9 @@ fn requests(pod: &Pod, resource: &str) -> bool {
         .filter_map(|c| c.resources.as_ref())
         .any(|r| {
             r.limits.as_ref().is_some_and(|l| l.contains_key(resource))
-                || r.requests.as_ref().is_some_and(|l| l.contains_key(resource))
+                || r.requests
+                    .as_ref()
+                    .is_some_and(|l| l.contains_key(resource))
         })
 }
 
@@ -232,7 +234,11 @@ mod tests {
     #[test]
     fn a_replica_set_pod_is_deleted_once_replaced() {
         let p = pod(UNREGISTERED, Some(("ReplicaSet", "rs1")), "example.com/npu");
-        let Verdict::DeleteWhenReplaced { resource, controller } = classify(&p, &served()) else {
+        let Verdict::DeleteWhenReplaced {
+            resource,
+            controller,
+        } = classify(&p, &served())
+        else {
             panic!("{:?}", classify(&p, &served()));
         };
         assert_eq!(resource, "example.com/npu");
@@ -317,11 +323,17 @@ mod tests {
         assert!(!replaces(&refused, &refused, &by), "not itself");
         let mut failed_too = other.clone();
         failed_too.status.as_mut().unwrap().phase = Some("Failed".into());
-        assert!(!replaces(&failed_too, &refused, &by), "not another refused one");
+        assert!(
+            !replaces(&failed_too, &refused, &by),
+            "not another refused one"
+        );
         let foreign = pod(UNREGISTERED, Some(("ReplicaSet", "rs2")), "example.com/npu");
         let mut foreign = foreign;
         foreign.metadata.uid = Some("u3".into());
         foreign.status.as_mut().unwrap().phase = Some("Running".into());
-        assert!(!replaces(&foreign, &refused, &by), "not another controller's");
+        assert!(
+            !replaces(&foreign, &refused, &by),
+            "not another controller's"
+        );
     }
 }
