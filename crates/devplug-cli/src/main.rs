@@ -36,6 +36,7 @@ mod inspect;
 mod listen_addr;
 mod logging;
 mod output;
+mod refused;
 mod reload;
 mod run;
 

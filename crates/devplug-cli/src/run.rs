@@ -100,6 +100,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             node_name: args.node_name.clone(),
             kubeconfig: args.kubeconfig.clone(),
             events: None,
+            refused: crate::refused::RefusedPodsWatch::new(
+                args.node_name.clone(),
+                args.kubeconfig.clone(),
+            ),
             dra: crate::dra::DraDrivers::new(crate::dra::DraSetup {
                 dirs: devplug_dra::kubelet::KubeletDirs::beside(&args.kubelet_dir),
                 cdi_dir: args.cdi_dir.clone(),
@@ -151,6 +155,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     }
     stop_http.cancel();
+    #[cfg(feature = "cluster")]
+    runner.cluster.refused.stop();
     #[cfg(feature = "cluster")]
     runner.cluster.dra.shutdown().await;
     let report = runner.host.shutdown().await;
@@ -242,6 +248,8 @@ struct Cluster {
     kubeconfig: Option<PathBuf>,
     /// Node events, with --node-events.
     events: Option<devplug_cluster::events::NodeEvents>,
+    /// Pods the kubelet refused at admission (`refused_pods:`).
+    refused: crate::refused::RefusedPodsWatch,
     /// The `dra:` resources' drivers.
     dra: crate::dra::DraDrivers,
 }
@@ -306,7 +314,12 @@ impl Runner {
         if let Some(failure) = applied.failed.into_iter().next() {
             return Err(failure.into());
         }
-        self.apply_dra(&config.resources, &built).await
+        self.apply_dra(&config.resources, &built).await?;
+        #[cfg(feature = "cluster")]
+        self.cluster.refused.apply(config).await;
+        #[cfg(not(feature = "cluster"))]
+        crate::refused::say_lite_cannot(config);
+        Ok(())
     }
 
     /// Starts, restarts and stops the `dra:` resources' drivers to match `resources`.
@@ -454,6 +467,8 @@ impl Runner {
                 |_, resource| Ok::<_, String>((build(resource)?, settings_of(resource))),
             )
             .await;
+        #[cfg(feature = "cluster")]
+        self.cluster.refused.apply(&config).await;
         for failure in &applied.failed {
             tracing::error!(resource = %failure.resource(), error = %failure, "cannot apply the new config for this resource; it keeps its previous config");
             report.failed.push(failure.resource().to_owned());

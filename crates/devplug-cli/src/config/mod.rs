@@ -44,8 +44,27 @@ pub const MAX_HEALTH_HOLD_DOWN: std::time::Duration = std::time::Duration::from_
 pub struct Config {
     /// How resources register with the kubelet unless they say otherwise (default `socket`).
     pub registration: Option<RegistrationRoute>,
+    /// What `run` does with pods the kubelet refused at admission for one of the device plugin
+    /// resources (default `delete-replaced`; full `devplug` with `NODE_NAME` only).
+    pub refused_pods: RefusedPodsPolicy,
     /// The resources to serve, each on its own socket.
     pub resources: Vec<ResourceConfig>,
+}
+
+/// `refused_pods:` what `run` does with pods the kubelet refused at admission
+/// (`UnexpectedAdmissionError`) for a resource of this file, as after a node reboot when the
+/// kubelet admits its pods before devplug's DaemonSet pod runs again.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RefusedPodsPolicy {
+    /// Delete those whose controller (ReplicaSet, StatefulSet, DaemonSet) replaces them; report
+    /// the others (bare pods, Job pods) with an event on each and one on the Node.
+    #[default]
+    DeleteReplaced,
+    /// Report every one; delete none.
+    Report,
+    /// Leave them alone.
+    Off,
 }
 
 /// How a resource registers with the kubelet.

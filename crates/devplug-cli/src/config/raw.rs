@@ -2,7 +2,10 @@
 //! has them. [`RawResource::resolve`] turns the keys into the one [`BackendConfig`] of a
 //! [`ResourceConfig`]; nothing after it sees this shape.
 
-use super::{AdvertiseSettings, BackendConfig, DraSettings, RegistrationRoute, ResourceConfig};
+use super::{
+    AdvertiseSettings, BackendConfig, DraSettings, RefusedPodsPolicy, RegistrationRoute,
+    ResourceConfig,
+};
 use devplug_backends::{
     AmdgpuSettings, AscendSettings, FilesSettings, FpgaSettings, HostdevSettings, IntelGpuSettings,
     NvidiaSettings, QatSettings, VfioSettings, VirtualSettings,
@@ -17,6 +20,9 @@ pub(super) struct RawConfig {
     /// How resources register with the kubelet unless they say otherwise (default `socket`).
     #[serde(default)]
     pub(super) registration: Option<RegistrationRoute>,
+    /// What `run` does with pods the kubelet refused at admission for these resources.
+    #[serde(default)]
+    pub(super) refused_pods: RefusedPodsPolicy,
     /// The resources to serve, each on its own socket.
     pub(super) resources: Vec<RawResource>,
 }

@@ -41,6 +41,7 @@ impl Config {
             }),
             Err(failed) if failed.is_empty() => Ok(Config {
                 registration: raw.registration,
+                refused_pods: raw.refused_pods,
                 resources,
             }),
             Err(failed) => Err(ConfigError::Resources {

@@ -1,0 +1,109 @@
+//! `refused_pods:` in `devplug run`: pods the kubelet refused at admission for one of the
+//! config's device plugin resources (after a node reboot, before devplug's pod ran again) are
+//! deleted where their controller replaces them and reported where nothing does
+//! (`devplug_cluster::refused_pods` has the rules). It needs the API server and this node's name
+//! (`NODE_NAME`): the full build only; devplug-lite says once in its log that it cannot.
+
+use crate::config::{Config, RefusedPodsPolicy};
+use std::collections::BTreeSet;
+
+/// The device plugin resources of `config`: those the kubelet's device manager can refuse.
+fn served(config: &Config) -> BTreeSet<String> {
+    config
+        .resources
+        .iter()
+        .filter(|r| r.serves_device_plugin())
+        .map(|r| r.name.clone())
+        .collect()
+}
+
+/// The watch of refused pods, started, changed or stopped as the config says.
+#[cfg(feature = "cluster")]
+pub struct RefusedPodsWatch {
+    node: Option<String>,
+    kubeconfig: Option<std::path::PathBuf>,
+    running: Option<(
+        RefusedPodsPolicy,
+        devplug_cluster::refused_pods::RefusedPods,
+        tokio_util::sync::CancellationToken,
+    )>,
+    said_no_node: bool,
+}
+
+#[cfg(feature = "cluster")]
+impl RefusedPodsWatch {
+    /// Nothing running yet.
+    pub fn new(node: Option<String>, kubeconfig: Option<std::path::PathBuf>) -> RefusedPodsWatch {
+        RefusedPodsWatch {
+            node,
+            kubeconfig,
+            running: None,
+            said_no_node: false,
+        }
+    }
+
+    /// Matches the watch to `config`: started with the first policy that is not `off`, the
+    /// served resources updated, restarted when the policy changes, stopped by `off`.
+    pub async fn apply(&mut self, config: &Config) {
+        use devplug_cluster::refused_pods::{Policy, RefusedPods};
+        let policy = match config.refused_pods {
+            RefusedPodsPolicy::Off => None,
+            RefusedPodsPolicy::Report => Some(Policy::Report),
+            RefusedPodsPolicy::DeleteReplaced => Some(Policy::DeleteReplaced),
+        };
+        let served = served(config);
+        if let Some((running, watch, _)) = &self.running {
+            if *running == config.refused_pods {
+                watch.set_served(served);
+                return;
+            }
+        }
+        if let Some((_, _, stop)) = self.running.take() {
+            stop.cancel();
+        }
+        let Some(policy) = policy else {
+            return;
+        };
+        let Some(node) = self.node.clone() else {
+            if !self.said_no_node {
+                self.said_no_node = true;
+                tracing::info!(
+                    "refused_pods: without this node's name (NODE_NAME, or --node-name) devplug \
+                     cannot look up the pods the kubelet refused at admission; set it, or \
+                     `refused_pods: off` to say this on purpose"
+                );
+            }
+            return;
+        };
+        let client = match devplug_cluster::connect(self.kubeconfig.as_deref()).await {
+            Ok(client) => client,
+            Err(err) => {
+                tracing::warn!(%err, "refused_pods: no API client; pods the kubelet refused at admission are left alone");
+                return;
+            }
+        };
+        let instance = std::env::var("POD_NAME").unwrap_or_else(|_| node.clone());
+        let stop = tokio_util::sync::CancellationToken::new();
+        let watch = RefusedPods::spawn(client, node, instance, policy, served, stop.clone());
+        self.running = Some((config.refused_pods, watch, stop));
+    }
+
+    /// Stops the watch.
+    pub fn stop(&mut self) {
+        if let Some((_, _, stop)) = self.running.take() {
+            stop.cancel();
+        }
+    }
+}
+
+/// devplug-lite has no API client: it says so once, unless the config turned this off.
+#[cfg(not(feature = "cluster"))]
+pub fn say_lite_cannot(config: &Config) {
+    if config.refused_pods != RefusedPodsPolicy::Off && !served(config).is_empty() {
+        tracing::info!(
+            "devplug-lite cannot delete or report pods the kubelet refused at admission \
+             (refused_pods; the full devplug with NODE_NAME can): after a reboot a refused pod \
+             without a controller stays Failed; set `refused_pods: off` to silence this"
+        );
+    }
+}
