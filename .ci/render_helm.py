@@ -11,11 +11,12 @@ CHART = Path(__file__).resolve().parent.parent / "deploy" / "helm" / "devplug"
 
 # Each set of values becomes one release. "all-options" turns on every optional block of the
 # templates, so that each `if`/`with` branch is rendered and checked at least once;
-# "node-events" is the one cluster feature alone (the DaemonSet then runs the full /devplug;
-# the defaults run /devplug-lite).
+# the defaults run the full /devplug for refusedPods (delete-replaced); "lite" turns that off,
+# the device-plugin-only /devplug-lite; "node-events" is that one cluster feature alone.
 RELEASES = {
     "defaults": {},
-    "node-events": {"nodeEvents": {"enabled": True}},
+    "lite": {"refusedPods": "off"},
+    "node-events": {"nodeEvents": {"enabled": True}, "refusedPods": "off"},
     # A dra: resource alone: full /devplug, NODE_NAME, the plugins/ and CDI folders, DRA RBAC.
     "dra": {
         "config": {

@@ -80,6 +80,9 @@ vendor's GPU resource and gpu.extraResources. Everything that looks at the resou
 */}}
 {{- define "devplug.config" -}}
 {{- $config := deepCopy .Values.config -}}
+{{- if not (hasKey $config "refused_pods") -}}
+{{- $_ := set $config "refused_pods" (include "devplug.refusedPods" .) -}}
+{{- end -}}
 {{- $vendor := toString .Values.gpu.vendor -}}
 {{- if $vendor -}}
 {{- $backends := dict "nvidia" "nvidia" "amdgpu" "amdgpu" "intel-gpu" "intel_gpu" -}}
@@ -181,7 +184,28 @@ the kubelet's plugins/ folder and /var/run/cdi); empty otherwise.
 then get a token and NODE_NAME.
 */}}
 {{- define "devplug.apiClient" -}}
-{{- if or (include "devplug.advertise" .) (include "devplug.dra" .) .Values.nodeEvents.enabled }}true{{ end }}
+{{- if or (include "devplug.advertise" .) (include "devplug.dra" .) .Values.nodeEvents.enabled (include "devplug.refusedPodsOn" .) }}true{{ end }}
+{{- end }}
+
+{{/*
+refusedPods, checked: delete-replaced, report or off.
+*/}}
+{{- define "devplug.refusedPods" -}}
+{{- $policy := toString .Values.refusedPods -}}
+{{- if not (has $policy (list "delete-replaced" "report" "off")) -}}
+{{- fail (printf "refusedPods: %q is not a policy: use delete-replaced, report or off" $policy) -}}
+{{- end -}}
+{{- $policy -}}
+{{- end }}
+
+{{/*
+"true" when devplug deals with refused pods (the config's refused_pods is not off): the pods
+then need a token, NODE_NAME and the RBAC of refused-pods-rbac.yaml.
+*/}}
+{{- define "devplug.refusedPodsOn" -}}
+{{- $config := .Values.config | default dict -}}
+{{- $policy := ternary (toString (get $config "refused_pods")) (include "devplug.refusedPods" .) (hasKey $config "refused_pods") -}}
+{{- if ne $policy "off" }}true{{ end }}
 {{- end }}
 
 {{/*
