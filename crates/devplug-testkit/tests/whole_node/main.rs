@@ -14,6 +14,7 @@ mod dra;
 mod gpu;
 mod kustomize;
 mod lifecycle;
+mod reboot;
 mod support;
 
 use devplug_testkit::node::{requirements, Node};
@@ -39,7 +40,10 @@ const SCENARIOS: [(&str, Scenario); 10] = [
     ),
     ("kubelet_restart_keeps_devices", lifecycle::kubelet_restart),
     ("rolling_update_refuses_no_pod", lifecycle::rolling_update),
-    ("node_reboot_admits_device_pods", lifecycle::node_reboot),
+    (
+        "node_reboot_fails_no_pod_that_can_be_kept",
+        reboot::node_reboot,
+    ),
     ("kustomize_base_and_overlay", kustomize::base_and_overlay),
     (
         "dra_claim_reaches_the_container",
