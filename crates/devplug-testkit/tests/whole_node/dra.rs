@@ -385,7 +385,7 @@ async fn says_so(node: &'static Node, runtime: &str) -> Result<(), String> {
 }
 
 /// The DRA release installed, and the driver's ResourceSlice for this node published.
-pub async fn install_and_wait_for_slice(node: &Node) -> Result<support::Release, String> {
+async fn install_and_wait_for_slice(node: &Node) -> Result<support::Release, String> {
     let release = support::helm_release(node, "whole-node-dra")?;
     let started = Instant::now();
     release.install(node)?;

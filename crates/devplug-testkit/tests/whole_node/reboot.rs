@@ -1,8 +1,8 @@
 //! A node reboot with every kind of device pod on it, devplug installed each way an operator
 //! can (docs/install.md, "Install modes"):
 //!
-//! 1. As the chart's DaemonSets: the device plugin release (`ci/whole-node-values.yaml`, with
-//!    `refusedPods` at its default) and the DRA release (`ci/whole-node-dra-values.yaml`). On
+//! 1. As the chart's DaemonSet (`ci/whole-node-reboot-values.yaml`: a device plugin resource
+//!    and a DRA driver, `refusedPods` at its default). On
 //!    the node: a Deployment of three device pods, a bare pod and a Job's pod (device plugin
 //!    resources), a pod with a ResourceClaim and a pod asking `limits: {example.com/npu: 1}`
 //!    served by the DRA driver through its DeviceClass's extended resource name. After the
@@ -17,7 +17,7 @@
 //! Figures: kubelet start → every surviving device pod Running again, per mode; the API
 //! requests devplug made for the cleanup (from its log).
 
-use crate::device_plugins::{self, NPU};
+use crate::device_plugins::NPU;
 use crate::support::{self, figure, Namespace};
 use crate::Outcome;
 use devplug_testkit::node::{Node, KUBELET_ROOT, NODE_NAME};
@@ -232,13 +232,15 @@ fn remove_claim_specs() -> Result<usize, String> {
     Ok(removed)
 }
 
-/// The last `api_requests=N` devplug's refused-pods watch logged.
+/// The last count of API requests devplug's refused-pods watch logged.
 fn cleanup_requests(node: &Node, pod: &str) -> Option<u64> {
     let log = node.container_log("kube-system", pod, "devplug").ok()?;
     log.lines()
-        .filter_map(|l| l.split("api_requests=").nth(1))
+        .filter_map(|l| l.split("api_requests").nth(1))
+        // `api_requests=N` (text) or `"api_requests":N` (JSON, the chart's default).
         .filter_map(|rest| {
-            rest.split(|c: char| !c.is_ascii_digit())
+            rest.trim_start_matches(['"', ':', '='])
+                .split(|c: char| !c.is_ascii_digit())
                 .next()?
                 .parse()
                 .ok()
@@ -250,9 +252,16 @@ pub fn node_reboot(node: &'static Node) -> Outcome {
     Box::pin(async move {
         let client = node.client().await?;
 
-        // 1. The DaemonSets.
-        let (release, _) = device_plugins::install(node, &client).await?;
-        let dra_release = crate::dra::install_and_wait_for_slice(node).await?;
+        // 1. The DaemonSet.
+        let release = support::helm_release(node, "whole-node-reboot")?;
+        release.install(node)?;
+        support::wait_node_resource(&client, NPU, Duration::from_secs(90), |a, _| a == Some(8))
+            .await
+            .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
+        support::wait_for_slices(node, &format!("a ResourceSlice of {DRA_DRIVER}"), |line| {
+            line.starts_with(&format!("{DRA_DRIVER} {NODE_NAME} "))
+        })
+        .await?;
         let ns = Namespace::create(node, NS)?;
         support::apply(node, &device_plugin_workloads())?;
         support::apply(node, &dra_workloads())?;
@@ -370,12 +379,11 @@ pub fn node_reboot(node: &'static Node) -> Outcome {
         let devplug_pod = support::devplug_pods(&client)
             .await?
             .into_iter()
-            .filter_map(|p| p.metadata.name)
-            .find(|n| !n.contains("dra"))
+            .find_map(|p| p.metadata.name)
             .ok_or("no devplug pod")?;
         let requests = cleanup_requests(node, &devplug_pod);
         figure(&format!(
-            "node reboot, devplug as DaemonSets: kubelet start → every surviving device pod Running \
+            "node reboot, devplug as the chart's DaemonSet: kubelet start → every surviving device pod Running \
              (3 new Deployment pods, the claim pod and the extended-resource pod through DRA) {:.1} s; \
              refused: the 3 Deployment pods (deleted by devplug), the bare and the Job pod \
              (reported: {pod_events:?}); API requests for the cleanup: {requests:?}; whole reboot {:.1} s",
@@ -387,25 +395,20 @@ pub fn node_reboot(node: &'static Node) -> Outcome {
             &["delete", "deviceclass", CLASS, "--ignore-not-found"],
             None,
         );
-        dra_release.delete_objects(node)?;
-        let config_text = release
-            .objects
-            .iter()
-            .find(|o| o["kind"] == "ConfigMap")
-            .and_then(|c| c["data"]["config.yaml"].as_str())
-            .ok_or("the release has no config")?
-            .to_owned();
         release.delete_objects(node)?;
 
         // 2. The host service, installed by deploy/systemd/install from the image archive.
-        host_service(node, &client, &config_text).await
+        host_service(node, &client).await
     })
 }
 
-async fn host_service(node: &Node, client: &kube::Client, config_text: &str) -> Result<(), String> {
+/// The host service's config: the release's device plugin resource (devplug-lite serves no DRA).
+const HOST_CONFIG: &str = "resources:\n  - name: dummy.com/npu\n    virtual:\n      count: 8\n      env: DUMMY_VISIBLE_DEVICES\n";
+
+async fn host_service(node: &Node, client: &kube::Client) -> Result<(), String> {
     let root = node.layout.dir.join("host-root");
     let config = node.layout.dir.join("devplug-host.yaml");
-    std::fs::write(&config, config_text).map_err(|e| e.to_string())?;
+    std::fs::write(&config, HOST_CONFIG).map_err(|e| e.to_string())?;
     let install = node.requirements.repo.join("deploy/systemd/install");
     let out = std::process::Command::new(&install)
         .args(["--root", &root.display().to_string(), "--archive"])
@@ -449,7 +452,6 @@ async fn host_service(node: &Node, client: &kube::Client, config_text: &str) -> 
     let binary = words.next().ok_or("an empty ExecStart")?;
     let args: Vec<String> = words.collect();
     let binary = Path::new(&binary).to_path_buf();
-    device_plugins::make_host_devices(node)?;
     node.start_host_process("devplug-host", &binary, &args)?;
     let ns = Namespace::create(node, NS)?;
     support::apply(node, &device_plugin_workloads())?;
