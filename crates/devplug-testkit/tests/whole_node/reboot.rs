@@ -56,8 +56,11 @@ fn template(labels: Value, limits: Value, restart: &str) -> Value {
 }
 
 /// The device plugin workloads: a Deployment `web` of 3 pods with 2 devices each, a bare pod
-/// `bare` and the Job `train`'s pod (`backoffLimit: 0`) with one each: all 8 devices.
-fn device_plugin_workloads() -> Vec<Value> {
+/// `bare` and the Job `train`'s pod with one each: all 8 devices. The Job's pod restarts its
+/// container on failure; with `restartPolicy: OnFailure` the Job controller counts container
+/// restarts against `backoff_limit` (a reboot restarts it once: 2 lets it run on; 0 fails the
+/// Job at its first failure, as a training Job that must not run twice does).
+fn device_plugin_workloads(backoff_limit: u32) -> Vec<Value> {
     let mut bare = template(json!({"app": "bare"}), json!({NPU: "1"}), "Always");
     bare["apiVersion"] = json!("v1");
     bare["kind"] = json!("Pod");
@@ -74,7 +77,7 @@ fn device_plugin_workloads() -> Vec<Value> {
         json!({
             "apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": "train", "namespace": NS},
-            "spec": {"backoffLimit": 0,
+            "spec": {"backoffLimit": backoff_limit,
                      "template": template(json!({"app": "train"}), json!({NPU: "1"}), "OnFailure")},
         }),
     ]
@@ -263,7 +266,7 @@ pub fn node_reboot(node: &'static Node) -> Outcome {
         })
         .await?;
         let ns = Namespace::create(node, NS)?;
-        support::apply(node, &device_plugin_workloads())?;
+        support::apply(node, &device_plugin_workloads(0))?;
         support::apply(node, &dra_workloads())?;
         let before = until(
             &client,
@@ -390,6 +393,55 @@ pub fn node_reboot(node: &'static Node) -> Outcome {
             survived_in.as_secs_f64(),
             rebooted.elapsed().as_secs_f64()
         ));
+
+        // devplug restarted alone (its pod deleted; the DaemonSet makes a new one): nothing
+        // deleted, nothing reported again.
+        let pods_before: Vec<String> = pods(&client).await?.keys().cloned().collect();
+        node.kubectl(
+            &[
+                "delete",
+                "pod",
+                "-n",
+                "kube-system",
+                &devplug_pod,
+                "--wait=true",
+            ],
+            None,
+        )?;
+        // The new pod's watch has started (it logs that when it starts watching).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let new_pod = support::devplug_pods(&client)
+                .await?
+                .into_iter()
+                .filter_map(|p| p.metadata.name)
+                .find(|n| *n != devplug_pod);
+            let watching = new_pod.is_some_and(|p| {
+                node.container_log("kube-system", &p, "devplug")
+                    .unwrap_or_default()
+                    .contains("watching this node's pods refused at admission")
+            });
+            if watching {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err("the new devplug pod did not start its watch within 60 s".into());
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let pods_after: Vec<String> = pods(&client).await?.keys().cloned().collect();
+        assert_eq!(
+            pods_before, pods_after,
+            "devplug restarted alone deleted pods"
+        );
+        for name in ["bare", train.as_str()] {
+            assert_eq!(
+                events(&client, NS, name, "RefusedAtAdmission").await.len(),
+                1,
+                "{name} reported again by the restarted devplug"
+            );
+        }
         ns.delete(node)?;
         let _ = node.kubectl(
             &["delete", "deviceclass", CLASS, "--ignore-not-found"],
@@ -454,7 +506,7 @@ async fn host_service(node: &Node, client: &kube::Client) -> Result<(), String> 
     let binary = Path::new(&binary).to_path_buf();
     node.start_host_process("devplug-host", &binary, &args)?;
     let ns = Namespace::create(node, NS)?;
-    support::apply(node, &device_plugin_workloads())?;
+    support::apply(node, &device_plugin_workloads(2))?;
     let before = until(
         client,
         "every pod Running",
