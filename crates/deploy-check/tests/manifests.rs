@@ -1046,8 +1046,16 @@ const CLUSTER_KEYS: [&str; 2] = ["advertise", "dra"];
 
 /// What in devplug's config (the ConfigMap's `config.yaml`) or the container's arguments needs the
 /// Kubernetes API client, if anything: a resource with one of [`CLUSTER_KEYS`] (`advertise:`,
-/// `dra:`), or `--node-events`.
+/// `dra:`), `refused_pods` other than `off` (its default, `delete-replaced`, included:
+/// devplug-lite only says in its log that it cannot), or `--node-events`.
 fn needs_cluster(config: &Value, args: &[String]) -> Option<String> {
+    // `off` unquoted reads as a YAML 1.1 boolean to some parsers; devplug reads it as the word.
+    let refused_pods = config.get("refused_pods");
+    let off = refused_pods.and_then(Value::as_str) == Some("off")
+        || refused_pods.and_then(Value::as_bool) == Some(false);
+    if !off {
+        return Some("refused_pods".to_owned());
+    }
     let resources = config["resources"].as_array().into_iter().flatten();
     for (i, resource) in resources.enumerate() {
         if let Some(key) = CLUSTER_KEYS.iter().find(|k| resource.get(**k).is_some()) {
