@@ -8,11 +8,10 @@
 
 use devplug::{Device, DeviceList};
 use devplug_dra::slices::SlicePublisher;
-use devplug_testkit::api_server::{self, admin, new_node, ApiServer};
+use devplug_testkit::api_server::{admin, client_for_token, new_node, node_token, ApiServer};
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
-use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::core::v1::{Node, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use k8s_openapi::api::resource::v1::ResourceSlice;
@@ -53,26 +52,6 @@ where
         .create(&PostParams::default(), &object)
         .await
         .unwrap();
-}
-
-/// A token of `account`, bound to Node `node` (so it carries the node's name, as a pod's
-/// token does) or to nothing.
-async fn token(accounts: &Api<ServiceAccount>, account: &str, node: Option<&str>) -> String {
-    let mut spec = json!({"audiences": [], "expirationSeconds": 3600});
-    if let Some(node) = node {
-        spec["boundObjectRef"] = json!({"apiVersion": "v1", "kind": "Node", "name": node});
-    }
-    let request: TokenRequest = serde_json::from_value(json!({ "spec": spec })).unwrap();
-    let issued: TokenRequest = accounts
-        .create_subresource("token", account, &PostParams::default(), &request)
-        .await
-        .unwrap();
-    issued.status.unwrap().token.unwrap()
-}
-
-async fn client_for(server: &ApiServer, name: &str, token: &str) -> kube::Client {
-    let config = server.kubeconfig_for_token(name, token).unwrap();
-    api_server::client(&config).await.unwrap()
 }
 
 fn slice(name: &str, node: &str, driver: &str) -> ResourceSlice {
@@ -127,29 +106,46 @@ async fn the_charts_dra_permissions_are_scoped_to_the_node() {
         }
     }
     create::<ClusterRoleBinding>(&admin, binding).await;
-    let policies = of_kind(&docs, "ValidatingAdmissionPolicy");
+    // The slices' policy (the release has the refused pods' policy too).
+    let slices_policy = |d: &&Value| {
+        d["metadata"]["name"]
+            .as_str()
+            .is_some_and(|n| n.ends_with("-dra-slices"))
+    };
+    let policies: Vec<_> = of_kind(&docs, "ValidatingAdmissionPolicy")
+        .into_iter()
+        .filter(slices_policy)
+        .collect();
     assert_eq!(policies.len(), 1, "the chart ships the node-scoping policy");
     create::<ValidatingAdmissionPolicy>(&admin, policies[0]).await;
-    for binding in of_kind(&docs, "ValidatingAdmissionPolicyBinding") {
+    for binding in of_kind(&docs, "ValidatingAdmissionPolicyBinding")
+        .into_iter()
+        .filter(slices_policy)
+    {
         create::<ValidatingAdmissionPolicyBinding>(&admin, binding).await;
     }
 
     let nodes: Api<Node> = Api::all(admin.clone());
     let node_a = new_node(&nodes, "rbac-a").await;
     let node_b = new_node(&nodes, "rbac-b").await;
-    let a = client_for(
+    let a = client_for_token(
         server,
         "node-a",
-        &token(&accounts, account, Some(&node_a)).await,
+        &node_token(&accounts, account, Some(&node_a)).await,
     )
     .await;
-    let b = client_for(
+    let b = client_for_token(
         server,
         "node-b",
-        &token(&accounts, account, Some(&node_b)).await,
+        &node_token(&accounts, account, Some(&node_b)).await,
     )
     .await;
-    let nowhere = client_for(server, "nowhere", &token(&accounts, account, None).await).await;
+    let nowhere = client_for_token(
+        server,
+        "nowhere",
+        &node_token(&accounts, account, None).await,
+    )
+    .await;
     let as_a: Api<ResourceSlice> = Api::all(a.clone());
     let pp = PostParams::default();
 

@@ -95,6 +95,48 @@ impl ApiServer {
     }
 }
 
+/// A token of service account `account` (through `accounts`, its namespace's API), bound to
+/// Node `node` so that it carries the node's name (`authentication.kubernetes.io/node-name`),
+/// as a pod's token on that node does; bound to nothing with `None`. Panics on an API error (a
+/// test helper).
+pub async fn node_token(
+    accounts: &kube::Api<k8s_openapi::api::core::v1::ServiceAccount>,
+    account: &str,
+    node: Option<&str>,
+) -> String {
+    use k8s_openapi::api::authentication::v1::TokenRequest;
+    let mut spec = serde_json::json!({"audiences": [], "expirationSeconds": 3600});
+    if let Some(node) = node {
+        spec["boundObjectRef"] =
+            serde_json::json!({"apiVersion": "v1", "kind": "Node", "name": node});
+    }
+    let request: TokenRequest = serde_json::from_value(serde_json::json!({ "spec": spec }))
+        .unwrap_or_else(|e| panic!("a TokenRequest: {e}"));
+    let issued: TokenRequest = accounts
+        .create_subresource(
+            "token",
+            account,
+            &kube::api::PostParams::default(),
+            &request,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("the API server issues no token for {account}: {e}"));
+    issued
+        .status
+        .and_then(|s| s.token)
+        .unwrap_or_else(|| panic!("the TokenRequest's status has no token"))
+}
+
+/// A client of `server` using `token` (its kubeconfig named `name`). Panics on an error.
+pub async fn client_for_token(server: &ApiServer, name: &str, token: &str) -> kube::Client {
+    let config = server
+        .kubeconfig_for_token(name, token)
+        .unwrap_or_else(|e| panic!("the kubeconfig {name}: {e}"));
+    client(&config)
+        .await
+        .unwrap_or_else(|e| panic!("a client of the token {name}: {e}"))
+}
+
 /// The folder named by `KUBEBUILDER_ASSETS`, for a test that needs the control plane's binaries.
 /// Such tests carry `#[cfg_attr(no_api_server, ignore = "...")]` (the test-gates crate), so they
 /// are counted as ignored where the variable is not set; this check is for other callers (the
