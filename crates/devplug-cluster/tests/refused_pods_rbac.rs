@@ -8,7 +8,7 @@
 
 use devplug_cluster::refused_pods::{Policy, RefusedPods};
 use devplug_testkit::api_server::{
-    admin, client_for_token, new_node, node_token, until, ApiServer,
+    admin, client_for_token, create_cluster_scoped, new_node, node_token, until, ApiServer,
 };
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
@@ -36,22 +36,6 @@ fn rendered() -> Vec<Value> {
                 .is_some_and(|n| n.ends_with("-refused-pods"))
         })
         .collect()
-}
-
-async fn create_cluster_scoped<T>(client: &kube::Client, doc: &Value)
-where
-    T: kube::Resource<Scope = k8s_openapi::ClusterResourceScope>
-        + k8s_openapi::serde::de::DeserializeOwned
-        + k8s_openapi::serde::Serialize
-        + Clone
-        + std::fmt::Debug,
-    T::DynamicType: Default,
-{
-    let object: T = serde_json::from_value(doc.clone()).unwrap();
-    Api::<T>::all(client.clone())
-        .create(&PostParams::default(), &object)
-        .await
-        .unwrap();
 }
 
 /// Pod `name` on `node` asking for the NPU, owned by ReplicaSet `rs` when given, in `phase`

@@ -8,7 +8,9 @@
 
 use devplug::{Device, DeviceList};
 use devplug_dra::slices::SlicePublisher;
-use devplug_testkit::api_server::{admin, client_for_token, new_node, node_token, ApiServer};
+use devplug_testkit::api_server::{
+    admin, client_for_token, create_cluster_scoped, new_node, node_token, ApiServer,
+};
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
@@ -35,23 +37,6 @@ fn rendered() -> Vec<Value> {
 
 fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
     docs.iter().filter(|d| d["kind"] == kind).collect()
-}
-
-/// Creates `doc` as a `T` with the admin client.
-async fn create<T>(client: &kube::Client, doc: &Value)
-where
-    T: kube::Resource<Scope = k8s_openapi::ClusterResourceScope>
-        + serde::de::DeserializeOwned
-        + serde::Serialize
-        + Clone
-        + std::fmt::Debug,
-    T::DynamicType: Default,
-{
-    let object: T = serde_json::from_value(doc.clone()).unwrap();
-    Api::<T>::all(client.clone())
-        .create(&PostParams::default(), &object)
-        .await
-        .unwrap();
 }
 
 fn slice(name: &str, node: &str, driver: &str) -> ResourceSlice {
@@ -102,10 +87,10 @@ async fn the_charts_dra_permissions_are_scoped_to_the_node() {
     accounts.create(&PostParams::default(), &sa).await.unwrap();
     for role in of_kind(&docs, "ClusterRole") {
         if role["metadata"]["name"].as_str().unwrap().ends_with("-dra") {
-            create::<ClusterRole>(&admin, role).await;
+            create_cluster_scoped::<ClusterRole>(&admin, role).await;
         }
     }
-    create::<ClusterRoleBinding>(&admin, binding).await;
+    create_cluster_scoped::<ClusterRoleBinding>(&admin, binding).await;
     // The slices' policy (the release has the refused pods' policy too).
     let slices_policy = |d: &&Value| {
         d["metadata"]["name"]
@@ -117,12 +102,12 @@ async fn the_charts_dra_permissions_are_scoped_to_the_node() {
         .filter(slices_policy)
         .collect();
     assert_eq!(policies.len(), 1, "the chart ships the node-scoping policy");
-    create::<ValidatingAdmissionPolicy>(&admin, policies[0]).await;
+    create_cluster_scoped::<ValidatingAdmissionPolicy>(&admin, policies[0]).await;
     for binding in of_kind(&docs, "ValidatingAdmissionPolicyBinding")
         .into_iter()
         .filter(slices_policy)
     {
-        create::<ValidatingAdmissionPolicyBinding>(&admin, binding).await;
+        create_cluster_scoped::<ValidatingAdmissionPolicyBinding>(&admin, binding).await;
     }
 
     let nodes: Api<Node> = Api::all(admin.clone());

@@ -127,6 +127,30 @@ pub async fn node_token(
         .unwrap_or_else(|| panic!("the TokenRequest's status has no token"))
 }
 
+/// Creates the manifest `doc` (e.g. one of a rendered chart) as a cluster-scoped `T` with
+/// `client`. Panics on an error (a test helper).
+pub async fn create_cluster_scoped<T>(client: &kube::Client, doc: &serde_json::Value)
+where
+    T: kube::Resource<Scope = k8s_openapi::ClusterResourceScope>
+        + k8s_openapi::serde::de::DeserializeOwned
+        + k8s_openapi::serde::Serialize
+        + Clone
+        + std::fmt::Debug,
+    T::DynamicType: Default,
+{
+    let object: T = serde_json::from_value(doc.clone()).unwrap_or_else(|e| {
+        panic!(
+            "{} is not a {}: {e}",
+            doc["metadata"]["name"],
+            T::kind(&T::DynamicType::default())
+        )
+    });
+    kube::Api::<T>::all(client.clone())
+        .create(&kube::api::PostParams::default(), &object)
+        .await
+        .unwrap_or_else(|e| panic!("create {}: {e}", doc["metadata"]["name"]));
+}
+
 /// A client of `server` using `token` (its kubeconfig named `name`). Panics on an error.
 pub async fn client_for_token(server: &ApiServer, name: &str, token: &str) -> kube::Client {
     let config = server

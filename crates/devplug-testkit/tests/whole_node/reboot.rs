@@ -218,6 +218,29 @@ fn web_running(now: &BTreeMap<String, Pod>) -> Vec<String> {
         .collect()
 }
 
+/// Waits until the 3 web pods, the Job's pod and the pods `named` are Running; the pods then.
+async fn all_running(
+    client: &kube::Client,
+    named: &[&str],
+) -> Result<BTreeMap<String, Pod>, String> {
+    until(
+        client,
+        "every pod Running",
+        Duration::from_secs(120),
+        |now| {
+            let ready = named
+                .iter()
+                .all(|n| now.get(*n).is_some_and(|p| running_since(p, false)))
+                && web_running(now).len() == 3
+                && now
+                    .iter()
+                    .any(|(n, p)| n.starts_with("train-") && running_since(p, false));
+            ready.then(|| now.clone())
+        },
+    )
+    .await
+}
+
 /// The CDI specs the DRA driver wrote for claims, which a reboot removes (`/var/run` is a tmpfs).
 fn remove_claim_specs() -> Result<usize, String> {
     let mut removed = 0;
@@ -268,22 +291,7 @@ pub fn node_reboot(node: &'static Node) -> Outcome {
         let ns = Namespace::create(node, NS)?;
         support::apply(node, &device_plugin_workloads(0))?;
         support::apply(node, &dra_workloads())?;
-        let before = until(
-            &client,
-            "every pod Running",
-            Duration::from_secs(120),
-            |now| {
-                let ready = ["bare", "claim", "extended"]
-                    .iter()
-                    .all(|n| now.get(*n).is_some_and(|p| running_since(p, false)))
-                    && web_running(now).len() == 3
-                    && now
-                        .iter()
-                        .any(|(n, p)| n.starts_with("train-") && running_since(p, false));
-                ready.then(|| now.clone())
-            },
-        )
-        .await?;
+        let before = all_running(&client, &["bare", "claim", "extended"]).await?;
         let web_before: Vec<String> = web_running(&before);
         let train = before
             .keys()
@@ -507,20 +515,7 @@ async fn host_service(node: &Node, client: &kube::Client) -> Result<(), String> 
     node.start_host_process("devplug-host", &binary, &args)?;
     let ns = Namespace::create(node, NS)?;
     support::apply(node, &device_plugin_workloads(2))?;
-    let before = until(
-        client,
-        "every pod Running",
-        Duration::from_secs(120),
-        |now| {
-            let ready = now.get("bare").is_some_and(|p| running_since(p, false))
-                && web_running(now).len() == 3
-                && now
-                    .iter()
-                    .any(|(n, p)| n.starts_with("train-") && running_since(p, false));
-            ready.then(|| now.clone())
-        },
-    )
-    .await?;
+    let before = all_running(client, &["bare"]).await?;
     node.reboot(|| {
         // It died with the node; its unit starts it again, before the kubelet's.
         let _ = node.stop_host_process("devplug-host");
