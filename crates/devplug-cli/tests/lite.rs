@@ -175,3 +175,64 @@ fn the_tools_are_only_in_the_full_build() {
         assert!(out.status.success(), "{}", stderr(&out));
     }
 }
+
+/// `run`'s log until it says it is running (then SIGTERM), for a config with `refused_pods`.
+fn run_log(refused_pods: Option<&str>) -> String {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yaml");
+    let line = refused_pods
+        .map(|p| format!("refused_pods: {p}\n"))
+        .unwrap_or_default();
+    std::fs::write(
+        &config,
+        format!("{line}resources:\n  - name: example.com/npu\n    virtual: {{ count: 2 }}\n"),
+    )
+    .unwrap();
+    let plugins = dir.path().join("device-plugins");
+    std::fs::create_dir(&plugins).unwrap();
+    let mut child = Command::new(BIN)
+        .args(["run", "--config", config.to_str().unwrap(), "--kubelet-dir"])
+        .arg(&plugins)
+        .env_remove("NODE_NAME")
+        .env_remove("KUBECONFIG")
+        .env("RUST_LOG", "info")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut log = String::new();
+    for line in BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        log.push_str(&line);
+        log.push('\n');
+        if line.contains("devplug running") {
+            break;
+        }
+    }
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    child.wait().unwrap();
+    log
+}
+
+#[test]
+fn run_says_what_it_cannot_do_about_refused_pods() {
+    let log = run_log(None);
+    if LITE {
+        assert!(
+            log.contains("devplug-lite cannot delete or report pods the kubelet refused"),
+            "{log}"
+        );
+    } else {
+        // The full build can, but not without this node's name.
+        assert!(
+            log.contains("refused_pods: without this node's name"),
+            "{log}"
+        );
+    }
+    // `off` says nothing of it.
+    let log = run_log(Some("off"));
+    assert!(!log.contains("refused"), "{log}");
+}
