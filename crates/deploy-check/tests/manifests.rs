@@ -1047,13 +1047,24 @@ const CLUSTER_KEYS: [&str; 2] = ["advertise", "dra"];
 /// What in devplug's config (the ConfigMap's `config.yaml`) or the container's arguments needs the
 /// Kubernetes API client, if anything: a resource with one of [`CLUSTER_KEYS`] (`advertise:`,
 /// `dra:`), `refused_pods` other than `off` (its default, `delete-replaced`, included:
-/// devplug-lite only says in its log that it cannot), or `--node-events`.
+/// devplug-lite only says in its log that it cannot) with a device plugin resource, or
+/// `--node-events`.
 fn needs_cluster(config: &Value, args: &[String]) -> Option<String> {
     // `off` unquoted reads as a YAML 1.1 boolean to some parsers; devplug reads it as the word.
     let refused_pods = config.get("refused_pods");
     let off = refused_pods.and_then(Value::as_str) == Some("off")
         || refused_pods.and_then(Value::as_bool) == Some(false);
-    if !off {
+    // The kubelet refuses pods only for device plugin resources.
+    let device_plugin = config["resources"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|r| {
+            r.get("advertise").is_none()
+                && r.get("dra")
+                    .is_none_or(|d| d["device_plugin"] == Value::Bool(true))
+        });
+    if !off && device_plugin {
         return Some("refused_pods".to_owned());
     }
     let resources = config["resources"].as_array().into_iter().flatten();

@@ -42,8 +42,9 @@ impl RefusedPodsWatch {
         }
     }
 
-    /// Matches the watch to `config`: started with the first policy that is not `off`, the
-    /// served resources updated, restarted when the policy changes, stopped by `off`.
+    /// Matches the watch to `config`: started with the first policy that is not `off` while a
+    /// device plugin resource is served, the served resources updated, restarted when the policy
+    /// changes, stopped by `off` or when no device plugin resource is left.
     pub async fn apply(&mut self, config: &Config) {
         use devplug_cluster::refused_pods::{Policy, RefusedPods};
         let policy = match config.refused_pods {
@@ -53,7 +54,7 @@ impl RefusedPodsWatch {
         };
         let served = served(config);
         if let Some((running, watch, _)) = &self.running {
-            if *running == config.refused_pods {
+            if *running == config.refused_pods && !served.is_empty() {
                 watch.set_served(served);
                 return;
             }
@@ -61,7 +62,8 @@ impl RefusedPodsWatch {
         if let Some((_, _, stop)) = self.running.take() {
             stop.cancel();
         }
-        let Some(policy) = policy else {
+        // Nothing to watch for without a device plugin resource.
+        let (Some(policy), false) = (policy, served.is_empty()) else {
             return;
         };
         let Some(node) = self.node.clone() else {

@@ -199,13 +199,18 @@ refusedPods, checked: delete-replaced, report or off.
 {{- end }}
 
 {{/*
-"true" when devplug deals with refused pods (the config's refused_pods is not off): the pods
-then need a token, NODE_NAME and the RBAC of refused-pods-rbac.yaml.
+"true" when devplug deals with refused pods: the config's refused_pods is not off and a resource
+is served as a device plugin (the kubelet refuses pods only for those; `dra:` resources without
+`device_plugin: true` and `advertise:` ones are not). The pods then need a token, NODE_NAME and
+the RBAC of refused-pods-rbac.yaml.
 */}}
 {{- define "devplug.refusedPodsOn" -}}
-{{- $config := .Values.config | default dict -}}
-{{- $policy := ternary (toString (get $config "refused_pods")) (include "devplug.refusedPods" .) (hasKey $config "refused_pods") -}}
-{{- if ne $policy "off" }}true{{ end }}
+{{- $config := include "devplug.config" . | fromYaml -}}
+{{- $plugin := false -}}
+{{- range $config.resources -}}
+{{- if and (not .advertise) (or (not .dra) .dra.device_plugin) }}{{ $plugin = true }}{{ end -}}
+{{- end -}}
+{{- if and $plugin (ne (toString $config.refused_pods) "off") (ne (toString $config.refused_pods) "false") }}true{{ end }}
 {{- end }}
 
 {{/*
