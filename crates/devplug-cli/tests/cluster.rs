@@ -364,6 +364,31 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
     ] {
         assert!(metrics.contains(line), "{line} in\n{metrics}");
     }
+    // A claim the API server does not have: the kubelet's NodePrepareResources gets an error
+    // for it, and /metrics counts the claim, the error and the call's duration.
+    let missing = kubelet_sim::DraClaim::new("default", "no-such-claim", "uid-missing");
+    let answer = kubelet
+        .dra_prepare("npu.cli.example.com", std::slice::from_ref(&missing))
+        .await
+        .unwrap();
+    assert!(answer["uid-missing"].is_err(), "{answer:?}");
+    let unprepared = kubelet
+        .dra_unprepare("npu.cli.example.com", std::slice::from_ref(&missing))
+        .await
+        .unwrap();
+    assert!(unprepared["uid-missing"].is_ok(), "{unprepared:?}");
+    let (_, metrics) = support::http_get(port, "/metrics").await.unwrap();
+    for line in [
+        "devplug_dra_prepare_claims_total{driver=\"npu.cli.example.com\"} 1",
+        "devplug_dra_prepare_errors_total{driver=\"npu.cli.example.com\"} 1",
+        "devplug_dra_prepare_duration_seconds_count{driver=\"npu.cli.example.com\"} 1",
+        "devplug_dra_prepare_duration_seconds_bucket{driver=\"npu.cli.example.com\",le=\"+Inf\"} 1",
+        "devplug_dra_unprepare_claims_total{driver=\"npu.cli.example.com\"} 1",
+        "devplug_dra_unprepare_errors_total{driver=\"npu.cli.example.com\"} 0",
+        "devplug_dra_unprepare_duration_seconds_count{driver=\"npu.cli.example.com\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
     let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
     assert!(status.success(), "{log}");
     assert!(
