@@ -9,42 +9,15 @@ mod support;
 
 use devplug_cluster::capacity;
 use devplug_testkit::api_server::{self, ApiServer};
-use k8s_openapi::api::core::v1::Node;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{Patch, PatchParams};
 use kube::Api;
 use kubelet_sim::Kubelet;
 use std::process::Command;
 use std::time::Duration;
+use support::cluster::cluster_with_node;
 use support::Devplug;
 
 const BIN: &str = env!("CARGO_BIN_EXE_devplug");
-
-async fn node(nodes: &Api<Node>, name: &str) {
-    let node: Node = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
-    }))
-    .unwrap();
-    nodes.create(&PostParams::default(), &node).await.unwrap();
-    let status =
-        serde_json::json!({"status": {"capacity": {"cpu": "2"}, "allocatable": {"cpu": "2"}}});
-    nodes
-        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
-        .await
-        .unwrap();
-}
-
-/// The start of each test here: the shared API server (`None` after the loud SKIPPED message
-/// without one), its admin client, and Node `name` created in it, as a kubelet reports it.
-async fn cluster_with_node(
-    test: &str,
-    name: &str,
-) -> Option<(&'static ApiServer, kube::Client, Api<Node>)> {
-    let server = ApiServer::shared(test)?;
-    let client = api_server::client(&server.kubeconfig).await.unwrap();
-    let nodes: Api<Node> = Api::all(client.clone());
-    node(&nodes, name).await;
-    Some((server, client, nodes))
-}
 
 /// `devplug run` of `config` (YAML) in `dir` as node `node` of `server`, with its CDI folder in
 /// `dir` and metrics on a free port: the process and that port.
