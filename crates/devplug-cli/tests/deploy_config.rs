@@ -28,11 +28,11 @@ fn yaml_documents(path: &Path) -> Vec<Value> {
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// The `config.yaml` of every ConfigMap in `path`.
+/// The `config.yaml` of every ConfigMap in `path` but the chart's Grafana dashboard.
 fn embedded_configs(path: &Path) -> Vec<String> {
     yaml_documents(path)
         .iter()
-        .filter(|d| d["kind"] == "ConfigMap")
+        .filter(|d| d["kind"] == "ConfigMap" && d["data"].get("devplug.json").is_none())
         .map(|d| {
             d["data"]["config.yaml"]
                 .as_str()
