@@ -410,6 +410,21 @@ pub fn render(resources: &[(String, MetricsSnapshot)], reloads: &ReloadCounters)
     }
     family(
         &mut out,
+        "devplug_foreign_devices",
+        "gauge",
+        "Devices the kubelet can allocate under the resource's name that devplug does not serve: another device plugin registered the same name (from the pod resources API; absent until it answers).",
+    );
+    for (name, m) in resources {
+        if let Some(foreign) = m.foreign_devices {
+            let _ = writeln!(
+                out,
+                "devplug_foreign_devices{{resource=\"{}\"}} {foreign}",
+                escape(name)
+            );
+        }
+    }
+    family(
+        &mut out,
         "devplug_device_unhealthy",
         "gauge",
         "1 for each unhealthy device, with its reason (the kubelet only sees \"Unhealthy\").",

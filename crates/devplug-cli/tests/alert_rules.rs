@@ -1,6 +1,7 @@
 //! The chart's alerts against devplug's real metrics: `devplug run` on the kubelet simulator
-//! and a real API server serves a device plugin resource, a resource with an unhealthy device
-//! and a DRA driver whose prepare fails; its `/metrics` is scraped, and
+//! and a real API server (with the pod resources API) serves a device plugin resource, a
+//! resource with unhealthy devices and a DRA driver whose prepare fails; its `/metrics` is
+//! scraped, and
 //!
 //! - every metric the chart's PrometheusRule and Grafana dashboard read is in the scrape;
 //! - every input series of the promtool tests (deploy/helm/devplug/ci/alert-rules-test.yaml)
@@ -140,8 +141,10 @@ async fn scrape_real_devplug() -> Option<String> {
         watcher_reconcile: Duration::from_millis(50),
         ..kubelet_sim::SimConfig::default()
     }
-    .with_watcher_beside(&plugins);
+    .with_watcher_beside(&plugins)
+    .with_pod_resources_beside(&plugins);
     let kubelet = Kubelet::start_with(&plugins, config).await.unwrap();
+    let pod_resources = kubelet.pod_resources_socket().unwrap().to_owned();
     let colas = dir.path().join("colas");
     std::fs::create_dir_all(&colas).unwrap();
     std::fs::write(colas.join("cola-1"), "bubbles gone flat\n").unwrap();
@@ -170,6 +173,8 @@ async fn scrape_real_devplug() -> Option<String> {
             dir.path().join("cdi").to_str().unwrap(),
             "--metrics-addr",
             &format!("127.0.0.1:{port}"),
+            "--pod-resources-socket",
+            pod_resources.to_str().unwrap(),
         ],
     );
     kubelet
@@ -189,9 +194,11 @@ async fn scrape_real_devplug() -> Option<String> {
     assert!(answer["uid-gone"].is_err(), "{answer:?}");
     // The slices published and the driver registered: every family has its series.
     let mut metrics = String::new();
-    for _ in 0..100 {
+    for _ in 0..200 {
         metrics = support::http_get(port, "/metrics").await.unwrap().1;
-        if metrics.contains(&format!("devplug_dra_registered{{driver=\"{DRIVER}\"}} 1")) {
+        if metrics.contains(&format!("devplug_dra_registered{{driver=\"{DRIVER}\"}} 1"))
+            && metrics.contains("devplug_foreign_devices{resource=\"example.com/npu\"} 0")
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
