@@ -23,6 +23,7 @@ RELEASES = {
     # Every monitoring object (the Prometheus Operator's, the dashboard), with its labels.
     "monitoring": {
         **DEMO,
+        "podResources": {"enabled": True},
         "monitoring": {
             "labels": {"release": "kube-prometheus-stack"},
             "podMonitor": {"enabled": True},
@@ -89,6 +90,7 @@ RELEASES = {
     },
     "all-options": {
         "hostdev": {"enabled": True},
+        "podResources": {"enabled": True},
         "nodeEvents": {"enabled": True},
         "dra": {"cdiDir": "/var/run/cdi", "deviceClasses": True, "extendedResources": True},
         "kubeletDir": "/var/snap/microk8s/common/var/lib/kubelet/",
