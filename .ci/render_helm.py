@@ -8,15 +8,30 @@ from pathlib import Path
 import helm_python as helm
 
 CHART = Path(__file__).resolve().parent.parent / "deploy" / "helm" / "devplug"
+# The chart serves nothing by default and refuses to render without a resource; the demo's
+# values name one.
+DEMO = helm.values_from_yaml((CHART / "examples" / "demo-values.yaml").read_text())
 
 # Each set of values becomes one release. "all-options" turns on every optional block of the
 # templates, so that each `if`/`with` branch is rendered and checked at least once;
-# the defaults run the full /devplug for refusedPods (delete-replaced); "lite" turns that off,
+# the demo runs the full /devplug for refusedPods (delete-replaced); "lite" turns that off,
 # the device-plugin-only /devplug-lite; "node-events" is that one cluster feature alone.
 RELEASES = {
-    "defaults": {},
-    "lite": {"refusedPods": "off"},
-    "node-events": {"nodeEvents": {"enabled": True}, "refusedPods": "off"},
+    "demo": DEMO,
+    "lite": {**DEMO, "refusedPods": "off"},
+    "node-events": {**DEMO, "nodeEvents": {"enabled": True}, "refusedPods": "off"},
+    # Every monitoring object (the Prometheus Operator's, the dashboard), with its labels.
+    "monitoring": {
+        **DEMO,
+        "podResources": {"enabled": True},
+        "monitoring": {
+            "labels": {"release": "kube-prometheus-stack"},
+            "podMonitor": {"enabled": True},
+            "serviceMonitor": {"enabled": True, "interval": "15s"},
+            "rules": {"enabled": True, "extraLabels": {"team": "platform"}},
+            "dashboard": {"enabled": True, "namespace": "monitoring"},
+        },
+    },
     # A dra: resource alone: full /devplug, NODE_NAME, the plugins/ and CDI folders, DRA RBAC.
     "dra": {
         "config": {
@@ -57,12 +72,25 @@ RELEASES = {
     "gpu-nvidia-mps": {
         "gpu": {"vendor": "nvidia", "settings": {"share": {}}, "dra": {"driver": "gpu.nvidia.example.com"}}
     },
-    "gpu-amdgpu": {"gpu": {"vendor": "amdgpu"}},
+    # The vendor's node labels ORed, each ANDed with a node affinity of the operator's own.
+    "gpu-amdgpu": {
+        "gpu": {"vendor": "amdgpu"},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "example.com/pool", "operator": "In", "values": ["gpu"]}]}
+                    ]
+                }
+            }
+        },
+    },
     "gpu-intel": {
         "gpu": {"vendor": "intel-gpu", "settings": {"driver": "xe"}, "nodeSelector": {"example.com/gpu": "intel"}}
     },
     "all-options": {
         "hostdev": {"enabled": True},
+        "podResources": {"enabled": True},
         "nodeEvents": {"enabled": True},
         "dra": {"cdiDir": "/var/run/cdi", "deviceClasses": True, "extendedResources": True},
         "kubeletDir": "/var/snap/microk8s/common/var/lib/kubelet/",
@@ -104,7 +132,7 @@ def main() -> int:
     for old in out_dir.glob("*.yaml"):
         old.unlink()
 
-    report = helm.lint(str(CHART), strict=True)
+    report = helm.lint(str(CHART), DEMO, strict=True)
     problems = [m for m in report["messages"] if m["severity"] >= 2] + [
         {"severity": 3, "path": "", "error": e} for e in report["errors"]
     ]
@@ -121,6 +149,17 @@ def main() -> int:
         releases[path.name.removesuffix("-values.yaml")] = helm.values_from_yaml(path.read_text())
 
     with helm.Chart.load(str(CHART)) as chart:
+        # No config: the chart refuses, naming the value and the demo's file.
+        try:
+            chart.render({}, name="devplug", namespace="kube-system")
+        except Exception as refused:  # the SDK raises its own error type for a template's fail
+            if "config.resources" not in str(refused) or "demo-values.yaml" not in str(refused):
+                print(f"defaults: refused for another reason: {refused}", file=sys.stderr)
+                return 1
+            print("defaults: refused as it should be (no resources configured)")
+        else:
+            print("defaults: the chart rendered with no resources configured", file=sys.stderr)
+            return 1
         for name, values in releases.items():
             manifests = chart.render(values, name="devplug", namespace="kube-system")
             docs = [

@@ -4,8 +4,8 @@
 //! moves, not on every build.
 //!
 //! Also links the `devplug` binary with packed relative relocations where they work (see
-//! [`pack_relocations`]), and marks the tests that need an API server or the rendered Helm chart
-//! as ignored where those are missing (see the test-gates crate).
+//! [`pack_relocations`]), and marks the tests that need an API server, the rendered Helm chart
+//! or promtool as ignored where those are missing (see the test-gates crate).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -64,7 +64,11 @@ fn pack_relocations() {
 }
 
 fn main() {
-    test_gates::gate(&[test_gates::API_SERVER, test_gates::HELM_RENDERED]);
+    test_gates::gate(&[
+        test_gates::API_SERVER,
+        test_gates::HELM_RENDERED,
+        test_gates::PROMTOOL,
+    ]);
     pack_relocations();
     let version = std::env::var("CARGO_PKG_VERSION").unwrap_or_default();
     let dir = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default());

@@ -151,3 +151,101 @@ fn the_nvidia_overlay_mounts_the_driver_root_its_config_names() {
         .unwrap()
         .ends_with("-gpu"));
 }
+
+/// Whether `term` (a nodeSelectorTerm of `In` and `Exists` expressions) holds for `labels`.
+fn term_matches(term: &Value, labels: &[(&str, &str)]) -> bool {
+    term["matchExpressions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .all(|e| {
+            let key = e["key"].as_str().unwrap_or("");
+            let value = labels.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
+            match e["operator"].as_str() {
+                Some("In") => value
+                    .is_some_and(|v| e["values"].as_array().into_iter().flatten().any(|w| w == v)),
+                Some("Exists") => value.is_some(),
+                other => panic!("operator {other:?} not modelled"),
+            }
+        })
+}
+
+/// Whether the DaemonSet's pods may run on a Linux node with `labels`.
+fn schedules_on(daemonset: &Value, labels: &[(&str, &str)]) -> bool {
+    let spec = &daemonset["spec"]["template"]["spec"];
+    let mut all: Vec<(&str, &str)> = vec![("kubernetes.io/os", "linux")];
+    all.extend_from_slice(labels);
+    let selector_ok = spec["nodeSelector"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .all(|(k, v)| all.iter().any(|(l, w)| l == k && v == w));
+    let terms = &spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        ["nodeSelectorTerms"];
+    let affinity_ok = match terms.as_array() {
+        None => true,
+        Some(terms) => terms.iter().any(|t| term_matches(t, &all)),
+    };
+    selector_ok && affinity_ok
+}
+
+#[cfg_attr(
+    no_helm_rendered,
+    ignore = "needs the rendered Helm chart: run .ci/render-helm target/helm-rendered and set DEVPLUG_HELM_RENDERED"
+)]
+#[test]
+fn gpu_releases_schedule_with_node_feature_discovery_or_without_it() {
+    // Ignored where the variable is not set; run anyway, it fails.
+    let dir = std::env::var_os("DEVPLUG_HELM_RENDERED")
+        .expect("DEVPLUG_HELM_RENDERED names the rendered chart");
+    let daemonset = |release: &str| {
+        let objects = documents(&Path::new(&dir).join(format!("{release}.yaml"))).unwrap();
+        of_kind(&objects, "DaemonSet")[0].clone()
+    };
+    let t = "true";
+    let nvidia = daemonset("gpu-nvidia");
+    // NFD as NVIDIA's GPU operator configures it, NFD's defaults, GFD's (or a hand-set) label.
+    for label in [
+        "feature.node.kubernetes.io/pci-10de.present",
+        "feature.node.kubernetes.io/pci-0302_10de.present",
+        "feature.node.kubernetes.io/pci-0300_10de.present",
+        "nvidia.com/gpu.present",
+    ] {
+        assert!(schedules_on(&nvidia, &[(label, t)]), "{label}");
+    }
+    assert!(!schedules_on(&nvidia, &[]), "a node without a GPU label");
+    assert!(!schedules_on(
+        &nvidia,
+        &[("nvidia.com/gpu.present", "false")]
+    ));
+    assert!(!schedules_on(
+        &nvidia,
+        &[("feature.node.kubernetes.io/amd-gpu", t)]
+    ));
+    // The operator's own affinity (example.com/pool=gpu) holds as well as one GPU label.
+    let amd = daemonset("gpu-amdgpu");
+    let pool = ("example.com/pool", "gpu");
+    assert!(schedules_on(
+        &amd,
+        &[pool, ("feature.node.kubernetes.io/amd-gpu", t)]
+    ));
+    assert!(schedules_on(
+        &amd,
+        &[
+            pool,
+            ("feature.node.kubernetes.io/pci-0380_1002.present", t)
+        ]
+    ));
+    assert!(!schedules_on(
+        &amd,
+        &[("feature.node.kubernetes.io/amd-gpu", t)]
+    ));
+    assert!(!schedules_on(&amd, &[pool]));
+    // gpu.nodeSelector replaces the vendor's labels.
+    let intel = daemonset("gpu-intel");
+    assert!(schedules_on(&intel, &[("example.com/gpu", "intel")]));
+    assert!(!schedules_on(
+        &intel,
+        &[("intel.feature.node.kubernetes.io/gpu", t)]
+    ));
+}

@@ -9,13 +9,15 @@
 //! releases (`.ci/render-helm` writes one); rendering needs Helm, which tests do not fetch.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
+mod prometheus_operator;
+
 use deploy_check::{documents, image_transformed, repo_root, strict, yaml_files, CheckError};
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, PodSpec, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimTemplate};
 use serde_json::{json, Value};
@@ -37,6 +39,13 @@ enum Object {
     PolicyBinding(Box<ValidatingAdmissionPolicyBinding>),
     DeviceClass(Box<DeviceClass>),
     ClaimTemplate(Box<ResourceClaimTemplate>),
+    Service(Box<Service>),
+    PodMonitor(Box<prometheus_operator::PodMonitor>),
+    ServiceMonitor(Box<prometheus_operator::ServiceMonitor>),
+    PrometheusRule(Box<prometheus_operator::PrometheusRule>),
+    /// The Grafana dashboard (a ConfigMap with `devplug.json`), in the namespace Grafana's
+    /// sidecar watches.
+    Dashboard(ConfigMap),
 }
 
 fn typed(doc: &Value) -> Result<Object, String> {
@@ -44,7 +53,20 @@ fn typed(doc: &Value) -> Result<Object, String> {
     let kind = doc["kind"].as_str().unwrap_or("");
     let checked = match (api, kind) {
         ("v1", "ServiceAccount") => strict(doc).map(Object::ServiceAccount),
+        ("v1", "ConfigMap") if doc["data"].get("devplug.json").is_some() => {
+            strict(doc).map(Object::Dashboard)
+        }
         ("v1", "ConfigMap") => strict(doc).map(Object::ConfigMap),
+        ("v1", "Service") => strict(doc).map(|s| Object::Service(Box::new(s))),
+        ("monitoring.coreos.com/v1", "PodMonitor") => {
+            strict(doc).map(|m| Object::PodMonitor(Box::new(m)))
+        }
+        ("monitoring.coreos.com/v1", "ServiceMonitor") => {
+            strict(doc).map(|m| Object::ServiceMonitor(Box::new(m)))
+        }
+        ("monitoring.coreos.com/v1", "PrometheusRule") => {
+            strict(doc).map(|r| Object::PrometheusRule(Box::new(r)))
+        }
         ("apps/v1", "DaemonSet") => strict(doc).map(|d| Object::DaemonSet(Box::new(d))),
         ("v1", "Pod") => strict(doc).map(|p| Object::Pod(Box::new(p))),
         ("batch/v1", "Job") => strict(doc).map(|j| Object::Job(Box::new(j))),
@@ -704,6 +726,138 @@ fn rendered_helm_releases_are_strictly_valid_and_refer_to_each_other() {
     }
 }
 
+/// The monitoring objects of a release find devplug's pods: each PodMonitor selects the pods
+/// and names their metrics port; each ServiceMonitor selects a Service of the release that
+/// selects the pods, by a port of that Service that leads to the metrics port; every alert has
+/// a name and an expression over devplug's metrics; the dashboard carries the Grafana
+/// sidecar's label and is a dashboard whose every query reads devplug's metrics.
+fn monitoring_references(objects: &[Object], ds: &DaemonSet, spec: &PodSpec) -> Vec<String> {
+    use std::collections::BTreeMap;
+    let mut problems = Vec::new();
+    let empty = BTreeMap::new();
+    let pod_labels = ds
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .and_then(|m| m.labels.as_ref())
+        .unwrap_or(&empty);
+    let selects_pods = |selector: &BTreeMap<String, String>| {
+        !selector.is_empty() && selector.iter().all(|(k, v)| pod_labels.get(k) == Some(v))
+    };
+    let container_ports: Vec<&str> = spec
+        .containers
+        .iter()
+        .flat_map(|c| c.ports.iter().flatten())
+        .filter_map(|p| p.name.as_deref())
+        .collect();
+    let services: Vec<&Service> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::Service(s) => Some(s.as_ref()),
+            _ => None,
+        })
+        .collect();
+    for object in objects {
+        match object {
+            Object::PodMonitor(m) => {
+                if !selects_pods(m.spec.selector.match_labels.as_ref().unwrap_or(&empty)) {
+                    problems.push("the PodMonitor does not select the DaemonSet's pods".into());
+                }
+                for endpoint in &m.spec.pod_metrics_endpoints {
+                    let port = endpoint.port.as_deref().unwrap_or("");
+                    if !container_ports.contains(&port) {
+                        problems.push(format!(
+                            "the PodMonitor scrapes port {port:?}, the pods' ports are {container_ports:?}"
+                        ));
+                    }
+                }
+            }
+            Object::ServiceMonitor(m) => {
+                let wanted = m.spec.selector.match_labels.as_ref().unwrap_or(&empty);
+                let service = services.iter().find(|s| {
+                    let labels = s.metadata.labels.as_ref().unwrap_or(&empty);
+                    !wanted.is_empty() && wanted.iter().all(|(k, v)| labels.get(k) == Some(v))
+                });
+                let Some(service) = service else {
+                    problems.push("the ServiceMonitor selects no Service of the release".into());
+                    continue;
+                };
+                let service_spec = service.spec.clone().unwrap_or_default();
+                if !selects_pods(service_spec.selector.as_ref().unwrap_or(&empty)) {
+                    problems
+                        .push("the metrics Service does not select the DaemonSet's pods".into());
+                }
+                for endpoint in &m.spec.endpoints {
+                    let name = endpoint.port.as_deref();
+                    let port = service_spec
+                        .ports
+                        .iter()
+                        .flatten()
+                        .find(|p| p.name.as_deref() == name);
+                    let target = port.and_then(|p| p.target_port.as_ref()).map(|t| match t {
+                        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(s) => {
+                            s.clone()
+                        }
+                        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(i) => {
+                            i.to_string()
+                        }
+                    });
+                    if !target
+                        .as_deref()
+                        .is_some_and(|t| container_ports.contains(&t))
+                    {
+                        problems.push(format!(
+                            "the ServiceMonitor's port {name:?} does not lead to a named port of the pods ({container_ports:?})"
+                        ));
+                    }
+                }
+            }
+            Object::PrometheusRule(r) => {
+                for rule in r.spec.groups.iter().flat_map(|g| &g.rules) {
+                    if rule.alert.as_deref().unwrap_or("").is_empty()
+                        || !rule.expr.contains("devplug_")
+                    {
+                        problems.push(format!(
+                            "a rule without an alert name or devplug's metrics: {rule:?}"
+                        ));
+                    }
+                }
+            }
+            Object::Dashboard(c) => {
+                let labels = c.metadata.labels.as_ref().unwrap_or(&empty);
+                if labels.get("grafana_dashboard").map(String::as_str) != Some("1") {
+                    problems.push(format!(
+                        "the dashboard lacks grafana_dashboard: \"1\": {labels:?}"
+                    ));
+                }
+                let json = c.data.as_ref().and_then(|d| d.get("devplug.json"));
+                let dashboard: Value = json
+                    .and_then(|j| serde_json::from_str(j).ok())
+                    .unwrap_or(Value::Null);
+                let panels = dashboard["panels"].as_array().cloned().unwrap_or_default();
+                if panels.is_empty() {
+                    problems.push("the dashboard's devplug.json has no panels".into());
+                }
+                for panel in &panels {
+                    for target in panel["targets"].as_array().into_iter().flatten() {
+                        if !target["expr"]
+                            .as_str()
+                            .is_some_and(|e| e.contains("devplug_"))
+                        {
+                            problems.push(format!(
+                                "dashboard panel {}: a query without devplug's metrics",
+                                panel["title"]
+                            ));
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    problems
+}
+
 fn pod_spec(d: &DaemonSet) -> Option<&PodSpec> {
     d.spec.as_ref()?.template.spec.as_ref()
 }
@@ -751,8 +905,14 @@ fn references(objects: &[Object]) -> Vec<String> {
             Object::Pod(p) => Some(&p.metadata.namespace),
             Object::Job(j) => Some(&j.metadata.namespace),
             Object::ClaimTemplate(t) => Some(&t.metadata.namespace),
-            // Cluster-scoped, or (node events) in namespace default by design.
-            Object::DeviceClass(_)
+            Object::Service(s) => Some(&s.metadata.namespace),
+            Object::PodMonitor(m) => Some(&m.metadata.namespace),
+            Object::ServiceMonitor(m) => Some(&m.metadata.namespace),
+            Object::PrometheusRule(r) => Some(&r.metadata.namespace),
+            // Cluster-scoped, or (node events) in namespace default by design, or (the
+            // dashboard) where Grafana's sidecar looks.
+            Object::Dashboard(_)
+            | Object::DeviceClass(_)
             | Object::ClusterRole(_)
             | Object::ClusterRoleBinding(_)
             | Object::Role(_)
@@ -770,6 +930,7 @@ fn references(objects: &[Object]) -> Vec<String> {
     let Some(spec) = pod_spec(ds) else {
         return vec!["the DaemonSet has no pod spec".into()];
     };
+    problems.extend(monitoring_references(objects, ds, spec));
     if let Some(ds_spec) = &ds.spec {
         let labels = ds_spec
             .template
@@ -1448,4 +1609,61 @@ fn a_broken_file_is_reported_with_its_name() {
     let err = documents(&file).unwrap_err();
     assert!(matches!(err, CheckError::Yaml { .. }), "{err}");
     assert!(err.to_string().contains("bad.yaml"), "{err}");
+}
+
+#[cfg_attr(
+    no_helm_rendered,
+    ignore = "needs the rendered Helm chart: run .ci/render-helm target/helm-rendered and set DEVPLUG_HELM_RENDERED"
+)]
+#[test]
+fn the_monitoring_release_renders_every_monitoring_object_strictly() {
+    // Ignored where the variable is not set; run anyway, it fails.
+    let dir = std::env::var_os("DEVPLUG_HELM_RENDERED")
+        .expect("DEVPLUG_HELM_RENDERED names the rendered chart");
+    let file = Path::new(&dir).join("monitoring.yaml");
+    let docs = deploy_check::documents(&file).unwrap();
+    let objects = typed_ok("monitoring", &docs);
+    let kinds: Vec<&str> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::PodMonitor(_) => Some("PodMonitor"),
+            Object::ServiceMonitor(_) => Some("ServiceMonitor"),
+            Object::Service(_) => Some("Service"),
+            Object::PrometheusRule(_) => Some("PrometheusRule"),
+            Object::Dashboard(_) => Some("Dashboard"),
+            _ => None,
+        })
+        .collect();
+    for kind in [
+        "PodMonitor",
+        "ServiceMonitor",
+        "Service",
+        "PrometheusRule",
+        "Dashboard",
+    ] {
+        assert!(kinds.contains(&kind), "no {kind} in {kinds:?}");
+    }
+    // The checks are strict: a misspelled field, a field in the wrong place or a malformed
+    // duration in any of them is refused.
+    for doc in &docs {
+        let (path, bad) = match doc["kind"].as_str() {
+            Some("PodMonitor") => ("/spec/podMetricsEndpoints/0", json!({"intervall": "30s"})),
+            Some("ServiceMonitor") => ("/spec/endpoints/0", json!({"interval": "30 s"})),
+            Some("PrometheusRule") => ("/spec/groups/0/rules/0", json!({"for": "15"})),
+            _ => continue,
+        };
+        let mut broken = doc.clone();
+        let target = broken.pointer_mut(path).unwrap().as_object_mut().unwrap();
+        for (k, v) in bad.as_object().unwrap() {
+            target.insert(k.clone(), v.clone());
+        }
+        assert!(typed(&broken).is_err(), "{path}: {bad} accepted");
+    }
+    // Without monitoring (the demo release), none of them.
+    let demo = deploy_check::documents(&Path::new(&dir).join("demo.yaml")).unwrap();
+    assert!(
+        demo.iter()
+            .all(|d| d["apiVersion"] != "monitoring.coreos.com/v1"),
+        "monitoring objects by default"
+    );
 }

@@ -49,6 +49,7 @@ impl crate::endpoints::DriverView for devplug_dra::DraHealth {
                 *self.registered.borrow(),
                 devplug_dra::kubelet::Registered::Yes
             )),
+            claims: self.claims.snapshot(),
         }
     }
 }

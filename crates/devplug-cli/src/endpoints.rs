@@ -54,7 +54,7 @@ pub trait DriverView: Send + Sync {
 }
 
 /// A DRA driver's counters, for `/metrics`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct DriverCounters {
     /// Pool states written to the API server.
     pub publishes: u64,
@@ -68,6 +68,10 @@ pub struct DriverCounters {
     pub resyncs: u64,
     /// 1 while the kubelet has the driver registered.
     pub registered: u64,
+    /// The kubelet's NodePrepareResources and NodeUnprepareResources calls (DRA drivers run
+    /// only in the build with the API client).
+    #[cfg(feature = "cluster")]
+    pub claims: devplug_dra::claim_metrics::ClaimMetricsSnapshot,
 }
 
 /// Binds `addr` and serves until `stop`. Binding errors are returned at once.
@@ -232,7 +236,73 @@ pub fn render_drivers(drivers: &[(String, DriverCounters)]) -> String {
             );
         }
     }
+    #[cfg(feature = "cluster")]
+    render_claim_calls(&mut out, drivers);
     out
+}
+
+/// The DRA drivers' prepare and unprepare calls, as Allocate's are for device plugins: claims
+/// answered, claims answered with an error, and each call's duration.
+#[cfg(feature = "cluster")]
+fn render_claim_calls(out: &mut String, drivers: &[(String, DriverCounters)]) {
+    use devplug_dra::claim_metrics::{OperationSnapshot, CLAIM_CALL_BUCKETS};
+    type Pick = fn(&DriverCounters) -> &OperationSnapshot;
+    let operations: [(&str, &str, Pick); 2] = [
+        ("prepare", "NodePrepareResources", |c| &c.claims.prepare),
+        ("unprepare", "NodeUnprepareResources", |c| {
+            &c.claims.unprepare
+        }),
+    ];
+    for (op, call, pick) in operations {
+        let claims = format!("devplug_dra_{op}_claims_total");
+        let errors = format!("devplug_dra_{op}_errors_total");
+        let duration = format!("devplug_dra_{op}_duration_seconds");
+        let _ = writeln!(
+            out,
+            "# HELP {claims} Claims answered in {call} calls.\n# TYPE {claims} counter"
+        );
+        for (name, c) in drivers {
+            let _ = writeln!(
+                out,
+                "{claims}{{driver=\"{}\"}} {}",
+                escape(name),
+                pick(c).claims
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP {errors} Claims answered with an error in {call} calls.\n# TYPE {errors} counter"
+        );
+        for (name, c) in drivers {
+            let _ = writeln!(
+                out,
+                "{errors}{{driver=\"{}\"}} {}",
+                escape(name),
+                pick(c).errors
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP {duration} Time to answer a {call} call.\n# TYPE {duration} histogram"
+        );
+        for (name, c) in drivers {
+            let d = escape(name);
+            let s = pick(c);
+            for (le, count) in CLAIM_CALL_BUCKETS.iter().zip(&s.buckets) {
+                let _ = writeln!(
+                    out,
+                    "{duration}_bucket{{driver=\"{d}\",le=\"{le}\"}} {count}"
+                );
+            }
+            let _ = writeln!(
+                out,
+                "{duration}_bucket{{driver=\"{d}\",le=\"+Inf\"}} {}",
+                s.calls
+            );
+            let _ = writeln!(out, "{duration}_sum{{driver=\"{d}\"}} {}", s.seconds);
+            let _ = writeln!(out, "{duration}_count{{driver=\"{d}\"}} {}", s.calls);
+        }
+    }
 }
 
 /// The Prometheus text exposition of every resource's metrics.
@@ -334,6 +404,21 @@ pub fn render(resources: &[(String, MetricsSnapshot)], reloads: &ReloadCounters)
             let _ = writeln!(
                 out,
                 "devplug_devices_allocated{{resource=\"{}\"}} {allocated}",
+                escape(name)
+            );
+        }
+    }
+    family(
+        &mut out,
+        "devplug_foreign_devices",
+        "gauge",
+        "Devices the kubelet can allocate under the resource's name that devplug does not serve: another device plugin registered the same name (from the pod resources API; absent until it answers).",
+    );
+    for (name, m) in resources {
+        if let Some(foreign) = m.foreign_devices {
+            let _ = writeln!(
+                out,
+                "devplug_foreign_devices{{resource=\"{}\"}} {foreign}",
                 escape(name)
             );
         }

@@ -41,7 +41,8 @@ pub struct RunArgs {
     pub plugin_socket_dir: Option<PathBuf>,
     /// Follow the kubelet's pod resources API on this socket (usually
     /// /var/lib/kubelet/pod-resources/kubelet.sock): devices allocated per resource in /metrics,
-    /// and re-registering when the kubelet's allocatable falls short of our healthy devices.
+    /// re-registering when the kubelet's allocatable falls short of our healthy devices, and a
+    /// warning when it lists another plugin's devices under one of our resource names.
     /// Off when not set.
     #[arg(long, env = "DEVPLUG_POD_RESOURCES_SOCKET")]
     pub pod_resources_socket: Option<PathBuf>,

@@ -9,42 +9,15 @@ mod support;
 
 use devplug_cluster::capacity;
 use devplug_testkit::api_server::{self, ApiServer};
-use k8s_openapi::api::core::v1::Node;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{Patch, PatchParams};
 use kube::Api;
 use kubelet_sim::Kubelet;
 use std::process::Command;
 use std::time::Duration;
+use support::cluster::cluster_with_node;
 use support::Devplug;
 
 const BIN: &str = env!("CARGO_BIN_EXE_devplug");
-
-async fn node(nodes: &Api<Node>, name: &str) {
-    let node: Node = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
-    }))
-    .unwrap();
-    nodes.create(&PostParams::default(), &node).await.unwrap();
-    let status =
-        serde_json::json!({"status": {"capacity": {"cpu": "2"}, "allocatable": {"cpu": "2"}}});
-    nodes
-        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
-        .await
-        .unwrap();
-}
-
-/// The start of each test here: the shared API server (`None` after the loud SKIPPED message
-/// without one), its admin client, and Node `name` created in it, as a kubelet reports it.
-async fn cluster_with_node(
-    test: &str,
-    name: &str,
-) -> Option<(&'static ApiServer, kube::Client, Api<Node>)> {
-    let server = ApiServer::shared(test)?;
-    let client = api_server::client(&server.kubeconfig).await.unwrap();
-    let nodes: Api<Node> = Api::all(client.clone());
-    node(&nodes, name).await;
-    Some((server, client, nodes))
-}
 
 /// `devplug run` of `config` (YAML) in `dir` as node `node` of `server`, with its CDI folder in
 /// `dir` and metrics on a free port: the process and that port.
@@ -361,6 +334,31 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
         "devplug_dra_registered{driver=\"npu.cli.example.com\"} 1",
         "devplug_dra_slice_consecutive_failures{driver=\"npu.cli.example.com\"} 0",
         "devplug_dra_slice_publishes_total{driver=\"npu.cli.example.com\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
+    // A claim the API server does not have: the kubelet's NodePrepareResources gets an error
+    // for it, and /metrics counts the claim, the error and the call's duration.
+    let missing = kubelet_sim::DraClaim::new("default", "no-such-claim", "uid-missing");
+    let answer = kubelet
+        .dra_prepare("npu.cli.example.com", std::slice::from_ref(&missing))
+        .await
+        .unwrap();
+    assert!(answer["uid-missing"].is_err(), "{answer:?}");
+    let unprepared = kubelet
+        .dra_unprepare("npu.cli.example.com", std::slice::from_ref(&missing))
+        .await
+        .unwrap();
+    assert!(unprepared["uid-missing"].is_ok(), "{unprepared:?}");
+    let (_, metrics) = support::http_get(port, "/metrics").await.unwrap();
+    for line in [
+        "devplug_dra_prepare_claims_total{driver=\"npu.cli.example.com\"} 1",
+        "devplug_dra_prepare_errors_total{driver=\"npu.cli.example.com\"} 1",
+        "devplug_dra_prepare_duration_seconds_count{driver=\"npu.cli.example.com\"} 1",
+        "devplug_dra_prepare_duration_seconds_bucket{driver=\"npu.cli.example.com\",le=\"+Inf\"} 1",
+        "devplug_dra_unprepare_claims_total{driver=\"npu.cli.example.com\"} 1",
+        "devplug_dra_unprepare_errors_total{driver=\"npu.cli.example.com\"} 0",
+        "devplug_dra_unprepare_duration_seconds_count{driver=\"npu.cli.example.com\"} 1",
     ] {
         assert!(metrics.contains(line), "{line} in\n{metrics}");
     }

@@ -22,11 +22,11 @@ use std::time::Duration;
 
 const NPU: &str = "example.com/npu";
 
-/// The rendered `defaults` release's refused-pods documents.
+/// The rendered `demo` release's refused-pods documents (the chart with the demo's values).
 fn rendered() -> Vec<Value> {
     let dir = std::env::var_os("DEVPLUG_HELM_RENDERED")
         .expect("DEVPLUG_HELM_RENDERED names the rendered chart");
-    let text = std::fs::read_to_string(std::path::Path::new(&dir).join("defaults.yaml")).unwrap();
+    let text = std::fs::read_to_string(std::path::Path::new(&dir).join("demo.yaml")).unwrap();
     serde_saphyr::from_multiple::<Value>(&text)
         .unwrap()
         .into_iter()

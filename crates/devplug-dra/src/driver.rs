@@ -124,6 +124,7 @@ impl DraDriver {
         crate::DraHealth {
             driver: self.preparer.driver().to_owned(),
             counters: self.slices.shared_counters(),
+            claims: self.preparer.metrics().clone(),
             published: self.slices.published(),
             registered: self.kubelet.registered(),
             registry: self.kubelet.folder_health(),

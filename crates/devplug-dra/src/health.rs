@@ -1,5 +1,5 @@
 //! What a running driver can say about itself, for probes and metrics: whether its slices are
-//! published and current, and whether the kubelet registered it. A cheap, cloneable view: it
+//! published and current, whether the kubelet registered it, and how its claim calls went. A cheap, cloneable view: it
 //! reads the publisher's counters and the latest-value channels, never the API server.
 
 use crate::kubelet::Registered;
@@ -15,6 +15,8 @@ pub struct DraHealth {
     pub driver: String,
     /// The slice publisher's counters.
     pub counters: Arc<SliceCounters>,
+    /// The counters of the kubelet's prepare and unprepare calls.
+    pub claims: Arc<crate::claim_metrics::ClaimMetrics>,
     /// What the API server last confirmed (`None` until the first publish).
     pub published: watch::Receiver<Option<Published>>,
     /// What the kubelet last said about the registration.

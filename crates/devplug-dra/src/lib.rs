@@ -9,6 +9,7 @@
 //!   so every part agrees.
 //! - [`claims`]: a claim's allocation, read from the API server and checked against its UID.
 //! - [`checkpoint`]: the prepared claims, on disk, so a restart neither loses nor repeats one.
+//! - [`claim_metrics`]: counters and durations of the prepare and unprepare calls, for metrics.
 //! - [`prepare`]: `NodePrepareResources` / `NodeUnprepareResources` claim by claim: planning,
 //!   conflicts, the backend's edits (off the runtime), one CDI spec per claim, the checkpoint.
 //! - `service.rs`: the `DRAPlugin` gRPC service, v1 and v1beta1, over [`prepare::Preparer`].
@@ -22,6 +23,7 @@
 
 pub mod checkpoint;
 pub mod claim_backend;
+pub mod claim_metrics;
 pub mod claims;
 pub mod device_health;
 mod driver;

@@ -13,6 +13,7 @@
 //! |---|---|---|
 //! | `no_api_server` | `KUBEBUILDER_ASSETS` is unset and `DEVPLUG_REQUIRE_API_SERVER` too | those that start etcd and kube-apiserver |
 //! | `no_helm_rendered` | `DEVPLUG_HELM_RENDERED` is unset and `DEVPLUG_REQUIRE_API_SERVER` too | those that check the chart rendered by `.ci/render-helm` |
+//! | `no_promtool` | `DEVPLUG_PROMTOOL` is unset and `DEVPLUG_REQUIRE_API_SERVER` too | the alert rules' tests, run by Prometheus' `promtool` |
 
 /// A need: the variable that meets it and the cfg set when it is not met.
 #[derive(Debug, Clone, Copy)]
@@ -33,6 +34,12 @@ pub const API_SERVER: Gate = Gate {
 pub const HELM_RENDERED: Gate = Gate {
     var: "DEVPLUG_HELM_RENDERED",
     cfg: "no_helm_rendered",
+};
+
+/// Prometheus' `promtool` (the path of the binary), which runs the chart's alert rule tests.
+pub const PROMTOOL: Gate = Gate {
+    var: "DEVPLUG_PROMTOOL",
+    cfg: "no_promtool",
 };
 
 /// Set where the gated tests must run (CI): they are never ignored.

@@ -2,6 +2,9 @@
 // Each test binary includes this module and uses part of it.
 #![allow(dead_code)]
 
+#[cfg(feature = "cluster")]
+pub mod cluster;
+
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};

@@ -33,6 +33,7 @@ pub(crate) use handover::restore_shares;
 use super::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, PreparedDevice};
 use super::claims::{AllocatedDevice, ClaimRef, ClaimSource};
 use crate::claim_backend::ClaimBackend;
+use crate::claim_metrics::ClaimMetrics;
 use conflicts::{holders_of, refuse_taken_devices, whole_ids};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
@@ -69,6 +70,7 @@ pub struct Preparer {
     files: PrepareFiles,
     state: Mutex<Checkpoint>,
     read_deadline: Duration,
+    metrics: Arc<ClaimMetrics>,
 }
 
 impl Preparer {
@@ -95,6 +97,7 @@ impl Preparer {
             files,
             state: Mutex::new(checkpoint),
             read_deadline: CLAIM_READ_DEADLINE,
+            metrics: Arc::default(),
         })
     }
 
@@ -125,6 +128,11 @@ impl Preparer {
         &self.driver
     }
 
+    /// The counters of the prepare and unprepare calls.
+    pub fn metrics(&self) -> &Arc<ClaimMetrics> {
+        &self.metrics
+    }
+
     /// The prepared claims now, by UID.
     pub async fn prepared(&self) -> BTreeMap<String, PreparedClaim> {
         self.state.lock().await.claims.clone()
@@ -143,8 +151,18 @@ impl Preparer {
             .collect()
     }
 
-    /// Prepares every claim; one result per distinct claim UID.
+    /// Prepares every claim; one result per distinct claim UID. Counted in [`Self::metrics`].
     pub async fn prepare(&self, claims: &[ClaimRef]) -> ClaimResults<Vec<PreparedDevice>> {
+        let start = std::time::Instant::now();
+        let results = self.prepare_claims(claims).await;
+        let errors = results.values().filter(|r| r.is_err()).count();
+        self.metrics
+            .prepare
+            .record(start.elapsed(), results.len(), errors);
+        results
+    }
+
+    async fn prepare_claims(&self, claims: &[ClaimRef]) -> ClaimResults<Vec<PreparedDevice>> {
         let mut distinct: Vec<&ClaimRef> = Vec::new();
         for claim in claims {
             if !distinct.iter().any(|c| c.uid == claim.uid) {
@@ -337,8 +355,18 @@ impl Preparer {
         claim_spec::write(&self.spec_path(&claim.uid), spec_json)
     }
 
-    /// Unprepares every claim; one result per distinct claim UID.
+    /// Unprepares every claim; one result per distinct claim UID. Counted in [`Self::metrics`].
     pub async fn unprepare(&self, claims: &[ClaimRef]) -> ClaimResults<()> {
+        let start = std::time::Instant::now();
+        let results = self.unprepare_claims(claims).await;
+        let errors = results.values().filter(|r| r.is_err()).count();
+        self.metrics
+            .unprepare
+            .record(start.elapsed(), results.len(), errors);
+        results
+    }
+
+    async fn unprepare_claims(&self, claims: &[ClaimRef]) -> ClaimResults<()> {
         let mut results = BTreeMap::new();
         let mut state = self.state.lock().await;
         // Removed from `state` here, from the checkpoint file in one write at the end.

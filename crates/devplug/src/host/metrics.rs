@@ -66,6 +66,10 @@ pub struct MetricsSnapshot {
     /// Devices allocated to pods, from the kubelet's pod resources API; `None` until known
     /// (no [`Host::watch_pod_resources`](crate::Host::watch_pod_resources), or no answer yet).
     pub allocated: Option<usize>,
+    /// Devices the kubelet can allocate under this resource's name that the resource does not
+    /// serve: another device plugin registered the same name on this node (the kubelet keeps
+    /// the last registration). From the pod resources API; `None` until known.
+    pub foreign_devices: Option<usize>,
 }
 
 impl Counters {

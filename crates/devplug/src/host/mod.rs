@@ -546,9 +546,9 @@ impl Host {
 
     /// Counters and state of every resource, in name order, for exporting as metrics.
     pub fn metrics(&self) -> Vec<(String, MetricsSnapshot)> {
-        let (allocated, known) = {
+        let (allocated, foreign, known) = {
             let view = self.pod_resources.lock().unwrap_or_else(|e| e.into_inner());
-            (view.allocated.clone(), view.known)
+            (view.allocated.clone(), view.foreign.clone(), view.known)
         };
         self.lock()
             .iter()
@@ -584,6 +584,7 @@ impl Host {
                         .map(|w| (w.kind.to_owned(), w.detail))
                         .collect(),
                     allocated: known.then(|| allocated.get(name).copied().unwrap_or(0)),
+                    foreign_devices: known.then(|| foreign.get(name).copied().unwrap_or(0)),
                     ..r.status.counters.snapshot()
                 };
                 (name.clone(), snapshot)

@@ -8,10 +8,14 @@
 //!   are registered (with no registration and no change of our list in between), the kubelet
 //!   lost our endpoint (the name-keyed disconnect of §3, a stream it
 //!   dropped without telling us): the resource registers again, and the metric counts it.
+//! - `GetAllocatableResources` also shows devices under one of our resource names that we do
+//!   not serve: another device plugin registered the same name on this node (the kubelet keeps
+//!   one endpoint per name, the last registered). That is said at WARN when it starts and at
+//!   INFO when it ends, and counted per resource for `/metrics`.
 
 use super::Running;
 use crate::podresources::{self, InUse, PodResourcesClient, PodResourcesError};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -27,6 +31,9 @@ pub(crate) const STRIKES: u32 = 2;
 pub(crate) struct PodResourcesView {
     /// Devices allocated to pods, by resource (only resources seen in a `List`).
     pub(crate) allocated: BTreeMap<String, usize>,
+    /// Devices the kubelet can allocate under one of our resource names that we do not serve,
+    /// by resource.
+    pub(crate) foreign: BTreeMap<String, usize>,
     /// Whether a `List` answered at least once.
     pub(crate) known: bool,
 }
@@ -43,6 +50,7 @@ pub(crate) async fn run(
     let mut client: Option<PodResourcesClient> = None;
     let mut strikes: BTreeMap<String, Strikes> = BTreeMap::new();
     let mut last_error: Option<String> = None;
+    let mut foreign_seen: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     loop {
         let round = async {
             if client.is_none() {
@@ -67,9 +75,16 @@ pub(crate) async fn run(
                 last_error = None;
                 let counts = podresources::allocatable_counts(&allocatable);
                 let held = podresources::holders(&list);
+                let foreign =
+                    foreign_devices(&resources, &podresources::allocatable_ids(&allocatable));
+                report_foreign(&foreign, &mut foreign_seen);
                 {
                     let mut v = view.lock().unwrap_or_else(|e| e.into_inner());
                     v.allocated = held.iter().map(|(r, ids)| (r.clone(), ids.len())).collect();
+                    v.foreign = foreign
+                        .iter()
+                        .map(|(r, ids)| (r.clone(), ids.len()))
+                        .collect();
                     v.known = true;
                 }
                 let now: InUse = held
@@ -101,6 +116,56 @@ pub(crate) async fn run(
             }
         }
     }
+}
+
+/// For each served resource, the ids the kubelet can allocate under its name that it does not
+/// serve (only resources with some).
+fn foreign_devices(
+    resources: &Mutex<BTreeMap<String, Running>>,
+    allocatable: &BTreeMap<String, BTreeSet<String>>,
+) -> BTreeMap<String, BTreeSet<String>> {
+    let resources = resources.lock().unwrap_or_else(|e| e.into_inner());
+    resources
+        .iter()
+        .filter_map(|(name, running)| {
+            let ours = running.shared.devices.borrow();
+            let other: BTreeSet<String> = allocatable
+                .get(name)?
+                .iter()
+                .filter(|id| ours.get(id).is_none())
+                .cloned()
+                .collect();
+            (!other.is_empty()).then(|| (name.clone(), other))
+        })
+        .collect()
+}
+
+/// Says when another plugin's devices appear under one of our names (WARN) and when they are
+/// gone (INFO), once per change; `seen` is what was said last.
+fn report_foreign(
+    now: &BTreeMap<String, BTreeSet<String>>,
+    seen: &mut BTreeMap<String, BTreeSet<String>>,
+) {
+    for (name, ids) in now {
+        if seen.get(name) != Some(ids) {
+            let sample: Vec<&str> = ids.iter().take(5).map(String::as_str).collect();
+            tracing::warn!(
+                resource = %name,
+                foreign = ids.len(),
+                ids = ?sample,
+                "the kubelet lists devices of this resource that devplug does not serve: another \
+                 device plugin registered the same resource name on this node, and the kubelet \
+                 keeps only the last registration; turn the other plugin off on this node \
+                 (docs/gpus.md, cutting over)"
+            );
+        }
+    }
+    for name in seen.keys() {
+        if !now.contains_key(name) {
+            tracing::info!(resource = %name, "the kubelet lists only devplug's devices of this resource again");
+        }
+    }
+    *seen = now.clone();
 }
 
 /// The watchdog's decision for every served resource.

@@ -269,3 +269,37 @@ async fn the_watchdog_registers_again_when_the_kubelet_lost_us() {
     assert_eq!(a.metrics()[0].1.watchdog_reregistrations, 1);
     a.shutdown().await;
 }
+
+#[tokio::test]
+async fn devices_of_another_plugin_under_our_name_are_counted() {
+    // Another device plugin registers our resource name with devices of its own, more than
+    // ours (so the kubelet's allocatable is not short and the watchdog has no reason to act):
+    // the kubelet keeps its registration, and we count its devices.
+    let (root, kubelet, a) = node(ClientKeying::SocketPath).await;
+    a.add_with(RESOURCE, Arc::new(TestBackend::new(3)), no_hold_down())
+        .unwrap();
+    wait_capacity(&kubelet, RESOURCE, (3, 3)).await;
+    a.watch_pod_resources(
+        kubelet.pod_resources_socket().unwrap().to_owned(),
+        Duration::from_millis(100),
+    );
+    let foreign = |host: &Host| host.metrics()[0].1.foreign_devices;
+    let deadline = Instant::now() + WAIT;
+    while foreign(&a) != Some(0) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(foreign(&a), Some(0), "only our devices at first");
+    let other = TestBackend::new(0);
+    other.publish((0..4).map(|i| Device::new(format!("gpu-{i}"))).collect());
+    let b = Host::new(root.path().join("device-plugins")).unwrap();
+    b.add_with(RESOURCE, Arc::new(other), no_hold_down())
+        .unwrap();
+    wait_capacity(&kubelet, RESOURCE, (4, 4)).await;
+    let deadline = Instant::now() + WAIT;
+    while foreign(&a) != Some(4) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(foreign(&a), Some(4), "the other plugin's 4 devices");
+    b.shutdown().await;
+    a.shutdown().await;
+}

@@ -101,26 +101,72 @@ vendor's GPU resource and gpu.extraResources. Everything that looks at the resou
 {{- with .Values.gpu.dra }}{{ $_ := set $resource "dra" (deepCopy .) }}{{ end -}}
 {{- $_ := set $config "resources" (concat (list $resource) (default list .Values.gpu.extraResources)) -}}
 {{- end -}}
+{{- if not (get $config "resources") -}}
+{{- fail "config.resources: no resources, so this install would serve nothing. Name devplug's resources under config.resources (docs/configuration.md) or set gpu.vendor; for the demo's fake devices, install with -f deploy/helm/devplug/examples/demo-values.yaml" -}}
+{{- end -}}
 {{- toYaml $config -}}
 {{- end }}
 
 {{/*
-The pods' node selector: .Values.nodeSelector, and with gpu.vendor set, gpu.nodeSelector or
-else the label Node Feature Discovery sets as the vendor's own tooling configures it: NVIDIA's
-GPU operator (PCI labels by vendor alone), AMD's and Intel's NodeFeatureRules.
+The pods' node selector: .Values.nodeSelector, and with gpu.vendor set, gpu.nodeSelector when
+given (the vendor's node affinity, below, is then not used).
 */}}
 {{- define "devplug.nodeSelector" -}}
 {{- $selector := deepCopy (default dict .Values.nodeSelector) -}}
-{{- $vendor := toString .Values.gpu.vendor -}}
-{{- if $vendor -}}
-{{- $labels := dict "nvidia" "feature.node.kubernetes.io/pci-10de.present" "amdgpu" "feature.node.kubernetes.io/amd-gpu" "intel-gpu" "intel.feature.node.kubernetes.io/gpu" -}}
-{{- $gpu := .Values.gpu.nodeSelector -}}
-{{- if not $gpu -}}
-{{- $gpu = dict (get $labels $vendor) "true" -}}
-{{- end -}}
-{{- $selector = mergeOverwrite $selector (deepCopy $gpu) -}}
+{{- if and (toString .Values.gpu.vendor) .Values.gpu.nodeSelector -}}
+{{- $selector = mergeOverwrite $selector (deepCopy .Values.gpu.nodeSelector) -}}
 {{- end -}}
 {{- with $selector }}{{ toYaml . }}{{ end -}}
+{{- end }}
+
+{{/*
+The labels any one of which marks a node with the vendor's GPUs (each "true"): Node Feature
+Discovery's as the vendor's tooling configures it (NVIDIA's GPU operator labels PCI devices by
+vendor; AMD's and Intel's NodeFeatureRules), NFD's defaults (display and 3D controller classes
+with the vendor), and for NVIDIA nvidia.com/gpu.present, which GPU Feature Discovery and the GPU
+operator write and an operator without NFD sets by hand. A JSON list; empty without gpu.vendor
+or with gpu.nodeSelector.
+*/}}
+{{- define "devplug.gpuNodeLabels" -}}
+{{- $vendor := toString .Values.gpu.vendor -}}
+{{- $labels := dict
+  "nvidia" (list "feature.node.kubernetes.io/pci-10de.present" "feature.node.kubernetes.io/pci-0300_10de.present" "feature.node.kubernetes.io/pci-0302_10de.present" "nvidia.com/gpu.present")
+  "amdgpu" (list "feature.node.kubernetes.io/amd-gpu" "feature.node.kubernetes.io/pci-0300_1002.present" "feature.node.kubernetes.io/pci-0380_1002.present")
+  "intel-gpu" (list "intel.feature.node.kubernetes.io/gpu" "feature.node.kubernetes.io/pci-0300_8086.present" "feature.node.kubernetes.io/pci-0380_8086.present") -}}
+{{- if and $vendor (not .Values.gpu.nodeSelector) -}}
+{{- get $labels $vendor | default list | toJson -}}
+{{- else -}}
+[]
+{{- end -}}
+{{- end }}
+
+{{/*
+The pods' affinity: .Values.affinity, and in GPU mode (without gpu.nodeSelector) a required node
+affinity with one term per label of devplug.gpuNodeLabels: terms are ORed, so any one label
+places the pods, with NFD or without it. Terms already required in .Values.affinity are
+combined with each (both must hold).
+*/}}
+{{- define "devplug.affinity" -}}
+{{- $affinity := deepCopy (default dict .Values.affinity) -}}
+{{- $labels := include "devplug.gpuNodeLabels" . | fromJsonArray -}}
+{{- if $labels -}}
+{{- $node := default dict (get $affinity "nodeAffinity") -}}
+{{- $required := default dict (get $node "requiredDuringSchedulingIgnoredDuringExecution") -}}
+{{- $given := default (list (dict)) (get $required "nodeSelectorTerms") -}}
+{{- $terms := list -}}
+{{- range $term := $given -}}
+{{- range $label := $labels -}}
+{{- $expr := dict "key" $label "operator" "In" "values" (list "true") -}}
+{{- $t := deepCopy $term -}}
+{{- $_ := set $t "matchExpressions" (append (default list (get $t "matchExpressions")) $expr) -}}
+{{- $terms = append $terms $t -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $required "nodeSelectorTerms" $terms -}}
+{{- $_ := set $node "requiredDuringSchedulingIgnoredDuringExecution" $required -}}
+{{- $_ := set $affinity "nodeAffinity" $node -}}
+{{- end -}}
+{{- with $affinity }}{{ toYaml . }}{{ end -}}
 {{- end }}
 
 {{/*
