@@ -47,8 +47,35 @@ pub struct Config {
     /// What `run` does with pods the kubelet refused at admission for one of the device plugin
     /// resources (default `delete-replaced`; full `devplug` with `NODE_NAME` only).
     pub refused_pods: RefusedPodsPolicy,
+    /// Whether and how `run` writes the node labels the backends describe the node with
+    /// (default `off`; full `devplug` with `NODE_NAME` only).
+    pub node_labels: NodeLabelsSettings,
     /// The resources to serve, each on its own socket.
     pub resources: Vec<ResourceConfig>,
+}
+
+/// `node_labels:` the labels the GPU backends describe the node with (`nvidia.com/gpu.product`,
+/// `amd.com/gpu.family`, …, as the vendors' own labellers name them), and how they reach the
+/// Node.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeLabelsSettings {
+    /// `direct`, `node-feature` or `off` (default).
+    #[serde(default)]
+    pub mode: NodeLabelsMode,
+}
+
+/// How node labels reach the Node.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NodeLabelsMode {
+    /// Not written.
+    #[default]
+    Off,
+    /// On our own Node by server-side apply (only our keys, removed when they go).
+    Direct,
+    /// In a NodeFeature object that Node Feature Discovery turns into labels.
+    NodeFeature,
 }
 
 /// `refused_pods:` what `run` does with pods the kubelet refused at admission
