@@ -272,6 +272,30 @@ mod tests {
     use test_parse as parse;
 
     #[test]
+    fn node_labels_pick_a_mode_and_a_wrong_one_names_the_field_and_the_choices() {
+        let body = "resources:\n  - name: nvidia.com/gpu\n    virtual: { count: 1 }\n";
+        assert_eq!(parse(body).unwrap().node_labels.mode, NodeLabelsMode::Off);
+        for (text, mode) in [
+            ("direct", NodeLabelsMode::Direct),
+            ("node-feature", NodeLabelsMode::NodeFeature),
+            ("off", NodeLabelsMode::Off),
+        ] {
+            let config = parse(&format!("node_labels: {{ mode: {text} }}\n{body}")).unwrap();
+            assert_eq!(config.node_labels.mode, mode, "{text}");
+        }
+        let err = parse(&format!("node_labels: {{ mode: nfd }}\n{body}")).unwrap_err();
+        assert!(
+            err.contains("node_labels") && err.contains("node-feature"),
+            "{err}"
+        );
+        let err = parse(&format!(
+            "node_labels: {{ mode: direct, prefix: x }}\n{body}"
+        ))
+        .unwrap_err();
+        assert!(err.contains("prefix") && err.contains("mode"), "{err}");
+    }
+
+    #[test]
     #[cfg(feature = "cluster")] // devplug-lite refuses `dra:` (its own test says so)
     fn dra_parses_and_decides_the_device_plugin() {
         let config = parse(
