@@ -58,12 +58,16 @@ RELEASES = {
         "gpu": {"vendor": "nvidia", "settings": {"share": {}}, "dra": {"driver": "gpu.nvidia.example.com"}}
     },
     "gpu-amdgpu": {"gpu": {"vendor": "amdgpu"}},
+    # Node labels for Node Feature Discovery: a NodeFeature object per node, its Role, and the
+    # uninstall's (the GPU releases above write them directly: nodeLabels auto).
+    "node-labels-nfd": {"gpu": {"vendor": "nvidia"}, "nodeLabels": "node-feature"},
     "gpu-intel": {
         "gpu": {"vendor": "intel-gpu", "settings": {"driver": "xe"}, "nodeSelector": {"example.com/gpu": "intel"}}
     },
     "all-options": {
         "hostdev": {"enabled": True},
         "nodeEvents": {"enabled": True},
+        "nodeLabels": "direct",
         "dra": {"cdiDir": "/var/run/cdi", "deviceClasses": True, "extendedResources": True},
         "kubeletDir": "/var/snap/microk8s/common/var/lib/kubelet/",
         "serviceAccount": {"annotations": {"example.com/owner": "platform"}},
