@@ -1047,7 +1047,8 @@ const CLUSTER_KEYS: [&str; 2] = ["advertise", "dra"];
 /// What in devplug's config (the ConfigMap's `config.yaml`) or the container's arguments needs the
 /// Kubernetes API client, if anything: a resource with one of [`CLUSTER_KEYS`] (`advertise:`,
 /// `dra:`), `refused_pods` other than `off` (its default, `delete-replaced`, included:
-/// devplug-lite only says in its log that it cannot), or `--node-events`.
+/// devplug-lite only says in its log that it cannot), `node_labels.mode` other than `off`, or
+/// `--node-events`.
 fn needs_cluster(config: &Value, args: &[String]) -> Option<String> {
     // `off` unquoted reads as a YAML 1.1 boolean to some parsers; devplug reads it as the word.
     let refused_pods = config.get("refused_pods");
@@ -1055,6 +1056,11 @@ fn needs_cluster(config: &Value, args: &[String]) -> Option<String> {
         || refused_pods.and_then(Value::as_bool) == Some(false);
     if !off {
         return Some("refused_pods".to_owned());
+    }
+    // Node labels are written through the API server (devplug-lite only says it cannot).
+    let mode = &config["node_labels"]["mode"];
+    if mode.as_str().is_some_and(|m| m != "off") {
+        return Some("node_labels.mode".to_owned());
     }
     let resources = config["resources"].as_array().into_iter().flatten();
     for (i, resource) in resources.enumerate() {
