@@ -180,6 +180,7 @@ pub(crate) fn scan(settings: &IntelGpuSettings) -> Scan<IntelState> {
         spec,
         absent: BTreeMap::new(),
         present,
+        labels: devplug::NodeLabels::new(),
     }
 }
 
