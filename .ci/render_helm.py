@@ -85,6 +85,9 @@ RELEASES = {
             }
         },
     },
+    # Node labels for Node Feature Discovery: a NodeFeature object per node, its Role, and the
+    # uninstall's (the GPU releases above write them directly: nodeLabels auto).
+    "node-labels-nfd": {"gpu": {"vendor": "nvidia"}, "nodeLabels": "node-feature"},
     "gpu-intel": {
         "gpu": {"vendor": "intel-gpu", "settings": {"driver": "xe"}, "nodeSelector": {"example.com/gpu": "intel"}}
     },
@@ -92,6 +95,7 @@ RELEASES = {
         "hostdev": {"enabled": True},
         "podResources": {"enabled": True},
         "nodeEvents": {"enabled": True},
+        "nodeLabels": "direct",
         "dra": {"cdiDir": "/var/run/cdi", "deviceClasses": True, "extendedResources": True},
         "kubeletDir": "/var/snap/microk8s/common/var/lib/kubelet/",
         "serviceAccount": {"annotations": {"example.com/owner": "platform"}},

@@ -1208,7 +1208,8 @@ const CLUSTER_KEYS: [&str; 2] = ["advertise", "dra"];
 /// What in devplug's config (the ConfigMap's `config.yaml`) or the container's arguments needs the
 /// Kubernetes API client, if anything: a resource with one of [`CLUSTER_KEYS`] (`advertise:`,
 /// `dra:`), `refused_pods` other than `off` (its default, `delete-replaced`, included:
-/// devplug-lite only says in its log that it cannot) with a device plugin resource, or
+/// devplug-lite only says in its log that it cannot) with a device plugin resource,
+/// `node_labels.mode` other than `off`, or
 /// `--node-events`.
 fn needs_cluster(config: &Value, args: &[String]) -> Option<String> {
     // `off` unquoted reads as a YAML 1.1 boolean to some parsers; devplug reads it as the word.
@@ -1227,6 +1228,11 @@ fn needs_cluster(config: &Value, args: &[String]) -> Option<String> {
         });
     if !off && device_plugin {
         return Some("refused_pods".to_owned());
+    }
+    // Node labels are written through the API server (devplug-lite only says it cannot).
+    let mode = &config["node_labels"]["mode"];
+    if mode.as_str().is_some_and(|m| m != "off") {
+        return Some("node_labels.mode".to_owned());
     }
     let resources = config["resources"].as_array().into_iter().flatten();
     for (i, resource) in resources.enumerate() {
@@ -1256,8 +1262,10 @@ fn binary_problem(what: &str, command: Option<&[String]>, needs: Option<String>)
 }
 
 /// RBAC and Job checks: every binding names a ClusterRole and ServiceAccounts of the release;
-/// every Job runs as one of its accounts and calls `devplug capacity` with the full binary; the uninstall role grants
-/// exactly get/list/watch on nodes and get/patch on nodes/status; the advertise role the same.
+/// every Job runs as one of its accounts and calls `devplug capacity` (or `devplug labels`, where
+/// the release writes node labels) with the full binary; the uninstall role grants exactly
+/// get/list/watch on nodes and get/patch on nodes/status (and patch on nodes with node labels);
+/// the advertise role the same; the node labels' role patch on nodes, limited by its policy.
 fn rbac_references(objects: &[Object]) -> Vec<String> {
     let mut problems = Vec::new();
     let roles: Vec<&ClusterRole> = objects
@@ -1274,6 +1282,20 @@ fn rbac_references(objects: &[Object]) -> Vec<String> {
             _ => None,
         })
         .collect();
+    // The release writes node labels (direct or for NFD): its uninstall removes them.
+    let node_labels_on = objects.iter().any(|o| match o {
+        Object::ClusterRole(r) => r
+            .metadata
+            .name
+            .as_deref()
+            .is_some_and(|n| n.ends_with("-node-labels")),
+        Object::Role(r) => r
+            .metadata
+            .name
+            .as_deref()
+            .is_some_and(|n| n.ends_with("-node-labels")),
+        _ => false,
+    });
     let policies: Vec<&ValidatingAdmissionPolicy> = objects
         .iter()
         .filter_map(|o| match o {
@@ -1367,7 +1389,7 @@ fn rbac_references(objects: &[Object]) -> Vec<String> {
                     })
                     .collect();
                 grants.sort();
-                let exactly = [
+                let mut exactly = vec![
                     "/nodes/status:get",
                     "/nodes/status:patch",
                     "/nodes:get",
@@ -1375,23 +1397,63 @@ fn rbac_references(objects: &[Object]) -> Vec<String> {
                     "/nodes:watch",
                 ];
                 let name = r.metadata.name.as_deref().unwrap_or("");
+                // The uninstall removes the node labels devplug wrote: patch on nodes too.
+                if name.ends_with("uninstall") && node_labels_on {
+                    exactly.insert(4, "/nodes:patch");
+                }
                 if (name.ends_with("uninstall") || name.ends_with("advertise")) && grants != exactly
                 {
                     problems.push(format!(
                         "role {name} grants {grants:?}, not exactly {exactly:?}"
                     ));
                 }
+                // Direct node labels: its own Node, held to its labels by the policy.
+                let labels = ["/nodes:get", "/nodes:list", "/nodes:patch", "/nodes:watch"];
+                if name.ends_with("-node-labels") {
+                    if grants != labels {
+                        problems.push(format!(
+                            "role {name} grants {grants:?}, not exactly {labels:?}"
+                        ));
+                    }
+                    if !policies
+                        .iter()
+                        .any(|p| p.metadata.name.as_deref() == Some(name))
+                    {
+                        problems.push(format!(
+                            "role {name} may patch any Node, and no policy {name} limits it"
+                        ));
+                    }
+                }
             }
             Object::Role(r) => {
                 let rules: Vec<_> = r.rules.iter().flatten().collect();
-                let ok = r.metadata.namespace.as_deref() == Some("default")
-                    && rules.len() == 1
-                    && rules[0].api_groups.as_deref() == Some(&["events.k8s.io".to_owned()][..])
-                    && rules[0].resources.as_deref() == Some(&["events".to_owned()][..])
-                    && rules[0].verbs == ["create", "patch"];
-                if !ok {
+                let one = |group: &str, resource: &str, verbs: &[&str]| {
+                    rules.len() == 1
+                        && rules[0].api_groups.as_deref() == Some(&[group.to_owned()][..])
+                        && rules[0].resources.as_deref() == Some(&[resource.to_owned()][..])
+                        && rules[0].verbs == verbs
+                };
+                let name = r.metadata.name.as_deref().unwrap_or("");
+                let namespace = r.metadata.namespace.as_deref();
+                // NodeFeature objects (node labels for NFD) in the release's namespace: written
+                // by the pods, listed and deleted by the uninstall.
+                let node_features = namespace == Some("kube-system")
+                    && if name.ends_with("-node-labels") {
+                        one(
+                            "nfd.k8s-sigs.io",
+                            "nodefeatures",
+                            &["get", "list", "create", "patch", "delete"],
+                        )
+                    } else {
+                        name.ends_with("-uninstall")
+                            && one("nfd.k8s-sigs.io", "nodefeatures", &["list", "delete"])
+                    };
+                let events = namespace == Some("default")
+                    && one("events.k8s.io", "events", &["create", "patch"]);
+                if !node_features && !events {
                     problems.push(format!(
-                        "role {:?} is not exactly create/patch events in default",
+                        "role {:?} is not exactly create/patch events in default, nor the \
+                         NodeFeature access of node labels in the release's namespace",
                         r.metadata.name
                     ));
                 }
@@ -1424,7 +1486,10 @@ fn rbac_references(objects: &[Object]) -> Vec<String> {
                 }
                 for c in &spec.containers {
                     let args = c.args.as_deref().unwrap_or_default();
-                    if args.first().map(String::as_str) != Some("capacity") {
+                    let command = args.first().map(String::as_str);
+                    // `labels remove` only where the release writes node labels.
+                    let labels = node_labels_on && command == Some("labels");
+                    if command != Some("capacity") && !labels {
                         problems.push(format!(
                             "job {:?} container {} does not run `devplug capacity`: {args:?}",
                             j.metadata.name, c.name
@@ -1433,7 +1498,7 @@ fn rbac_references(objects: &[Object]) -> Vec<String> {
                     problems.extend(binary_problem(
                         &format!("job {:?} container {}", j.metadata.name, c.name),
                         c.command.as_deref(),
-                        Some("capacity".into()),
+                        command.map(str::to_owned),
                     ));
                 }
             }

@@ -56,6 +56,8 @@ pub(crate) struct Scan<T> {
     /// GPU now in another partition mode, an SR-IOV PF that now has VFs). Ids of theirs that
     /// vanished were reconfigured away, not lost, so they are dropped rather than kept.
     pub(crate) present: BTreeSet<String>,
+    /// The node labels these devices describe the node with (none for most backends).
+    pub(crate) labels: devplug::NodeLabels,
 }
 
 /// A scan function.
@@ -65,6 +67,7 @@ pub(crate) type ScanFn<T> = Arc<dyn Fn() -> Scan<T> + Send + Sync>;
 pub(crate) struct Watched<T> {
     state: Arc<RwLock<T>>,
     devices: Arc<watch::Sender<DeviceList>>,
+    labels: Arc<watch::Sender<devplug::NodeLabels>>,
     cdi_ready: Arc<AtomicBool>,
     _stop: DropGuard,
 }
@@ -172,6 +175,7 @@ impl<T: Send + Sync + 'static> Watched<T> {
         let mut cdi = cdi;
         write_spec(&mut cdi, first.spec.as_ref(), &cdi_ready, what);
         let list = memory.merge(&first);
+        let labels = Arc::new(watch::Sender::new(first.labels));
         let state = Arc::new(RwLock::new(first.state));
         let devices = Arc::new(watch::Sender::new(list));
         let stop = CancellationToken::new();
@@ -179,6 +183,7 @@ impl<T: Send + Sync + 'static> Watched<T> {
             scan,
             state: state.clone(),
             devices: devices.clone(),
+            labels: labels.clone(),
             cdi,
             cdi_ready: cdi_ready.clone(),
             memory,
@@ -189,6 +194,7 @@ impl<T: Send + Sync + 'static> Watched<T> {
         Watched {
             state,
             devices,
+            labels,
             cdi_ready,
             _stop: stop.drop_guard(),
         }
@@ -197,6 +203,11 @@ impl<T: Send + Sync + 'static> Watched<T> {
     /// A new receiver of the published list.
     pub(crate) fn devices(&self) -> watch::Receiver<DeviceList> {
         self.devices.subscribe()
+    }
+
+    /// A new receiver of the node labels of the latest scan.
+    pub(crate) fn labels(&self) -> watch::Receiver<devplug::NodeLabels> {
+        self.labels.subscribe()
     }
 
     /// The latest state.
@@ -241,6 +252,7 @@ struct Follower<T> {
     scan: ScanFn<T>,
     state: Arc<RwLock<T>>,
     devices: Arc<watch::Sender<DeviceList>>,
+    labels: Arc<watch::Sender<devplug::NodeLabels>>,
     cdi: Option<CdiWriter>,
     cdi_ready: Arc<AtomicBool>,
     memory: Memory,
@@ -289,6 +301,14 @@ impl<T: Send + Sync + 'static> Follower<T> {
             self.what,
         );
         let list = self.memory.merge(&found);
+        let labels = found.labels;
+        self.labels.send_if_modified(|current| {
+            let modified = *current != labels;
+            if modified {
+                *current = labels;
+            }
+            modified
+        });
         *self.state.write().unwrap_or_else(|e| e.into_inner()) = found.state;
         self.devices.send_if_modified(|current| {
             let modified = *current != list;
@@ -342,6 +362,7 @@ mod tests {
                 .map(|(a, b)| (a.to_string(), b.to_string()))
                 .collect(),
             present: present.iter().map(|p| p.to_string()).collect(),
+            labels: devplug::NodeLabels::new(),
         }
     }
 

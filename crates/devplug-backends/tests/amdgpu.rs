@@ -1,6 +1,7 @@
 //! The amdgpu backend through the kubelet simulator over real Unix sockets, on fake sysfs and
 //! /dev trees (an MI300X-like node with XGMI and CPX partitions, a node whose driver loads
-//! after start, a mixed-partition node), with real inotify.
+//! after start, a mixed-partition node), with real inotify; the node labels it describes the
+//! node with.
 #![allow(clippy::unwrap_used)] // a panic in a test is a failed test
 
 use devplug::{Backend, Host};
@@ -119,6 +120,47 @@ async fn mi300x_partitions_numa_preferred_allocation_and_cdi() {
         "the tie goes to the earlier devices: {gpus:?}"
     );
     host.shutdown().await;
+}
+
+/// Node labels as AMD's labeller writes them, from sysfs and KFD, once the driver loads.
+#[tokio::test]
+async fn node_labels_follow_the_driver_as_amds_labeller_names_them() {
+    let tmp = tempfile::tempdir_in(scratch_dir()).unwrap();
+    let tree = FakeSysfs::new(tmp.path()).unwrap();
+    let node = AmdNode::mi300x();
+    node.create(&tree).unwrap();
+    let backend = AmdgpuBackend::start(&settings(&tree)).unwrap();
+    let mut labels = backend.node_labels().expect("amdgpu labels the node");
+    assert!(
+        labels.borrow().is_empty(),
+        "no GPU bound yet: {:?}",
+        *labels.borrow()
+    );
+    node.load_driver(&tree).unwrap();
+    let got = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        labels.wait_for(|l| !l.is_empty()),
+    )
+    .await
+    .expect("labels once the driver loads")
+    .unwrap()
+    .clone();
+    let want: devplug::NodeLabels = [
+        ("compute-memory-partition", "cpx_nps4"),
+        ("cu-count", "76"),
+        ("device-id", "74a1"),
+        (
+            "driver-version",
+            devplug_testkit::fake_sysfs::AMDGPU_VERSION,
+        ),
+        ("product-name", "AMD-Instinct-MI300X"),
+        ("simd-count", "304"),
+        ("vram", "48G"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (format!("amd.com/gpu.{k}"), v.to_owned()))
+    .collect();
+    assert_eq!(got, want);
 }
 
 /// DRA attributes: a partition carries its GPU's PCI identity and partition mode.

@@ -298,3 +298,48 @@ fn bad_settings_name_the_field() {
     };
     assert_eq!(bad.validate().unwrap_err().field, "sys_root");
 }
+
+/// Node labels as the labeller of Intel's GPU plugin writes them, for the GPUs of the
+/// resource's driver, following a GPU that goes.
+#[tokio::test]
+async fn node_labels_are_intels_and_follow_the_gpus() {
+    let tmp = tempfile::tempdir_in(scratch_dir()).unwrap();
+    let tree = FakeSysfs::new(tmp.path()).unwrap();
+    let pair = intel_pair();
+    for gpu in &pair {
+        gpu.create(&tree, false).unwrap();
+    }
+    // The discrete GPU: two tiles of 16 GiB under xe.
+    tree.file(
+        "sys/class/drm/card1/lmem_total_bytes",
+        &format!("{}\n", 16u64 << 30),
+    )
+    .unwrap();
+    for tile in ["tile0", "tile1"] {
+        tree.file(&format!("sys/{}/{tile}/.keep", pair[1].dir()), "")
+            .unwrap();
+    }
+    let backend = IntelGpuBackend::start(&settings(&tree, IntelDriver::Xe)).unwrap();
+    let mut labels = backend.node_labels().expect("intel_gpu labels the node");
+    let want: devplug::NodeLabels = [
+        ("cards", "card1"),
+        ("gpu-numbers", "1"),
+        ("memory.max", "34359738368"),
+        ("millicores", "1000"),
+        ("numa-gpu-map", "0-1"),
+        ("tiles", "2"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (format!("gpu.intel.com/{k}"), v.to_owned()))
+    .collect();
+    assert_eq!(*labels.borrow_and_update(), want);
+    // The GPU unbound from xe: no labels.
+    tree.remove(&format!("sys/{}/driver", pair[1].dir()))
+        .unwrap();
+    tree.remove(&format!("sys/bus/pci/drivers/xe/{}", pair[1].address))
+        .unwrap();
+    tokio::time::timeout(WAIT, labels.wait_for(|l| l.is_empty()))
+        .await
+        .expect("the labels follow the GPU")
+        .unwrap();
+}

@@ -574,6 +574,41 @@ async fn a_lost_gpu_is_unhealthy_until_it_answers_again() {
     assert_eq!(sockets.len(), 1, "{:?}", four.device_ids);
 }
 
+/// GPU Feature Discovery's labels through the real NVML path: the compute capability and the
+/// CUDA version as the fake NVML answers them, the count following a lost GPU.
+#[tokio::test]
+async fn node_labels_come_from_nvml_and_follow_a_lost_gpu() {
+    let node = Node::new("dgx-h100", true);
+    let (kubelet, _host, backends) = serve(&node, vec![("nvidia.com/gpu", node.settings())]).await;
+    counts(&kubelet, "nvidia.com/gpu", 8, 8).await;
+    let mut labels = backends[0].node_labels().expect("nvidia labels the node");
+    let got = labels.borrow_and_update().clone();
+    for (key, want) in [
+        ("gpu.product", "NVIDIA-H100-80GB-HBM3"),
+        ("gpu.count", "8"),
+        ("gpu.family", "hopper"),
+        ("gpu.compute.major", "9"),
+        ("gpu.compute.minor", "0"),
+        ("cuda.driver-version.full", "570.86.15"),
+        ("cuda.runtime-version.full", "12.8"),
+        ("mig.capable", "false"),
+    ] {
+        assert_eq!(
+            got.get(&format!("nvidia.com/{key}")).map(String::as_str),
+            Some(want),
+            "{key}: {got:?}"
+        );
+    }
+    node.inject("lost 6");
+    tokio::time::timeout(
+        WAIT,
+        labels.wait_for(|l| l.get("nvidia.com/gpu.count").map(String::as_str) == Some("7")),
+    )
+    .await
+    .expect("the count follows the lost GPU")
+    .unwrap();
+}
+
 #[tokio::test]
 async fn one_gpu_lost_while_serving_keeps_the_others_healthy_and_nvml_is_not_reopened() {
     let node = Node::new("dgx-h100", true);

@@ -3,7 +3,8 @@
 //! path with a real API server and scheduler); `inspect` looks at
 //! any device plugin socket as the kubelet would; `check-config` validates a config file;
 //! `completions` and `man` print shell completions and the man page.
-//! `capacity` sets, removes and lists extended resources on a Node through the API server.
+//! `capacity` sets, removes and lists extended resources on a Node through the API server;
+//! `labels` lists and removes the node labels `run` wrote.
 //!
 //! Three cargo features, all on by default: `cluster` (the Kubernetes API client: `capacity`,
 //! `advertise:` resources, `run --node-events`, `dra:` resources), `tools` (`demo` with the
@@ -33,8 +34,11 @@ mod endpoints;
 mod http;
 #[cfg(feature = "tools")]
 mod inspect;
+#[cfg(feature = "cluster")]
+mod labels;
 mod listen_addr;
 mod logging;
+mod node_labels;
 mod output;
 mod refused;
 mod reload;
@@ -107,6 +111,10 @@ enum Command {
     /// clean uninstall of a device plugin's leftover capacity 0), list.
     #[cfg(feature = "cluster")]
     Capacity(capacity::CapacityArgs),
+    /// The node labels `run` wrote (`node_labels:`), through the API server: list, and remove
+    /// them and nothing else (the uninstall).
+    #[cfg(feature = "cluster")]
+    Labels(labels::LabelsArgs),
     /// Print a shell completion script, e.g. `devplug completions bash >
     /// /etc/bash_completion.d/devplug`.
     #[cfg(feature = "tools")]
@@ -135,7 +143,7 @@ enum Command {
 fn left_out(args: &[String]) -> anyhow::Error {
     let name = args.first().map_or("", String::as_str);
     match name {
-        "capacity" => anyhow::anyhow!(config::not_in_this_build("capacity")),
+        "capacity" | "labels" => anyhow::anyhow!(config::not_in_this_build(name)),
         "demo" | "inspect" | "completions" | "man" => anyhow::anyhow!(
             "{name}: not in {NAME}, the device-plugin-only build; run the full `devplug` binary \
              instead (in the image: /devplug), or build with `--features tools`"
@@ -322,6 +330,11 @@ fn main() -> ExitCode {
         Command::Capacity(args) => {
             logging::init(cli.log_format, "warn");
             runtime.block_on(capacity::capacity(args))
+        }
+        #[cfg(feature = "cluster")]
+        Command::Labels(args) => {
+            logging::init(cli.log_format, "warn");
+            runtime.block_on(labels::labels(args))
         }
         Command::CheckConfig(args) => {
             let warnings = args.json.then(logging::Warnings::default);

@@ -92,6 +92,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut runner = Runner {
         host: Arc::new(Host::new(&args.kubelet_dir)?.with_watcher_dirs(watcher_dirs(&args))),
         current: BTreeMap::new(),
+        backends: BTreeMap::new(),
         text,
         reloads: Arc::default(),
         problems: problems.clone(),
@@ -102,6 +103,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             kubeconfig: args.kubeconfig.clone(),
             events: None,
             refused: crate::refused::RefusedPodsWatch::new(
+                args.node_name.clone(),
+                args.kubeconfig.clone(),
+            ),
+            labels: crate::node_labels::NodeLabelsWriter::new(
                 args.node_name.clone(),
                 args.kubeconfig.clone(),
             ),
@@ -230,6 +235,8 @@ fn kubelet_root_given(dir: &std::path::Path) -> Option<PathBuf> {
 struct Runner {
     host: Arc<Host>,
     current: BTreeMap<String, ResourceConfig>,
+    /// The started device plugin resources' backends, by name, for their node labels.
+    backends: BTreeMap<String, BuiltBackend>,
     text: String,
     reloads: Arc<ReloadCounters>,
     /// What `/readyz` reports beside the resources.
@@ -251,6 +258,8 @@ struct Cluster {
     events: Option<devplug_cluster::events::NodeEvents>,
     /// Pods the kubelet refused at admission (`refused_pods:`).
     refused: crate::refused::RefusedPodsWatch,
+    /// The backends' node labels (`node_labels:`).
+    labels: crate::node_labels::NodeLabelsWriter,
     /// The `dra:` resources' drivers.
     dra: crate::dra::DraDrivers,
 }
@@ -316,11 +325,21 @@ impl Runner {
             return Err(failure.into());
         }
         self.apply_dra(&config.resources, &built).await?;
+        self.backends.clone_from(&built);
         #[cfg(feature = "cluster")]
         self.cluster.refused.apply(config).await;
         #[cfg(not(feature = "cluster"))]
         crate::refused::say_lite_cannot(config);
+        self.apply_node_labels(config).await;
         Ok(())
+    }
+
+    /// Matches the node labels to `config` and the started backends.
+    async fn apply_node_labels(&mut self, config: &Config) {
+        #[cfg(feature = "cluster")]
+        self.cluster.labels.apply(config, &self.backends).await;
+        #[cfg(not(feature = "cluster"))]
+        crate::node_labels::say_lite_cannot(config, &self.backends);
     }
 
     /// Starts, restarts and stops the `dra:` resources' drivers to match `resources`.
@@ -460,16 +479,26 @@ impl Runner {
             tracing::error!(error = %format!("{err:#}"), "cannot apply the config's dra: resources");
             report.failed.push("dra".to_owned());
         }
+        let mut built = BTreeMap::new();
         let applied = self
             .host
             .apply(
                 &mut self.current,
                 device_plugin_resources(&config.resources),
-                |_, resource| Ok::<_, String>((build(resource)?, settings_of(resource))),
+                |name, resource| {
+                    let backend = build(resource)?;
+                    built.insert(name.to_owned(), backend.clone());
+                    Ok::<_, String>((backend as Arc<dyn devplug::Backend>, settings_of(resource)))
+                },
             )
             .await;
+        for name in &applied.removed {
+            self.backends.remove(name);
+        }
+        self.backends.extend(built);
         #[cfg(feature = "cluster")]
         self.cluster.refused.apply(&config).await;
+        self.apply_node_labels(&config).await;
         for failure in &applied.failed {
             tracing::error!(resource = %failure.resource(), error = %failure, "cannot apply the new config for this resource; it keeps its previous config");
             report.failed.push(failure.resource().to_owned());

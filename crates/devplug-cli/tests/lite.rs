@@ -236,3 +236,60 @@ fn run_says_what_it_cannot_do_about_refused_pods() {
     let log = run_log(Some("off"));
     assert!(!log.contains("refused"), "{log}");
 }
+
+/// `node_labels` does not stop either build: devplug-lite says in its log that it cannot write
+/// labels, the full build without `NODE_NAME` that it needs the node's name; both serve.
+#[test]
+fn node_labels_are_said_to_be_unwritable_where_they_cannot_be_written() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        "node_labels: { mode: direct }\nrefused_pods: off\nresources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n",
+    )
+    .unwrap();
+    let plugins = dir.path().join("device-plugins");
+    std::fs::create_dir(&plugins).unwrap();
+    let mut child = Command::new(BIN)
+        .args(["run", "--config", config.to_str().unwrap()])
+        .args(["--kubelet-dir", plugins.to_str().unwrap()])
+        .env_remove("NODE_NAME")
+        .env_remove("KUBECONFIG")
+        .env("RUST_LOG", "warn")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let want = if LITE {
+        "devplug-lite cannot write node labels"
+    } else {
+        "node_labels: without this node's name"
+    };
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut seen = Vec::new();
+    let found = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) if line.contains(want) => break true,
+            Ok(line) => seen.push(line),
+            Err(_) => break false,
+        }
+    };
+    let running = child.try_wait().unwrap().is_none();
+    child.kill().unwrap();
+    let _ = child.wait();
+    assert!(found, "no {want:?} in the log:\n{}", seen.join("\n"));
+    assert!(running, "run stopped:\n{}", seen.join("\n"));
+}

@@ -3,6 +3,8 @@
 //! - [`capacity`]: extended resources on a Node's status by JSON patch: set, remove
 //!   (a missing key is "already gone"), list.
 //! - [`advertise`]: resources kept on our own Node by `devplug run` (`advertise:`), event-driven.
+//! - [`node_labels`]: the labels the backends describe the node with, on our Node (server-side
+//!   apply) or in a NodeFeature object for Node Feature Discovery; removed at uninstall.
 //! - [`events`]: device health, registration and config reload problems as Events on the Node.
 //! - [`refused_pods`]: pods the kubelet refused at admission for a resource we serve (after a
 //!   reboot): deleted where their controller replaced them, reported where nothing does.
@@ -16,6 +18,7 @@
 pub mod advertise;
 pub mod capacity;
 pub mod events;
+pub mod node_labels;
 pub mod refused_pods;
 
 use std::path::Path;

@@ -227,6 +227,9 @@ pub struct AmdGpu {
     pub partitions: u32,
 }
 
+/// The amdgpu module version the fake driver reports (`/sys/module/amdgpu/version`).
+pub const AMDGPU_VERSION: &str = "6.10.5";
+
 /// Where one partition's nodes are in an [`AmdNode`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AmdPartition {
@@ -332,9 +335,15 @@ impl AmdNode {
     /// come last, as udev/devtmpfs would make them.
     pub fn load_driver(&self, tree: &FakeSysfs) -> io::Result<()> {
         std::fs::create_dir_all(tree.path("sys/module/amdgpu/drivers"))?;
+        tree.file("sys/module/amdgpu/version", &format!("{AMDGPU_VERSION}\n"))?;
+        tree.link(
+            "sys/bus/pci/drivers/amdgpu/module",
+            "../../../../module/amdgpu",
+        )?;
         for gpu in &self.gpus {
             tree.bind(&gpu.address, "amdgpu")?;
             let dir = pci_dir(&gpu.address);
+            tree.file(&format!("sys/{dir}/product_name"), "AMD Instinct MI300X\n")?;
             if let (Some(c), Some(m)) = (&gpu.compute, &gpu.memory) {
                 tree.file(
                     &format!("sys/{dir}/current_compute_partition"),
@@ -372,9 +381,22 @@ impl AmdNode {
             tree.file(
                 &format!("{staging}/{}/properties", part.kfd_node),
                 &format!(
-                    "cpu_cores_count 0\nsimd_count 304\nvendor_id 4098\nlocation_id {location}\n\
-                     domain 0\ndrm_render_minor {}\n",
+                    "cpu_cores_count 0\nsimd_count 304\nsimd_per_cu 4\nvendor_id 4098\n\
+                     location_id {location}\ndomain 0\ndrm_render_minor {}\n",
                     part.render
+                ),
+            )?;
+            // An MI300X's 192 GiB, split by the memory partition mode (NPS<n>).
+            let nps: u64 = gpu
+                .memory
+                .as_deref()
+                .and_then(|m| m.trim_start_matches("NPS").parse().ok())
+                .unwrap_or(1);
+            tree.file(
+                &format!("{staging}/{}/mem_banks/0/properties", part.kfd_node),
+                &format!(
+                    "heap_type 1\nsize_in_bytes {}\n",
+                    (192u64 << 30) / nps.max(1)
                 ),
             )?;
             let mut links = vec![(u32::try_from(gpu.numa.max(0)).unwrap_or(0), 2u32)];

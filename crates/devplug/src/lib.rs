@@ -34,7 +34,8 @@ mod quantity;
 mod signal;
 
 pub use backend::{
-    AllocateError, Backend, BackendWarning, BoxFuture, Options, PreStartError, PreferenceRequest,
+    AllocateError, Backend, BackendWarning, BoxFuture, NodeLabels, Options, PreStartError,
+    PreferenceRequest,
 };
 pub use device::{Device, DeviceList, Health};
 pub use edits::{ContainerEdits, DeviceNode, Mount};

@@ -142,6 +142,10 @@ pub struct Config {
     /// What `nvmlSystemGetDriverVersion` answers.
     #[serde(default = "default_driver_version")]
     pub driver_version: String,
+    /// What `nvmlSystemGetCudaDriverVersion_v2` answers, `<major>.<minor>` (default `12.8`,
+    /// driver 570's).
+    #[serde(default = "default_cuda_version")]
+    pub cuda_version: String,
     /// The fault-injection file (relative paths are relative to the config file).
     #[serde(default)]
     pub control: Option<PathBuf>,
@@ -169,6 +173,11 @@ pub struct GpuConfig {
     pub minor: Option<u32>,
     /// Memory in MiB.
     pub memory_mib: u64,
+    /// CUDA compute capability `<major>.<minor>` (`nvmlDeviceGetCudaComputeCapability`);
+    /// default: the capability of the model `name` names (V100 7.0, A100 8.0, L4 and L40S 8.9,
+    /// H100 and H200 9.0, B200 10.0), else `NOT_SUPPORTED`.
+    #[serde(default)]
+    pub compute_capability: Option<String>,
     /// PCI bus id with an 8-hex domain, e.g. `00000000:06:00.0`.
     pub bus_id: String,
     /// NUMA node (for the PCIe level between GPUs; sysfs is what devplug reads).
@@ -357,6 +366,38 @@ pub struct MigDeviceConfig {
 
 fn default_driver_version() -> String {
     "570.86.15".to_owned()
+}
+
+fn default_cuda_version() -> String {
+    "12.8".to_owned()
+}
+
+/// `<major>.<minor>` as two numbers.
+fn version_pair(text: &str) -> Option<(c_int, c_int)> {
+    let (major, minor) = text.trim().split_once('.')?;
+    Some((major.parse().ok()?, minor.parse().ok()?))
+}
+
+impl GpuConfig {
+    /// The compute capability given, or that of the model the name names.
+    fn compute_capability(&self) -> Option<(c_int, c_int)> {
+        if let Some(given) = &self.compute_capability {
+            return version_pair(given);
+        }
+        const MODELS: [(&str, (c_int, c_int)); 7] = [
+            ("V100", (7, 0)),
+            ("A100", (8, 0)),
+            ("L40S", (8, 9)),
+            ("L4", (8, 9)),
+            ("H100", (9, 0)),
+            ("H200", (9, 0)),
+            ("B200", (10, 0)),
+        ];
+        MODELS
+            .iter()
+            .find(|(model, _)| self.name.contains(model))
+            .map(|(_, cc)| *cc)
+    }
 }
 
 fn yes() -> bool {
@@ -1324,6 +1365,41 @@ pub extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
 #[no_mangle]
 pub extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
     with_state(|s| put_str(version, length, &s.config.driver_version))
+}
+
+/// `nvmlSystemGetCudaDriverVersion_v2`: `1000 * major + 10 * minor`.
+#[no_mangle]
+pub extern "C" fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) -> nvmlReturn_t {
+    with_state(|s| {
+        let (major, minor) = version_pair(&s.config.cuda_version).ok_or(UNKNOWN)?;
+        put(
+            version,
+            major
+                .saturating_mul(1000)
+                .saturating_add(minor.saturating_mul(10)),
+        )
+    })
+}
+
+/// `nvmlSystemGetCudaDriverVersion`: as `_v2`.
+#[no_mangle]
+pub extern "C" fn nvmlSystemGetCudaDriverVersion(version: *mut c_int) -> nvmlReturn_t {
+    nvmlSystemGetCudaDriverVersion_v2(version)
+}
+
+/// `nvmlDeviceGetCudaComputeCapability`.
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetCudaComputeCapability(
+    device: nvmlDevice_t,
+    major: *mut c_int,
+    minor: *mut c_int,
+) -> nvmlReturn_t {
+    with_state(|s| {
+        let gpu = s.gpu(device)?;
+        let (ma, mi) = gpu.config.compute_capability().ok_or(NOT_SUPPORTED)?;
+        put(major, ma)?;
+        put(minor, mi)
+    })
 }
 
 /// `nvmlDeviceGetCount_v2`.

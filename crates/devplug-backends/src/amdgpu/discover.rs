@@ -200,6 +200,7 @@ pub(crate) fn scan(settings: &AmdgpuSettings, cache: &mut KfdCache) -> Scan<AmdS
     let mut found: Vec<Found> = Vec::new();
     type GpuFacts = (Option<i64>, Option<String>, Option<Box<DeviceAttributes>>);
     let mut gpus: HashMap<String, GpuFacts> = HashMap::new();
+    let mut label_facts: Vec<super::labels::GpuFacts> = Vec::new();
     for pci in pci_devices(sys) {
         // Display controllers (0x03) and processing accelerators (0x12, as some Instinct
         // parts report); being bound to amdgpu is what makes one a device.
@@ -237,6 +238,7 @@ pub(crate) fn scan(settings: &AmdgpuSettings, cache: &mut KfdCache) -> Scan<AmdS
             .render_minor()
             .and_then(|r| kfd.by_render.get(&r))
             .map(|n| n.id);
+        label_facts.push(label_facts_of(&pci, kind.as_deref(), kfd_node, &kfd_nodes));
         found.push(Found {
             device: AmdDevice {
                 id: pci.address.clone(),
@@ -341,6 +343,39 @@ pub(crate) fn scan(settings: &AmdgpuSettings, cache: &mut KfdCache) -> Scan<AmdS
         spec,
         absent,
         present,
+        labels: super::labels::node_labels(&label_facts),
+    }
+}
+
+/// What the node labels say of a GPU: its PCI device id and product name, its KFD node's
+/// SIMDs and VRAM, the driver's version, its partition mode.
+fn label_facts_of(
+    pci: &crate::sysfs::PciDevice,
+    partition: Option<&str>,
+    kfd_node: Option<u32>,
+    kfd_nodes: &Path,
+) -> super::labels::GpuFacts {
+    let node = kfd_node.map(|id| kfd_nodes.join(id.to_string()));
+    let props = node
+        .as_ref()
+        .map(|n| properties(&n.join("properties")))
+        .unwrap_or_default();
+    let bank = node
+        .as_ref()
+        .map(|n| properties(&n.join("mem_banks/0/properties")))
+        .unwrap_or_default();
+    let count =
+        |map: &HashMap<String, i64>, key: &str| map.get(key).and_then(|v| u64::try_from(*v).ok());
+    super::labels::GpuFacts {
+        device_id: pci.device.map(|d| format!("{d:04x}")),
+        product_name: read_trimmed(&pci.path.join("product_name"))
+            .map(|n| crate::nvidia::labels::sanitise(&n))
+            .filter(|n| !n.is_empty()),
+        vram_bytes: count(&bank, "size_in_bytes"),
+        simd_count: count(&props, "simd_count"),
+        simd_per_cu: count(&props, "simd_per_cu"),
+        driver_version: read_trimmed(&pci.path.join("driver/module/version")),
+        partition: partition.map(str::to_owned),
     }
 }
 

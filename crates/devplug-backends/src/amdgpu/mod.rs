@@ -2,6 +2,7 @@
 //!
 //! - `settings`: which partition type to serve, CDI output, the roots.
 //! - `discover`: GPUs bound to `amdgpu`, `amdgpu_xcp_*` partitions, KFD links.
+//! - [`labels`]: the node labels of the GPUs, as AMD's node labeller names them.
 //!
 //! Ids are PCI addresses (as ROCm's plugin uses) and `amdgpu_xcp_<k>` for partitions beyond
 //! the first. A container gets `/dev/kfd` once plus each device's `/dev/dri/card<N>` and
@@ -11,6 +12,7 @@
 //! (a driver that loads late, a GPU that appears, a repartition): never a poll, never an exit.
 
 mod discover;
+pub mod labels;
 pub mod settings;
 
 pub use discover::{WEIGHT_NONE, WEIGHT_PCIE, WEIGHT_SAME_GPU, WEIGHT_XGMI};
@@ -116,5 +118,9 @@ impl Backend for AmdgpuBackend {
             preferred_allocation: true,
             pre_start_required: false,
         }
+    }
+
+    fn node_labels(&self) -> Option<watch::Receiver<devplug::NodeLabels>> {
+        Some(self.watched.labels())
     }
 }

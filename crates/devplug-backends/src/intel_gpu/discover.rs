@@ -83,6 +83,7 @@ pub(crate) fn scan(settings: &IntelGpuSettings) -> Scan<IntelState> {
         Option<Box<DeviceAttributes>>,
     );
     let mut found: Vec<Facts> = Vec::new();
+    let mut label_facts: Vec<super::labels::GpuFacts> = Vec::new();
     for (_, card, device) in cards {
         let Some(address) = device.file_name().and_then(|n| n.to_str()) else {
             continue;
@@ -122,6 +123,7 @@ pub(crate) fn scan(settings: &IntelGpuSettings) -> Scan<IntelState> {
             }
         }
         let problem = (!problems.is_empty()).then(|| problems.join(", "));
+        label_facts.push(label_facts_of(&class_drm.join(&card), pci.numa));
         let attributes = Attributes::default()
             .hex_id("deviceID", pci.device)
             .string("card", &card)
@@ -180,6 +182,36 @@ pub(crate) fn scan(settings: &IntelGpuSettings) -> Scan<IntelState> {
         spec,
         absent: BTreeMap::new(),
         present,
+        labels: super::labels::node_labels(&label_facts),
+    }
+}
+
+/// What the node labels say of the GPU whose DRM card folder is `card`: its tiles (`gt/gt*`
+/// under i915, `device/tile?` under xe) and local memory per tile.
+fn label_facts_of(card: &Path, numa: Option<i64>) -> super::labels::GpuFacts {
+    let count = |dir: PathBuf, prefix: &str| -> usize {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_str()
+                    .is_some_and(|n| n.starts_with(prefix))
+            })
+            .count()
+    };
+    let tiles = count(card.join("gt"), "gt").saturating_add(count(card.join("device"), "tile"));
+    super::labels::GpuFacts {
+        card: card
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_owned(),
+        numa,
+        tiles: u64::try_from(tiles.max(1)).unwrap_or(1),
+        lmem_per_tile: crate::sysfs::read_trimmed(&card.join("lmem_total_bytes"))
+            .and_then(|v| v.parse().ok()),
     }
 }
 

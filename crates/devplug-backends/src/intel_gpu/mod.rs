@@ -1,6 +1,7 @@
 //! The `intel-gpu` backend (config key `intel_gpu`): Intel GPUs from sysfs, no vendor library.
 //!
 //! - `settings`: driver, sharing, by-path mounts, CDI output, the roots.
+//! - [`labels`]: the node labels of the GPUs, as the labeller of Intel's GPU plugin names them.
 //! - `discover`: `class/drm` cards of vendor 0x8086 on the configured driver; SR-IOV PFs with
 //!   VFs enabled skipped, VFs served.
 //!
@@ -12,6 +13,7 @@
 //! (`spread`/`pack`), as in `hostdev`. Discovery follows changes with inotify: no 5 s poll.
 
 mod discover;
+pub mod labels;
 pub mod settings;
 
 pub use settings::{IntelDriver, IntelGpuSettings};
@@ -98,5 +100,9 @@ impl Backend for IntelGpuBackend {
             preferred_allocation: true,
             pre_start_required: false,
         }
+    }
+
+    fn node_labels(&self) -> Option<watch::Receiver<devplug::NodeLabels>> {
+        Some(self.watched.labels())
     }
 }

@@ -7,6 +7,7 @@
 //! - `edits`: what a container is given for its units, by the list strategy.
 //! - `health`: one state per physical GPU, recovering on a positive signal.
 //! - `worker`: the dedicated thread that owns NVML.
+//! - [`labels`]: the node labels of what it serves, as GPU Feature Discovery names them.
 //! - `settings`: the config keys.
 //! - [`mps`]: GPUs shared by capacity (DRA): an MPS control daemon per shared GPU, and each
 //!   share's limits.
@@ -37,6 +38,7 @@ mod claims;
 mod driver_files;
 mod edits;
 mod health;
+pub mod labels;
 mod mig_ids;
 mod mig_instances;
 pub mod mps;
@@ -174,7 +176,7 @@ impl NvidiaBackend {
     }
 
     /// What the NVML thread and the backend share, before anything is found.
-    fn shared(resource: &str, settings: &NvidiaSettings) -> Arc<Shared> {
+    fn shared(resource: &str, settings: &Arc<NvidiaSettings>) -> Arc<Shared> {
         let cdi = settings
             .sends(ListStrategy::CdiCri)
             .then(|| CdiWriter::new(&settings.cdi_dir, &format!("devplug-{resource}")));
@@ -187,6 +189,8 @@ impl NvidiaBackend {
             stop: AtomicBool::new(false),
             cdi: Mutex::new(cdi),
             discovered: watch::Sender::new(false),
+            labels: watch::Sender::new(devplug::NodeLabels::new()),
+            settings: settings.clone(),
         })
     }
 
@@ -413,6 +417,11 @@ impl Backend for NvidiaBackend {
             preferred_allocation: true,
             pre_start_required: false,
         }
+    }
+
+    /// GPU Feature Discovery's labels for what this resource serves ([`labels`]).
+    fn node_labels(&self) -> Option<watch::Receiver<devplug::NodeLabels>> {
+        Some(self.shared.labels.subscribe())
     }
 
     /// Why the resource cannot serve GPUs now (NVML not loaded, driver not ready), if so.

@@ -273,11 +273,22 @@ fn level(l: TopologyLevel) -> PcieLevel {
     }
 }
 
+/// NVML's CUDA version number (`1000 * major + 10 * minor`, e.g. 12040) as `(major, minor)`.
+fn cuda_version(raw: i32) -> Option<(u32, u32)> {
+    let raw = u32::try_from(raw).ok()?;
+    Some((raw / 1000, (raw % 1000) / 10))
+}
+
 impl GpuSession for NvmlSession<'_> {
     fn driver(&mut self) -> DriverInfo {
         DriverInfo {
             library: self.library.clone(),
             version: self.nvml.sys_driver_version().ok(),
+            cuda_version: self
+                .nvml
+                .sys_cuda_driver_version()
+                .ok()
+                .and_then(cuda_version),
         }
     }
 
@@ -314,7 +325,13 @@ impl GpuSession for NvmlSession<'_> {
                     Err(_) => break,
                 }
             }
-            let mig_enabled = device.mig_mode().is_ok_and(|m| m.current == 1);
+            let mig_mode = device.mig_mode();
+            let mig_capable = mig_mode.is_ok();
+            let mig_enabled = mig_mode.is_ok_and(|m| m.current == 1);
+            let compute_capability = device
+                .cuda_compute_capability()
+                .ok()
+                .and_then(|c| Some((u32::try_from(c.major).ok()?, u32::try_from(c.minor).ok()?)));
             let (migs, mig_profiles) = if mig_enabled {
                 let profiles = if !self.mig_profiles {
                     Vec::new()
@@ -336,6 +353,8 @@ impl GpuSession for NvmlSession<'_> {
                 memory_bytes,
                 bus_id,
                 nvlinks,
+                compute_capability,
+                mig_capable,
                 mig_enabled,
                 migs,
                 mig_profiles,

@@ -21,6 +21,10 @@ pub struct GpuInfo {
     pub bus_id: String,
     /// One entry per active NVLink: the PCI address at the other end (a GPU or an NVSwitch).
     pub nvlinks: Vec<String>,
+    /// CUDA compute capability `(major, minor)`, e.g. `(9, 0)`; `None` where NVML does not say.
+    pub compute_capability: Option<(u32, u32)>,
+    /// Whether the GPU supports MIG (NVML answers its MIG mode), on or off.
+    pub mig_capable: bool,
     /// Whether MIG mode is on (then, with `mig_strategy: none`, it is still served whole).
     pub mig_enabled: bool,
     /// Its MIG devices (empty when MIG is off).
@@ -243,6 +247,9 @@ pub struct DriverInfo {
     pub library: Option<std::path::PathBuf>,
     /// The driver version (`550.54.15`).
     pub version: Option<String>,
+    /// The newest CUDA version the driver supports `(major, minor)`, e.g. `(12, 4)`
+    /// (`nvmlSystemGetCudaDriverVersion_v2`).
+    pub cuda_version: Option<(u32, u32)>,
 }
 
 /// Opens NVML and runs a session on it. `Err` means the driver is not there or not ready,

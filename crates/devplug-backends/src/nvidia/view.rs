@@ -373,6 +373,10 @@ pub struct View {
     pub driver: Option<Arc<DriverFiles>>,
     /// The counter sets of GPUs served as MIG partitions (`mig_strategy: dynamic`).
     pub counter_sets: Vec<CounterSet>,
+    /// The driver version NVML reports (`570.86.15`), for the node labels.
+    pub driver_version: Option<String>,
+    /// The newest CUDA version the driver supports, for the node labels.
+    pub cuda_version: Option<(u32, u32)>,
 }
 
 fn glob_match(globs: &[String], text: &str) -> bool {
@@ -591,6 +595,8 @@ impl View {
             problem,
             driver: None,
             counter_sets,
+            driver_version: None,
+            cuda_version: None,
         }
     }
 

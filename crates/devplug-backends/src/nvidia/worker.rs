@@ -45,6 +45,10 @@ pub(crate) struct Shared {
     pub(crate) cdi: Mutex<Option<CdiWriter>>,
     /// Set once the first attempt to load NVML and discover has ended, either way.
     pub(crate) discovered: watch::Sender<bool>,
+    /// The node labels of the published devices ([`super::labels`]).
+    pub(crate) labels: watch::Sender<devplug::NodeLabels>,
+    /// The resource's settings, for the labels.
+    pub(crate) settings: Arc<NvidiaSettings>,
 }
 
 impl Shared {
@@ -85,6 +89,14 @@ impl Shared {
             }
         }
         let list = DeviceList::new(devices).with_counter_sets(view.counter_sets.clone());
+        let labels = super::labels::node_labels(&self.settings, view, &health);
+        self.labels.send_if_modified(|current| {
+            let modified = *current != labels;
+            if modified {
+                *current = labels;
+            }
+            modified
+        });
         self.devices.send_if_modified(|current| {
             let modified = *current != list;
             if modified {
@@ -214,7 +226,10 @@ fn discover(
         .snapshot()
         .map_err(|e| format!("GPU discovery failed: {e}"))?;
     let mut view = View::build(settings, &snapshot);
-    let (driver, refused) = match driver_files(settings, session.driver()) {
+    let info = session.driver();
+    view.driver_version.clone_from(&info.version);
+    view.cuda_version = info.cuda_version;
+    let (driver, refused) = match driver_files(settings, info) {
         Ok(found) => (found, None),
         Err(refused) => (None, Some(refused)),
     };

@@ -47,8 +47,35 @@ pub struct Config {
     /// What `run` does with pods the kubelet refused at admission for one of the device plugin
     /// resources (default `delete-replaced`; full `devplug` with `NODE_NAME` only).
     pub refused_pods: RefusedPodsPolicy,
+    /// Whether and how `run` writes the node labels the backends describe the node with
+    /// (default `off`; full `devplug` with `NODE_NAME` only).
+    pub node_labels: NodeLabelsSettings,
     /// The resources to serve, each on its own socket.
     pub resources: Vec<ResourceConfig>,
+}
+
+/// `node_labels:` the labels the GPU backends describe the node with (`nvidia.com/gpu.product`,
+/// `amd.com/gpu.family`, …, as the vendors' own labellers name them), and how they reach the
+/// Node.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeLabelsSettings {
+    /// `direct`, `node-feature` or `off` (default).
+    #[serde(default)]
+    pub mode: NodeLabelsMode,
+}
+
+/// How node labels reach the Node.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NodeLabelsMode {
+    /// Not written.
+    #[default]
+    Off,
+    /// On our own Node by server-side apply (only our keys, removed when they go).
+    Direct,
+    /// In a NodeFeature object that Node Feature Discovery turns into labels.
+    NodeFeature,
 }
 
 /// `refused_pods:` what `run` does with pods the kubelet refused at admission
@@ -243,6 +270,30 @@ fn test_parse(text: &str) -> Result<Config, String> {
 mod tests {
     use super::*;
     use test_parse as parse;
+
+    #[test]
+    fn node_labels_pick_a_mode_and_a_wrong_one_names_the_field_and_the_choices() {
+        let body = "resources:\n  - name: nvidia.com/gpu\n    virtual: { count: 1 }\n";
+        assert_eq!(parse(body).unwrap().node_labels.mode, NodeLabelsMode::Off);
+        for (text, mode) in [
+            ("direct", NodeLabelsMode::Direct),
+            ("node-feature", NodeLabelsMode::NodeFeature),
+            ("off", NodeLabelsMode::Off),
+        ] {
+            let config = parse(&format!("node_labels: {{ mode: {text} }}\n{body}")).unwrap();
+            assert_eq!(config.node_labels.mode, mode, "{text}");
+        }
+        let err = parse(&format!("node_labels: {{ mode: nfd }}\n{body}")).unwrap_err();
+        assert!(
+            err.contains("node_labels") && err.contains("node-feature"),
+            "{err}"
+        );
+        let err = parse(&format!(
+            "node_labels: {{ mode: direct, prefix: x }}\n{body}"
+        ))
+        .unwrap_err();
+        assert!(err.contains("prefix") && err.contains("mode"), "{err}");
+    }
 
     #[test]
     #[cfg(feature = "cluster")] // devplug-lite refuses `dra:` (its own test says so)

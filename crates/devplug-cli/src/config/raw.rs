@@ -3,8 +3,8 @@
 //! [`ResourceConfig`]; nothing after it sees this shape.
 
 use super::{
-    AdvertiseSettings, BackendConfig, DraSettings, RefusedPodsPolicy, RegistrationRoute,
-    ResourceConfig,
+    AdvertiseSettings, BackendConfig, DraSettings, NodeLabelsSettings, RefusedPodsPolicy,
+    RegistrationRoute, ResourceConfig,
 };
 use devplug_backends::{
     AmdgpuSettings, AscendSettings, FilesSettings, FpgaSettings, HostdevSettings, IntelGpuSettings,
@@ -23,6 +23,9 @@ pub(super) struct RawConfig {
     /// What `run` does with pods the kubelet refused at admission for these resources.
     #[serde(default)]
     pub(super) refused_pods: RefusedPodsPolicy,
+    /// Whether and how node labels are written.
+    #[serde(default)]
+    pub(super) node_labels: NodeLabelsSettings,
     /// The resources to serve, each on its own socket.
     pub(super) resources: Vec<RawResource>,
 }

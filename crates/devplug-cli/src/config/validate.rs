@@ -42,6 +42,7 @@ impl Config {
             Err(failed) if failed.is_empty() => Ok(Config {
                 registration: raw.registration,
                 refused_pods: raw.refused_pods,
+                node_labels: raw.node_labels,
                 resources,
             }),
             Err(failed) => Err(ConfigError::Resources {

@@ -7,6 +7,7 @@
 use crate::support::{self, figure, Namespace};
 use crate::Outcome;
 use devplug_testkit::node::Node;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -371,6 +372,168 @@ pub fn mig_partitions_reach_the_container(node: &'static Node) -> Outcome {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         release.delete_objects(node)?;
+        Ok(())
+    })
+}
+
+/// The host folder of the node-labels scenario (`ci/whole-node-gpu-labels-values.yaml` names it).
+const LABELS_DIR: &str = "/var/tmp/devplug-test-node/gpu-labels";
+/// The product label of the fake DGX-1's GPUs, as GPU Feature Discovery writes it.
+const V100_PRODUCT: &str = "Tesla-V100-SXM2-16GB";
+
+/// The Node's labels.
+async fn node_labels(
+    nodes: &kube::Api<k8s_openapi::api::core::v1::Node>,
+) -> Result<BTreeMap<String, String>, String> {
+    let node = nodes
+        .get(devplug_testkit::node::NODE_NAME)
+        .await
+        .map_err(|e| format!("the Node: {e}"))?;
+    Ok(node.metadata.labels.unwrap_or_default())
+}
+
+/// Waits until the Node's labels satisfy `check`.
+async fn wait_labels(
+    nodes: &kube::Api<k8s_openapi::api::core::v1::Node>,
+    what: &str,
+    timeout: Duration,
+    check: impl Fn(&BTreeMap<String, String>) -> bool,
+) -> Result<BTreeMap<String, String>, String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let labels = node_labels(nodes).await?;
+        if check(&labels) {
+            return Ok(labels);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("the Node's labels never showed {what}: {labels:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The GPU chart on the fake driver labels the Node as GPU Feature Discovery does; a pod
+/// selecting the product label runs; a GPU lost takes one off `nvidia.com/gpu.count`; the
+/// uninstall Job removes every label devplug wrote and nothing else.
+pub fn labels_follow_the_gpus(node: &'static Node) -> Outcome {
+    Box::pin(async move {
+        let client = node.client().await?;
+        let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
+        let root = Path::new(LABELS_DIR);
+        make_driver(node, root, "dgx1-v100")?;
+        // The fake NVML's fault file (the topology names it beside itself).
+        let control = root.join("driver-root/usr/lib/x86_64-linux-gnu/dgx1-v100.control");
+        write(&control, b"")?;
+        import_gpu_image(node)?;
+        // Another tool's labels, one under NVIDIA's prefix: they must outlive the uninstall.
+        node.kubectl(
+            &[
+                "label",
+                "node",
+                devplug_testkit::node::NODE_NAME,
+                "--overwrite",
+                "nvidia.com/gpu.deploy.operands=false",
+                "example.com/rack=r1",
+            ],
+            None,
+        )?;
+        let before = node_labels(&nodes).await?;
+        let release = support::helm_release(node, "whole-node-gpu-labels")?;
+        let started = Instant::now();
+        release.install(node)?;
+        let labels = wait_labels(&nodes, "GFD's labels", Duration::from_secs(90), |l| {
+            l.get("nvidia.com/gpu.count").map(String::as_str) == Some("8")
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
+        figure(&format!(
+            "GPU chart (nodeLabels auto) → GFD's labels on the Node: {:.1} s",
+            started.elapsed().as_secs_f64()
+        ));
+        for (key, want) in [
+            ("nvidia.com/gpu.product", V100_PRODUCT),
+            ("nvidia.com/gpu.memory", "16160"),
+            ("nvidia.com/gpu.family", "volta"),
+            ("nvidia.com/gpu.compute.major", "7"),
+            ("nvidia.com/gpu.compute.minor", "0"),
+            ("nvidia.com/gpu.replicas", "1"),
+            ("nvidia.com/gpu.sharing-strategy", "none"),
+            ("nvidia.com/cuda.driver.major", "570"),
+            ("nvidia.com/cuda.driver.minor", "86"),
+            ("nvidia.com/cuda.driver.rev", "15"),
+            ("nvidia.com/cuda.runtime.major", "12"),
+            ("nvidia.com/cuda.runtime.minor", "8"),
+            ("nvidia.com/mig.capable", "false"),
+            // Another tool's label under the same prefix is left as it was.
+            ("nvidia.com/gpu.deploy.operands", "false"),
+        ] {
+            assert_eq!(
+                labels.get(key).map(String::as_str),
+                Some(want),
+                "{key}: {labels:?}"
+            );
+        }
+
+        // A pod selecting the product, as pods written for GFD's labels do, runs.
+        let ns = Namespace::create(node, "dp-gpu-labels")?;
+        let mut pod = support::pod(&ns.name, "by-product", &[(GPU, 1)], "true");
+        pod["spec"]["nodeSelector"] = serde_json::json!({ "nvidia.com/gpu.product": V100_PRODUCT });
+        support::apply(node, &[pod])?;
+        support::wait_pod(
+            &client,
+            &ns.name,
+            "by-product",
+            Duration::from_secs(60),
+            support::running,
+        )
+        .await?;
+        ns.delete(node)?;
+
+        // A GPU falls off the bus: the count follows.
+        let lost_at = Instant::now();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&control)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, b"lost 3\n"))
+            .map_err(|e| format!("{}: {e}", control.display()))?;
+        wait_labels(&nodes, "gpu.count 7", Duration::from_secs(30), |l| {
+            l.get("nvidia.com/gpu.count").map(String::as_str) == Some("7")
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", support::devplug_log(node)))?;
+        figure(&format!(
+            "a GPU lost → nvidia.com/gpu.count 8 → 7 on the Node: {:.2} s",
+            lost_at.elapsed().as_secs_f64()
+        ));
+
+        // The uninstall: the DaemonSet gone, then the post-delete Job's node-labels container
+        // (its device-resources container waits out the kubelet's 5-minute grace: the
+        // uninstall scenario runs that one).
+        release.delete_objects(node)?;
+        let mut hooks = support::Release {
+            name: release.name.clone(),
+            objects: Vec::new(),
+            hooks: release.hooks.clone(),
+        };
+        for hook in &mut hooks.hooks {
+            if hook["kind"] == "Job" {
+                if let Some(containers) =
+                    hook["spec"]["template"]["spec"]["containers"].as_array_mut()
+                {
+                    containers.retain(|c| c["name"] == "node-labels");
+                }
+            }
+        }
+        let took = hooks.run_post_delete_hooks(node, Duration::from_secs(120))?;
+        figure(&format!(
+            "uninstall: the post-delete Job removed devplug's node labels in {:.1} s",
+            took.as_secs_f64()
+        ));
+        let after = node_labels(&nodes).await?;
+        assert_eq!(
+            after, before,
+            "every label devplug wrote gone, every other label as it was"
+        );
         Ok(())
     })
 }

@@ -28,7 +28,7 @@ use std::sync::OnceLock;
 type Outcome = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
 type Scenario = fn(&'static Node) -> Outcome;
 
-const SCENARIOS: [(&str, Scenario); 10] = [
+const SCENARIOS: [(&str, Scenario); 11] = [
     (
         "device_plugins_reach_the_container",
         device_plugins::reach_the_container,
@@ -38,6 +38,7 @@ const SCENARIOS: [(&str, Scenario); 10] = [
         "gpu_mig_partitions_reach_the_container",
         gpu::mig_partitions_reach_the_container,
     ),
+    ("gpu_labels_follow_the_gpus", gpu::labels_follow_the_gpus),
     ("kubelet_restart_keeps_devices", lifecycle::kubelet_restart),
     ("rolling_update_refuses_no_pod", lifecycle::rolling_update),
     (

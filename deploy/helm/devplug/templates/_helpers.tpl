@@ -83,6 +83,9 @@ vendor's GPU resource and gpu.extraResources. Everything that looks at the resou
 {{- if not (hasKey $config "refused_pods") -}}
 {{- $_ := set $config "refused_pods" (include "devplug.refusedPods" .) -}}
 {{- end -}}
+{{- if not (hasKey $config "node_labels") -}}
+{{- $_ := set $config "node_labels" (dict "mode" (include "devplug.nodeLabels" .)) -}}
+{{- end -}}
 {{- $vendor := toString .Values.gpu.vendor -}}
 {{- if $vendor -}}
 {{- $backends := dict "nvidia" "nvidia" "amdgpu" "amdgpu" "intel-gpu" "intel_gpu" -}}
@@ -230,7 +233,34 @@ the kubelet's plugins/ folder and /var/run/cdi); empty otherwise.
 then get a token and NODE_NAME.
 */}}
 {{- define "devplug.apiClient" -}}
-{{- if or (include "devplug.advertise" .) (include "devplug.dra" .) .Values.nodeEvents.enabled (include "devplug.refusedPodsOn" .) }}true{{ end }}
+{{- if or (include "devplug.advertise" .) (include "devplug.dra" .) .Values.nodeEvents.enabled (include "devplug.refusedPodsOn" .) (include "devplug.nodeLabelsMode" .) }}true{{ end }}
+{{- end }}
+
+{{/*
+nodeLabels, checked and resolved: direct, node-feature or off (auto: direct with gpu.vendor).
+*/}}
+{{- define "devplug.nodeLabels" -}}
+{{- $mode := toString .Values.nodeLabels -}}
+{{- if not (has $mode (list "auto" "direct" "node-feature" "off")) -}}
+{{- fail (printf "nodeLabels: %q is not a mode: use auto, direct, node-feature or off" $mode) -}}
+{{- end -}}
+{{- if eq $mode "auto" -}}
+{{- $mode = ternary "direct" "off" (ne (toString .Values.gpu.vendor) "") -}}
+{{- end -}}
+{{- $mode -}}
+{{- end }}
+
+{{/*
+The config's node_labels mode when it writes labels (direct or node-feature), else empty: the
+pods then need a token, NODE_NAME, POD_NAMESPACE and the RBAC of node-labels-rbac.yaml.
+*/}}
+{{- define "devplug.nodeLabelsMode" -}}
+{{- $config := .Values.config | default dict -}}
+{{- $mode := include "devplug.nodeLabels" . -}}
+{{- if hasKey $config "node_labels" -}}
+{{- $mode = toString (get (get $config "node_labels" | default dict) "mode" | default "off") -}}
+{{- end -}}
+{{- if ne $mode "off" }}{{ $mode }}{{ end }}
 {{- end }}
 
 {{/*

@@ -14,6 +14,8 @@ fn gpu(index: u32, name: &str, links: &[&str]) -> GpuInfo {
         memory_bytes: 1 << 30,
         bus_id: format!("0000:0{index}:00.0"),
         nvlinks: links.iter().map(|s| s.to_string()).collect(),
+        compute_capability: None,
+        mig_capable: false,
         mig_enabled: false,
         migs: Vec::new(),
         mig_profiles: Vec::new(),

@@ -68,6 +68,8 @@ fn gpu(index: u32) -> GpuInfo {
         memory_bytes: 1,
         bus_id: format!("0000:0{index}:00.0"),
         nvlinks: Vec::new(),
+        compute_capability: None,
+        mig_capable: false,
         mig_enabled: false,
         migs: Vec::new(),
         mig_profiles: Vec::new(),
@@ -87,6 +89,8 @@ fn start(driver: Scripted) -> (Arc<Shared>, std::sync::mpsc::Sender<()>) {
         stop: AtomicBool::new(false),
         cdi: Mutex::new(None),
         discovered: watch::Sender::new(false),
+        labels: watch::Sender::new(devplug::NodeLabels::new()),
+        settings: Arc::new(settings.clone()),
     });
     let (wake, wake_rx) = std::sync::mpsc::channel();
     let for_thread = shared.clone();

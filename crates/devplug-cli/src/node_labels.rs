@@ -1,0 +1,222 @@
+//! `node_labels:` in `devplug run`: the labels the backends describe the node with
+//! ([`devplug::Backend::node_labels`]), merged over the config's resources (in name order; the
+//! first resource to give a key keeps it) and written by `devplug_cluster::node_labels` on our
+//! Node (`direct`) or in a NodeFeature object (`node-feature`, in `POD_NAMESPACE`). A change of
+//! any backend's labels is written at once. `off` (or a mode change) removes what the previous
+//! mode wrote. Nothing is removed at shutdown (a restarting pod must not make labels flap); the
+//! uninstall does it (`devplug labels remove`). It needs the API server and this node's name: the
+//! full build only; devplug-lite says once in its log that it cannot.
+
+use crate::config::{BuiltBackend, Config, NodeLabelsMode};
+use std::collections::BTreeMap;
+
+/// The namespace of the NodeFeature object: devplug's own (`POD_NAMESPACE`), else `default`.
+#[cfg(feature = "cluster")]
+pub fn namespace() -> String {
+    std::env::var("POD_NAMESPACE")
+        .ok()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| "default".to_owned())
+}
+
+/// The writer, started, changed or stopped as the config says.
+#[cfg(feature = "cluster")]
+pub struct NodeLabelsWriter {
+    node: Option<String>,
+    kubeconfig: Option<std::path::PathBuf>,
+    running: Option<Running>,
+    said_no_node: bool,
+}
+
+#[cfg(feature = "cluster")]
+struct Running {
+    mode: NodeLabelsMode,
+    client: kube::Client,
+    labeler: std::sync::Arc<devplug_cluster::node_labels::NodeLabeler>,
+    /// Stops the tasks that follow the backends' labels.
+    follow: tokio_util::sync::CancellationToken,
+}
+
+#[cfg(feature = "cluster")]
+impl NodeLabelsWriter {
+    /// Nothing running yet.
+    pub fn new(node: Option<String>, kubeconfig: Option<std::path::PathBuf>) -> NodeLabelsWriter {
+        NodeLabelsWriter {
+            node,
+            kubeconfig,
+            running: None,
+            said_no_node: false,
+        }
+    }
+
+    /// Matches the writer to `config`, following the labels of `backends` (the config's
+    /// started resources, by name).
+    pub async fn apply(&mut self, config: &Config, backends: &BTreeMap<String, BuiltBackend>) {
+        use devplug_cluster::node_labels::{Mode, NodeLabeler};
+        let mode = config.node_labels.mode;
+        if let Some(running) = &mut self.running {
+            if running.mode == mode {
+                running.follow.cancel();
+                running.follow = follow(backends, running.labeler.clone());
+                return;
+            }
+        }
+        if let (Some(old), Some(node)) = (self.running.take(), self.node.clone()) {
+            old.follow.cancel();
+            tokio::spawn(remove(old.client, old.mode, node));
+        }
+        let cluster_mode = match mode {
+            NodeLabelsMode::Off => return,
+            NodeLabelsMode::Direct => Mode::Direct,
+            NodeLabelsMode::NodeFeature => Mode::NodeFeature {
+                namespace: namespace(),
+            },
+        };
+        let Some(node) = self.node.clone() else {
+            if !self.said_no_node {
+                self.said_no_node = true;
+                tracing::warn!(
+                    "node_labels: without this node's name (NODE_NAME, or --node-name) devplug \
+                     cannot label its Node; set it, or `node_labels: {{mode: off}}`"
+                );
+            }
+            return;
+        };
+        let client = match devplug_cluster::connect(self.kubeconfig.as_deref()).await {
+            Ok(client) => client,
+            Err(err) => {
+                tracing::warn!(%err, "node_labels: no API client; the Node gets no labels");
+                return;
+            }
+        };
+        tracing::info!(%node, ?mode, "writing node labels");
+        let labeler = std::sync::Arc::new(NodeLabeler::spawn(client.clone(), node, cluster_mode));
+        self.running = Some(Running {
+            mode,
+            client,
+            follow: follow(backends, labeler.clone()),
+            labeler,
+        });
+    }
+}
+
+/// Removes what `mode` wrote for `node`.
+#[cfg(feature = "cluster")]
+async fn remove(client: kube::Client, mode: NodeLabelsMode, node: String) {
+    use devplug_cluster::node_labels;
+    let result = match mode {
+        NodeLabelsMode::Off => return,
+        NodeLabelsMode::Direct => {
+            let nodes = kube::Api::all(client);
+            node_labels::remove_direct(&nodes, &node).await.map(drop)
+        }
+        NodeLabelsMode::NodeFeature => {
+            node_labels::remove_node_feature(&client, &namespace(), Some(&node))
+                .await
+                .map(drop)
+        }
+    };
+    if let Err(err) = result {
+        tracing::warn!(%err, "node_labels: cannot remove the labels of the previous mode");
+    }
+}
+
+/// The labels of `backends` merged: in name order, the first to give a key keeps it.
+#[cfg(feature = "cluster")]
+pub fn merged(
+    receivers: &[(String, tokio::sync::watch::Receiver<devplug::NodeLabels>)],
+) -> devplug::NodeLabels {
+    let mut out = devplug::NodeLabels::new();
+    for (name, rx) in receivers {
+        for (key, value) in rx.borrow().iter() {
+            match out.get(key) {
+                Some(kept) if kept != value => {
+                    tracing::debug!(resource = %name, %key, %value, %kept, "label given by an earlier resource too; keeping the first");
+                }
+                Some(_) => {}
+                None => {
+                    out.insert(key.clone(), value.clone());
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Follows the labels of `backends` into `labeler` until the token is cancelled.
+#[cfg(feature = "cluster")]
+fn follow(
+    backends: &BTreeMap<String, BuiltBackend>,
+    labeler: std::sync::Arc<devplug_cluster::node_labels::NodeLabeler>,
+) -> tokio_util::sync::CancellationToken {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let receivers: Vec<(String, tokio::sync::watch::Receiver<devplug::NodeLabels>)> = backends
+        .iter()
+        .filter_map(|(name, b)| Some((name.clone(), b.node_labels()?)))
+        .collect();
+    let changed = std::sync::Arc::new(tokio::sync::Notify::new());
+    for (_, rx) in &receivers {
+        let (mut rx, changed, stop) = (rx.clone(), changed.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    c = rx.changed() => if c.is_err() { return },
+                }
+                changed.notify_one();
+            }
+        });
+    }
+    let for_task = stop.clone();
+    tokio::spawn(async move {
+        loop {
+            labeler.set(merged(&receivers));
+            tokio::select! {
+                _ = for_task.cancelled() => return,
+                () = changed.notified() => {}
+            }
+        }
+    });
+    stop
+}
+
+/// devplug-lite has no API client: it says so once when the config asks for labels.
+#[cfg(not(feature = "cluster"))]
+pub fn say_lite_cannot(config: &Config, _: &BTreeMap<String, BuiltBackend>) {
+    if config.node_labels.mode != NodeLabelsMode::Off {
+        tracing::warn!(
+            "devplug-lite cannot write node labels (node_labels: {:?}; it has no API client): \
+             run the full devplug image, or set `node_labels: {{mode: off}}` to silence this",
+            config.node_labels.mode
+        );
+    }
+}
+
+#[cfg(all(test, feature = "cluster"))]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_first_resource_to_give_a_key_keeps_it() {
+        let labels = |pairs: &[(&str, &str)]| -> devplug::NodeLabels {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect()
+        };
+        let (_a_tx, a) = tokio::sync::watch::channel(labels(&[("nvidia.com/gpu.count", "4")]));
+        let (_b_tx, b) = tokio::sync::watch::channel(labels(&[
+            ("nvidia.com/gpu.count", "2"),
+            ("nvidia.com/mig-1g.5gb.count", "7"),
+        ]));
+        let got = merged(&[("a".into(), a), ("b".into(), b)]);
+        assert_eq!(
+            got,
+            labels(&[
+                ("nvidia.com/gpu.count", "4"),
+                ("nvidia.com/mig-1g.5gb.count", "7")
+            ])
+        );
+    }
+}
