@@ -93,7 +93,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// `devplug-bench fleet --nodes N [--variant whole|share|partitions] [--churn-secs S]
-/// [--churn-rate R] [--storms] [--api-down-secs S]`.
+/// [--churn-rate R] [--control-plane-qps Q] [--storms] [--api-down-secs S]`.
 async fn fleet() -> anyhow::Result<()> {
     use devplug_bench::fleet::{self, FleetOptions};
     let args: Vec<String> = std::env::args().skip(2).collect();
@@ -118,10 +118,15 @@ async fn fleet() -> anyhow::Result<()> {
                 options.api_down =
                     Duration::from_secs(value()?.parse().context("--api-down-secs: seconds")?)
             }
+            "--control-plane-qps" => {
+                options.control_plane_qps = value()?
+                    .parse()
+                    .context("--control-plane-qps: requests a second")?
+            }
             "--storms" => options.storms = true,
             other => anyhow::bail!(
                 "devplug-bench fleet: unknown flag {other:?} (--nodes N, --variant whole|share|partitions, \
-                 --churn-secs S, --churn-rate R, --storms, --api-down-secs S)"
+                 --churn-secs S, --churn-rate R, --control-plane-qps Q, --storms, --api-down-secs S)"
             ),
         }
     }

@@ -73,7 +73,7 @@ pub fn metric_sum(text: &str, metric: &str) -> f64 {
                 .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+        .fold(0.0, |a, b| a + b)
 }
 
 /// The scheduler's `/metrics` (HTTPS with its self-signed certificate, read anonymously: the

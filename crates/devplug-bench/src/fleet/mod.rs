@@ -23,7 +23,6 @@ use futures_util::StreamExt;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::Api;
 use node::SimNode;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -78,6 +77,9 @@ pub struct FleetOptions {
     pub in_flight: usize,
     /// How long the quiet window after the cold start lasts.
     pub idle: Duration,
+    /// The client rate (requests a second; the burst is twice that) of kube-scheduler and
+    /// kube-controller-manager.
+    pub control_plane_qps: u32,
 }
 
 impl FleetOptions {
@@ -95,6 +97,7 @@ impl FleetOptions {
             api_down: Duration::from_secs(30),
             in_flight: 20,
             idle: Duration::from_secs(10),
+            control_plane_qps: 100,
         }
     }
 }
@@ -208,7 +211,11 @@ pub struct Plane {
 
 /// Starts the control plane: the API server's in-flight limits raised for hundreds of nodes,
 /// the controller manager and scheduler with the client rates scalability tests give them.
-pub async fn start_plane() -> anyhow::Result<Plane> {
+pub async fn start_plane(qps: u32) -> anyhow::Result<Plane> {
+    let rate = [
+        format!("--kube-api-qps={qps}"),
+        format!("--kube-api-burst={}", qps.saturating_mul(2)),
+    ];
     let assets = api_server::assets_or_skip("devplug-bench fleet")
         .context("devplug-bench fleet needs KUBEBUILDER_ASSETS (docs/testing.md, \"Tests against a real API server\")")?;
     let dir = tempfile::Builder::new()
@@ -227,8 +234,8 @@ pub async fn start_plane() -> anyhow::Result<Plane> {
     plane
         .start_controller_manager(&[
             "--controllers=resourceclaim-controller,node-lifecycle-controller,garbage-collector-controller,pod-garbage-collector-controller".into(),
-            "--kube-api-qps=100".into(),
-            "--kube-api-burst=200".into(),
+            rate[0].clone(),
+            rate[1].clone(),
         ])
         .map_err(anyhow::Error::msg)?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -239,8 +246,8 @@ pub async fn start_plane() -> anyhow::Result<Plane> {
             format!("--secure-port={port}"),
             "--bind-address=127.0.0.1".into(),
             "--authorization-always-allow-paths=/metrics,/healthz,/readyz,/livez".into(),
-            "--kube-api-qps=100".into(),
-            "--kube-api-burst=200".into(),
+            rate[0].clone(),
+            rate[1].clone(),
         ])
         .map_err(anyhow::Error::msg)?;
     Ok(Plane {
@@ -248,6 +255,21 @@ pub async fn start_plane() -> anyhow::Result<Plane> {
         dir,
         scheduler_port: port,
     })
+}
+
+/// Descriptors a simulated node may hold, for the check of the open-files limit.
+const FDS_PER_NODE: usize = 24;
+
+/// This process's soft limit of open files.
+fn open_files_limit() -> Option<usize> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
+/// Descriptors this process holds.
+fn open_files() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
 }
 
 /// Waits until every node's driver has published its slices; returns how long it took.
@@ -313,7 +335,33 @@ fn report_cpu(phase: &str, before: &[(String, f64)], after: &[(String, f64)], to
 pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
     let n = options.nodes;
     anyhow::ensure!(n > 0, "--nodes must be at least 1");
-    let mut plane = start_plane().await?;
+    // Each node holds a dozen or so descriptors (its client's connection, its sockets, its
+    // registration folder's inotify, the stand-in's connection to its socket).
+    let want = n.saturating_mul(FDS_PER_NODE).saturating_add(256);
+    // Each node's driver follows the kubelet's plugin-registry folder with an inotify instance
+    // of its own, as on a real node; one user may hold `max_user_instances` of them (128 by
+    // default), shared by every process of that user on the machine.
+    let inotify = "/proc/sys/fs/inotify/max_user_instances";
+    if let Some(limit) = std::fs::read_to_string(inotify)
+        .ok()
+        .and_then(|t| t.trim().parse::<usize>().ok())
+    {
+        let want = n.saturating_add(128);
+        anyhow::ensure!(
+            limit >= want,
+            "{n} nodes need {n} inotify instances (one per driver) beside what this user's other \
+             processes hold, but {inotify} is {limit}: raise it first \
+             (`sysctl -w fs.inotify.max_user_instances={want}`, as root)"
+        );
+    }
+    if let Some(limit) = open_files_limit() {
+        anyhow::ensure!(
+            limit >= want,
+            "{n} nodes need about {want} open files but this process may open {limit}: \
+             raise the limit first (`ulimit -n {want}`)"
+        );
+    }
+    let mut plane = start_plane(options.control_plane_qps).await?;
     let kubeconfig = plane.plane.server().kubeconfig.clone();
     let admin = api_server::client(&kubeconfig)
         .await
@@ -321,8 +369,8 @@ pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
     report(
         "nodes",
         format!(
-            "{n}, {} devices each, variant {:?}",
-            options.devices, options.variant
+            "{n}, {} devices each, variant {:?}; kube-scheduler and kube-controller-manager at {} requests/s",
+            options.devices, options.variant, options.control_plane_qps
         ),
     );
 
@@ -346,6 +394,7 @@ pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
         .map(|name| SimNode::new(name, DRIVER, options.variant, options.devices))
         .collect::<anyhow::Result<_>>()?;
     let rss_before = metrics::process_usage("self").map_or(0, |(_, rss)| rss);
+    let fds_before = open_files();
     let cpu_before = cpu_now(plane.dir.path());
     let started = Instant::now();
     for node in &mut nodes {
@@ -372,6 +421,13 @@ pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
     let slices = slice_count(&admin).await?;
     anyhow::ensure!(slices >= n, "{slices} ResourceSlices for {n} nodes");
     let rss_after = metrics::process_usage("self").map_or(0, |(_, rss)| rss);
+    report(
+        "open files per simulated node's driver",
+        format!(
+            "{:.1}",
+            open_files().saturating_sub(fds_before) as f64 / n as f64
+        ),
+    );
     report(
         "resident memory per simulated node's driver (process RSS growth over the start / nodes)",
         format!(
@@ -561,8 +617,20 @@ pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
         metrics::metric_sum(&apiserver, "apiserver_request_total"),
     );
     report(
-        "API server: requests rejected for overload (apiserver_dropped_requests_total + 429s)",
-        metrics::metric_sum(&apiserver, "apiserver_dropped_requests_total"),
+        "API server: requests rejected for overload (apiserver_flowcontrol_rejected_requests_total)",
+        metrics::metric_sum(&apiserver, "apiserver_flowcontrol_rejected_requests_total"),
+    );
+    let waited = metrics::metric_sum(
+        &apiserver,
+        "apiserver_flowcontrol_request_wait_duration_seconds_sum",
+    ) / metrics::metric_sum(
+        &apiserver,
+        "apiserver_flowcontrol_request_wait_duration_seconds_count",
+    )
+    .max(1.0);
+    report(
+        "API server: mean wait of a request in its priority queue (apiserver_flowcontrol_request_wait_duration_seconds)",
+        format!("{:.1} ms", waited * 1e3),
     );
     for (name, (cpu, rss)) in metrics::control_plane_processes(plane.dir.path()) {
         report(
@@ -661,7 +729,6 @@ pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
     report("kubelet stand-ins' API requests in all (leases, pod watch, claim reads, status patches, final deletes)", kubelet_clients.count().get());
     sampler_task.abort();
     drop(plane);
-    let _ = Relaxed;
     Ok(())
 }
 
