@@ -163,7 +163,9 @@ fn micro_now() -> String {
 }
 
 /// Renews every node's lease every [`LEASE_RENEW`], spread evenly over the interval, until
-/// the task is aborted; a failure (the API server away) is retried at the next turn.
+/// the task is aborted; each renewal is a task of its own, so a slow API server delays no other
+/// node's (as each kubelet renews its own); a failure (the API server away) is retried at the
+/// next turn.
 pub async fn renew_leases(client: kube::Client, names: Vec<String>) {
     let leases: Api<Lease> = Api::namespaced(client, LEASE_NAMESPACE);
     let count = u32::try_from(names.len().max(1)).unwrap_or(u32::MAX);
@@ -171,12 +173,15 @@ pub async fn renew_leases(client: kube::Client, names: Vec<String>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     for name in names.iter().cycle() {
         tick.tick().await;
-        let patch = json!({ "spec": { "renewTime": micro_now() } });
-        if let Err(err) = leases
-            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            tracing::debug!(node = %name, %err, "lease not renewed");
-        }
+        let (leases, name) = (leases.clone(), name.clone());
+        tokio::spawn(async move {
+            let patch = json!({ "spec": { "renewTime": micro_now() } });
+            if let Err(err) = leases
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                tracing::debug!(node = %name, %err, "lease not renewed");
+            }
+        });
     }
 }
