@@ -109,6 +109,7 @@ pub async fn figures(changes: usize, claims: usize) -> anyhow::Result<()> {
 
     // Claims allocated as the scheduler would (status written here), then prepared and
     // unprepared by the kubelet simulator, one claim a call.
+    let client_for_breakdown = client.clone();
     let api: Api<ResourceClaim> = Api::namespaced(client, "default");
     let mut refs = Vec::with_capacity(claims);
     for i in 0..claims {
@@ -129,32 +130,45 @@ pub async fn figures(changes: usize, claims: usize) -> anyhow::Result<()> {
             .await?;
         refs.push(DraClaim::new("default", &name, &uid));
     }
+    // In rounds of as many claims as the devices hold (each claim takes 2): the claims of a
+    // round prepared, prepared again, then unprepared, so no device is held by two claims.
     let mut prepare = Vec::with_capacity(claims);
-    for claim in &refs {
-        let started = Instant::now();
-        let answer = kubelet
-            .dra_prepare(DRIVER, std::slice::from_ref(claim))
-            .await?;
-        prepare.push(started.elapsed());
-        if let Some(Err(err)) = answer.values().next() {
-            anyhow::bail!("prepare failed: {err:?}");
+    let mut repeat = Vec::with_capacity(claims);
+    let mut unprepare = Vec::with_capacity(claims);
+    let mut parts: Option<Breakdown> = None;
+    for round in refs.chunks(DEVICES / 2) {
+        for claim in round {
+            let started = Instant::now();
+            let answer = kubelet
+                .dra_prepare(DRIVER, std::slice::from_ref(claim))
+                .await?;
+            prepare.push(started.elapsed());
+            if let Some(Err(err)) = answer.values().next() {
+                anyhow::bail!("prepare failed: {err:?}");
+            }
+        }
+        let part = breakdown(&client_for_breakdown, root.path(), round, &driver).await?;
+        match &mut parts {
+            Some(parts) => parts.extend(part),
+            None => parts = Some(part),
+        }
+        for claim in round {
+            let started = Instant::now();
+            kubelet
+                .dra_prepare(DRIVER, std::slice::from_ref(claim))
+                .await?;
+            repeat.push(started.elapsed());
+        }
+        for claim in round {
+            let started = Instant::now();
+            kubelet
+                .dra_unprepare(DRIVER, std::slice::from_ref(claim))
+                .await?;
+            unprepare.push(started.elapsed());
         }
     }
-    let mut repeat = Vec::with_capacity(claims);
-    for claim in &refs {
-        let started = Instant::now();
-        kubelet
-            .dra_prepare(DRIVER, std::slice::from_ref(claim))
-            .await?;
-        repeat.push(started.elapsed());
-    }
-    let mut unprepare = Vec::with_capacity(claims);
-    for claim in &refs {
-        let started = Instant::now();
-        kubelet
-            .dra_unprepare(DRIVER, std::slice::from_ref(claim))
-            .await?;
-        unprepare.push(started.elapsed());
+    if let Some(mut parts) = parts {
+        parts.print();
     }
     print_row(
         "DRA: NodePrepareResources, 1 claim of 2 devices (API read + CDI spec + checkpoint, synced)",
@@ -172,4 +186,103 @@ pub async fn figures(changes: usize, claims: usize) -> anyhow::Result<()> {
     anyhow::ensure!(problems.is_empty(), "shutdown: {problems:?}");
     kubelet.stop().await;
     Ok(())
+}
+
+/// Where `NodePrepareResources` spends its time: each piece of the prepare path timed on its
+/// own, for the same claims, right after they were prepared. The claim read is the driver's
+/// own GET ([`KubeClaims`]); the CDI spec and the checkpoint are written (temp file, fsync,
+/// rename) as the preparer writes them, the checkpoint with as many claims as it held when
+/// each claim was prepared; the backend is this bench's (an env var of the device ids).
+async fn breakdown(
+    client: &kube::Client,
+    root: &std::path::Path,
+    refs: &[DraClaim],
+    driver: &DraDriver,
+) -> anyhow::Result<Breakdown> {
+    use devplug_dra::checkpoint::Checkpoint;
+    use devplug_dra::claims::{ClaimRef, ClaimSource, KubeClaims};
+    let source = KubeClaims::new(client.clone(), DRIVER);
+    let mut read = Vec::with_capacity(refs.len());
+    for claim in refs {
+        let claim = ClaimRef {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            uid: claim.uid.clone(),
+        };
+        let started = Instant::now();
+        source
+            .allocation(&claim)
+            .await
+            .map_err(anyhow::Error::msg)?;
+        read.push(started.elapsed());
+    }
+    let prepared = driver.prepared().await;
+    let spec_dir = root.join("breakdown-cdi");
+    let mut spec = Vec::with_capacity(prepared.len());
+    let mut checkpoint = Checkpoint::new(DRIVER);
+    let mut save = Vec::with_capacity(prepared.len());
+    let path = root.join("breakdown-checkpoint").join("checkpoint.json");
+    for (uid, claim) in &prepared {
+        let json = claim.cdi_spec_json.clone().unwrap_or_default();
+        let started = Instant::now();
+        devplug::cdi::write_atomic(&spec_dir.join(format!("{uid}.json")), json.as_bytes())?;
+        spec.push(started.elapsed());
+        checkpoint.claims.insert(uid.clone(), claim.clone());
+        let started = Instant::now();
+        checkpoint.save(&path)?;
+        save.push(started.elapsed());
+    }
+    let backend = Devices(watch::channel(DeviceList::default()).0);
+    let mut edits = Vec::with_capacity(refs.len());
+    for i in 0..refs.len() {
+        let ids = [
+            format!("dev-{}", (2 * i) % DEVICES),
+            format!("dev-{}", (2 * i + 1) % DEVICES),
+        ];
+        let started = Instant::now();
+        backend.allocate(&ids)?;
+        edits.push(started.elapsed());
+    }
+    Ok(Breakdown {
+        read,
+        spec,
+        save,
+        edits,
+    })
+}
+
+/// The parts of the prepare path, timed apart.
+struct Breakdown {
+    read: Vec<Duration>,
+    spec: Vec<Duration>,
+    save: Vec<Duration>,
+    edits: Vec<Duration>,
+}
+
+impl Breakdown {
+    fn extend(&mut self, other: Breakdown) {
+        self.read.extend(other.read);
+        self.spec.extend(other.spec);
+        self.save.extend(other.save);
+        self.edits.extend(other.edits);
+    }
+
+    fn print(&mut self) {
+        print_row(
+            "DRA prepare, its parts: the claim read (GET from the API server)",
+            &mut self.read,
+        );
+        print_row(
+            "DRA prepare, its parts: the CDI spec written (temp file, fsync, rename)",
+            &mut self.spec,
+        );
+        print_row(
+            "DRA prepare, its parts: the checkpoint written (1 to 32 claims; temp file, fsync, rename)",
+            &mut self.save,
+        );
+        print_row(
+            "DRA prepare, its parts: the backend's edits",
+            &mut self.edits,
+        );
+    }
 }

@@ -4,7 +4,9 @@
 //! `devplug-bench accelerators` only the vfio, qat, ascend and fpga figures,
 //! `devplug-bench nvidia` only the NVIDIA backend's, `devplug-bench routes` only kubelet
 //! restart → streaming by registration route and the PodResources call cost, `devplug-bench dra`
-//! the DRA figures (slice publish latency, NodePrepareResources; needs `KUBEBUILDER_ASSETS`).
+//! the DRA figures (slice publish latency, NodePrepareResources; needs `KUBEBUILDER_ASSETS`),
+//! `devplug-bench fleet --nodes N` N simulated nodes' DRA drivers against a real control plane
+//! (`--variant whole|share|partitions`, `--churn-secs S`, `--storms`; docs/benchmarks.md).
 //! Figures depend on the machine; this is not a test and asserts nothing.
 
 mod accelerators;
@@ -30,6 +32,9 @@ const RESOURCE: &str = "bench.example/dev";
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
+    if std::env::args().nth(1).as_deref() == Some("fleet") {
+        return fleet().await;
+    }
     let cpu_before = measure::machine_cpu();
     // DEVPLUG_BENCH_ONLY=process: only the figures of the `devplug run` process (memory, start).
     if std::env::var("DEVPLUG_BENCH_ONLY").as_deref() == Ok("process") {
@@ -83,6 +88,51 @@ async fn main() -> anyhow::Result<()> {
     nvidia::xid_to_unhealthy().await?;
     measure::process_figures().await?;
     nvidia::process_rss().await?;
+    print_machine(cpu_before);
+    Ok(())
+}
+
+/// `devplug-bench fleet --nodes N [--variant whole|share|partitions] [--churn-secs S]
+/// [--churn-rate R] [--control-plane-qps Q] [--storms] [--api-down-secs S]`.
+async fn fleet() -> anyhow::Result<()> {
+    use devplug_bench::fleet::{self, FleetOptions};
+    let args: Vec<String> = std::env::args().skip(2).collect();
+    let mut options = FleetOptions::new(100);
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .with_context(|| format!("{flag} needs a value"))
+                .cloned()
+        };
+        match flag.as_str() {
+            "--nodes" => options.nodes = value()?.parse().context("--nodes: a count")?,
+            "--variant" => options.variant = value()?.parse().map_err(anyhow::Error::msg)?,
+            "--churn-secs" => {
+                options.churn = Duration::from_secs(value()?.parse().context("--churn-secs: seconds")?)
+            }
+            "--churn-rate" => {
+                options.churn_rate = value()?.parse().context("--churn-rate: pods a second")?
+            }
+            "--api-down-secs" => {
+                options.api_down =
+                    Duration::from_secs(value()?.parse().context("--api-down-secs: seconds")?)
+            }
+            "--control-plane-qps" => {
+                options.control_plane_qps = value()?
+                    .parse()
+                    .context("--control-plane-qps: requests a second")?
+            }
+            "--storms" => options.storms = true,
+            other => anyhow::bail!(
+                "devplug-bench fleet: unknown flag {other:?} (--nodes N, --variant whole|share|partitions, \
+                 --churn-secs S, --churn-rate R, --control-plane-qps Q, --storms, --api-down-secs S)"
+            ),
+        }
+    }
+    anyhow::ensure!(options.churn_rate > 0.0, "--churn-rate must be above 0");
+    let cpu_before = measure::machine_cpu();
+    fleet::run(options).await?;
     print_machine(cpu_before);
     Ok(())
 }

@@ -403,13 +403,23 @@ fn spawn_scheduler(server: &ApiServer, assets: &Path) -> Result<Child, String> {
     }
     spawn(
         &binary,
-        &[
-            format!("--kubeconfig={}", server.kubeconfig.display()),
-            "--leader-elect=false".into(),
-            "--secure-port=0".into(),
-        ],
+        &scheduler_args(server),
         &server.dir.join("kube-scheduler.log"),
     )
+}
+
+/// kube-scheduler's command line against `server`.
+fn scheduler_args(server: &ApiServer) -> Vec<String> {
+    vec![
+        format!("--kubeconfig={}", server.kubeconfig.display()),
+        "--leader-elect=false".into(),
+        "--secure-port=0".into(),
+    ]
+}
+
+/// `--name` of `--name=value`, so that a flag given by the caller replaces the default one.
+fn flag_name(arg: &str) -> &str {
+    arg.split_once('=').map_or(arg, |(name, _)| name)
 }
 
 /// The shared API server of a test binary: a temp folder kept until the reaper removes it.
@@ -422,7 +432,7 @@ fn start(assets: &Path) -> Result<ApiServer, String> {
     let mut tries = 0;
     loop {
         tries += 1;
-        let (server, mut children, _) = spawn_api_server(assets, &dir)?;
+        let (server, mut children, _) = spawn_api_server(assets, &dir, &[])?;
         let mut reaper = reap_at_exit(Some(&dir), &children.each_ref().map(Child::id))?;
         match wait_ready(&server, &mut children, &dir) {
             // The reaper is not waited for: it outlives us on purpose.
@@ -521,6 +531,7 @@ struct Commands {
 fn spawn_api_server(
     assets: &Path,
     dir: &Path,
+    extra_args: &[String],
 ) -> Result<(ApiServer, [Child; 2], Commands), String> {
     let apiserver_bin = assets.join("kube-apiserver");
     let etcd_bin = assets.join("etcd");
@@ -553,7 +564,7 @@ fn spawn_api_server(
         .map_err(|e| fail("kubeconfig", e))?;
     let etcd_command = etcd_args(dir, etcd_port, peer_port);
     let etcd = spawn(&etcd_bin, &etcd_command, &dir.join("etcd.log"))?;
-    let apiserver_command: Vec<String> = vec![
+    let apiserver_command: Vec<String> = [
         "--bind-address=127.0.0.1".into(),
         "--advertise-address=127.0.0.1".into(),
         format!("--secure-port={api_port}"),
@@ -568,7 +579,10 @@ fn spawn_api_server(
         "--allow-privileged=true".into(),
         "--endpoint-reconciler-type=none".into(),
         "--disable-admission-plugins=ServiceAccount".into(),
-    ];
+    ]
+    .into_iter()
+    .chain(extra_args.iter().cloned())
+    .collect();
     let apiserver = spawn(
         &apiserver_bin,
         &apiserver_command,
@@ -662,6 +676,8 @@ pub struct ControlPlane {
     reaper: Option<Child>,
     /// The command lines, to start etcd and the API server again.
     commands: Commands,
+    /// True between [`ControlPlane::stop_api_server`] and [`ControlPlane::start_api_server`].
+    api_server_stopped: bool,
 }
 
 impl ControlPlane {
@@ -669,16 +685,28 @@ impl ControlPlane {
     /// the API server's `/readyz` is `ok` (60 s at most). Dropping the future while it waits
     /// stops the processes.
     pub async fn start(assets: &Path, dir: &Path) -> Result<ControlPlane, String> {
+        Self::start_with(assets, dir, &[]).await
+    }
+
+    /// [`ControlPlane::start`] with `apiserver_args` added to kube-apiserver's command line
+    /// (e.g. higher `--max-requests-inflight` for a benchmark of many nodes).
+    pub async fn start_with(
+        assets: &Path,
+        dir: &Path,
+        apiserver_args: &[String],
+    ) -> Result<ControlPlane, String> {
         let mut tries = 0;
         loop {
             tries += 1;
-            let (server, [etcd, apiserver], commands) = spawn_api_server(assets, dir)?;
+            let (server, [etcd, apiserver], commands) =
+                spawn_api_server(assets, dir, apiserver_args)?;
             let mut plane = ControlPlane {
                 server,
                 assets: assets.to_owned(),
                 processes: vec![apiserver, etcd],
                 reaper: None,
                 commands,
+                api_server_stopped: false,
             };
             plane.rearm_reaper()?;
             match ready_or_exit(&plane.server, &mut plane.processes, dir).await {
@@ -706,23 +734,77 @@ impl ControlPlane {
         self.rearm_reaper()
     }
 
-    /// Stops the API server (etcd keeps running), as an outage or an upgrade of the control
-    /// plane does; [`ControlPlane::start_api_server`] brings it back on the same address.
-    /// Only for a control plane without a scheduler.
+    /// Starts kube-scheduler with `args` added to its command line (e.g. `--secure-port` and
+    /// `--authorization-always-allow-paths=/metrics` to read its metrics). Its log is
+    /// `kube-scheduler.log` in the folder.
+    pub fn start_scheduler_with(&mut self, args: &[String]) -> Result<(), String> {
+        let mut command = scheduler_args(&self.server);
+        command.retain(|a| !args.iter().any(|b| flag_name(a) == flag_name(b)));
+        command.extend(args.iter().cloned());
+        let binary = self.assets.join("kube-scheduler");
+        let child = spawn(
+            &binary,
+            &command,
+            &self.server.dir.join("kube-scheduler.log"),
+        )?;
+        self.processes.insert(0, child);
+        self.rearm_reaper()
+    }
+
+    /// Starts kube-controller-manager from the same folder with `args` added to its command
+    /// line (`--controllers=...` picks which: the ResourceClaim controller makes the claims of
+    /// pods from their templates, the node lifecycle controller lifts the not-ready taint of
+    /// Ready nodes). Its log is `kube-controller-manager.log` in the folder.
+    pub fn start_controller_manager(&mut self, args: &[String]) -> Result<(), String> {
+        let binary = self.assets.join("kube-controller-manager");
+        if !binary.is_file() {
+            return Err(format!(
+                "{} is missing: KUBEBUILDER_ASSETS must hold kube-controller-manager",
+                binary.display()
+            ));
+        }
+        let mut command = vec![
+            format!("--kubeconfig={}", self.server.kubeconfig.display()),
+            "--leader-elect=false".into(),
+            "--bind-address=127.0.0.1".into(),
+            "--secure-port=0".into(),
+            format!("--root-ca-file={}", self.server.ca.display()),
+            format!(
+                "--service-account-private-key-file={}",
+                self.server.dir.join("sa.key").display()
+            ),
+            "--use-service-account-credentials=false".into(),
+        ];
+        command.retain(|a| !args.iter().any(|b| flag_name(a) == flag_name(b)));
+        command.extend(args.iter().cloned());
+        let child = spawn(
+            &binary,
+            &command,
+            &self.server.dir.join("kube-controller-manager.log"),
+        )?;
+        self.processes.insert(0, child);
+        self.rearm_reaper()
+    }
+
+    /// Stops the API server (etcd and any scheduler or controller manager keep running), as an
+    /// outage or an upgrade of the control plane does; [`ControlPlane::start_api_server`] brings
+    /// it back on the same address.
     pub fn stop_api_server(&mut self) -> Result<(), String> {
-        if self.processes.len() != 2 {
-            return Err("stop_api_server: only etcd and the API server may be running".to_owned());
+        if self.api_server_stopped || self.processes.len() < 2 {
+            return Err("stop_api_server: the API server is not running".to_owned());
         }
         self.disarm_reaper();
-        let mut apiserver = self.processes.remove(0);
+        let at = self.processes.len() - 2;
+        let mut apiserver = self.processes.remove(at);
         stop_all(std::slice::from_mut(&mut apiserver));
+        self.api_server_stopped = true;
         self.rearm_reaper()
     }
 
     /// Starts the API server stopped by [`ControlPlane::stop_api_server`] again and waits until
     /// it is ready.
     pub async fn start_api_server(&mut self) -> Result<(), String> {
-        if self.processes.len() != 1 {
+        if !self.api_server_stopped {
             return Err("start_api_server: the API server is not stopped".to_owned());
         }
         let apiserver = spawn(
@@ -730,7 +812,9 @@ impl ControlPlane {
             &self.commands.apiserver,
             &self.server.dir.join("kube-apiserver-restarted.log"),
         )?;
-        self.processes.insert(0, apiserver);
+        let at = self.processes.len() - 1;
+        self.processes.insert(at, apiserver);
+        self.api_server_stopped = false;
         self.rearm_reaper()?;
         wait_ready_async(&self.server.kubeconfig, &self.server.ca).await
     }

@@ -35,11 +35,18 @@ pub(super) fn build(
 }
 
 /// Writes a claim's spec atomically.
-pub(super) fn write(path: &Path, json: &str) -> Result<(), PrepareError> {
-    devplug::cdi::write_atomic(path, json.as_bytes())
+pub(super) async fn write(path: PathBuf, json: String) -> Result<(), PrepareError> {
+    // On a blocking thread: the write is fsynced, and a slow disk must not stall the runtime.
+    let written = tokio::task::spawn_blocking({
+        let path = path.clone();
+        move || devplug::cdi::write_atomic(&path, json.as_bytes())
+    })
+    .await
+    .unwrap_or_else(|join| Err(std::io::Error::other(join.to_string())));
+    written
         .map(|_| ())
         .map_err(|source| PrepareError::WriteSpec {
-            path: path.to_owned(),
+            path,
             source: Arc::new(source),
         })
 }

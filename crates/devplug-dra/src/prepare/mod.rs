@@ -216,7 +216,7 @@ impl Preparer {
         if new.is_empty() {
             return results;
         }
-        if let Err(err) = self.save(&state) {
+        if let Err(err) = self.save(&state).await {
             for claim in new {
                 if let Some(undone) = state.claims.remove(&claim.uid) {
                     let _ = std::fs::remove_file(&undone.cdi_spec);
@@ -352,7 +352,7 @@ impl Preparer {
                 .await
                 .map_err(|e| PrepareError::PreStart(e.0))?;
         }
-        claim_spec::write(&self.spec_path(&claim.uid), spec_json)
+        claim_spec::write(self.spec_path(&claim.uid), spec_json.to_owned()).await
     }
 
     /// Unprepares every claim; one result per distinct claim UID. Counted in [`Self::metrics`].
@@ -387,7 +387,7 @@ impl Preparer {
         if removed.is_empty() {
             return results;
         }
-        if let Err(err) = self.save(&state) {
+        if let Err(err) = self.save(&state).await {
             for (claim, gone) in removed {
                 state.claims.insert(claim.uid.clone(), gone);
                 tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot unprepare the claim");
@@ -434,13 +434,21 @@ impl Preparer {
     }
 
     /// Writes `state` to the checkpoint file; the error as each claim of the call is told it.
-    fn save(&self, state: &Checkpoint) -> Result<(), PrepareError> {
-        state
-            .save(&self.files.checkpoint)
-            .map_err(|source| PrepareError::WriteCheckpoint {
-                path: self.files.checkpoint.clone(),
-                source: Arc::new(source),
-            })
+    /// The write (and its fsync) runs on a blocking thread: a slow disk must not stall the
+    /// runtime that serves the kubelet, publishes the slices and watches the API server.
+    async fn save(&self, state: &Checkpoint) -> Result<(), PrepareError> {
+        let path = self.files.checkpoint.clone();
+        let state = state.clone();
+        let written = tokio::task::spawn_blocking({
+            let path = path.clone();
+            move || state.save(&path)
+        })
+        .await
+        .unwrap_or_else(|join| Err(std::io::Error::other(join.to_string())));
+        written.map_err(|source| PrepareError::WriteCheckpoint {
+            path,
+            source: Arc::new(source),
+        })
     }
 
     /// The CDI kind of this driver's claim specs: `<driver>/claim`.

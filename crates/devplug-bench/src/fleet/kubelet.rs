@@ -1,0 +1,373 @@
+//! The kubelet stand-in of every simulated node. One watch of the benchmark's pods serves all
+//! nodes (as one informer would); each event goes to the worker of the pod's node, and the
+//! per-node work is per node, as on a real node: for a pod bound there, read its claims
+//! (the kubelet reads each claim to learn its UID), call that node's `NodePrepareResources`
+//! over the driver's real socket, and mark the pod Running (a status patch, as kwok does);
+//! for a pod being deleted, `NodeUnprepareResources`, then the final delete a kubelet makes.
+
+use devplug_proto::dra_v1::{self, dra_plugin_client::DraPluginClient};
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
+use kube::runtime::watcher;
+use kube::Api;
+use serde_json::json;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, watch};
+use tonic::transport::Channel;
+
+/// How long a pod whose claims are not ready to prepare waits before the next try.
+const RETRY: Duration = Duration::from_millis(500);
+
+/// What the stand-ins saw, shared with the workload.
+#[derive(Default)]
+pub struct Observed {
+    /// When each pod (by name) was marked Running.
+    pub running: Mutex<HashMap<String, Instant>>,
+    /// Successful `NodePrepareResources` calls per claim UID, and the node that answered.
+    pub prepared: Mutex<HashMap<String, (u32, String)>>,
+    /// Successful `NodeUnprepareResources` calls per claim UID.
+    pub unprepared: Mutex<HashMap<String, u32>>,
+    /// `NodePrepareResources` round trips (over the socket), in order.
+    pub prepare_times: Mutex<Vec<Duration>>,
+    /// Calls that failed (an error from the driver or the socket), with why.
+    pub failures: Mutex<Vec<String>>,
+}
+
+/// Pods marked Running, by count (for waits without polling).
+pub type RunningCount = watch::Receiver<usize>;
+
+/// One node's worker: its pods and the driver's socket.
+struct Worker {
+    node: String,
+    endpoint: PathBuf,
+    channel: Option<Channel>,
+    /// Prepared claims of each pod UID on this node.
+    prepared: HashMap<String, Vec<dra_v1::Claim>>,
+    client: kube::Client,
+    observed: Arc<Observed>,
+    running: watch::Sender<usize>,
+    retry: mpsc::UnboundedSender<Pod>,
+}
+
+/// The stand-ins of all nodes: the shared watch and a worker per node.
+pub struct Kubelets {
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// What they saw.
+    pub observed: Arc<Observed>,
+    /// Pods marked Running so far.
+    pub running: RunningCount,
+}
+
+impl Kubelets {
+    /// Starts a worker for each `(node, driver socket)` and the watch of `namespace`'s pods.
+    pub fn start(client: kube::Client, namespace: &str, nodes: &[(String, PathBuf)]) -> Kubelets {
+        let observed = Arc::new(Observed::default());
+        let (running_tx, running) = watch::channel(0usize);
+        let mut tasks = Vec::with_capacity(nodes.len() + 1);
+        let mut routes: HashMap<String, mpsc::UnboundedSender<Pod>> = HashMap::new();
+        for (node, endpoint) in nodes {
+            let (tx, rx) = mpsc::unbounded_channel();
+            routes.insert(node.clone(), tx.clone());
+            let worker = Worker {
+                node: node.clone(),
+                endpoint: endpoint.clone(),
+                channel: None,
+                prepared: HashMap::new(),
+                client: client.clone(),
+                observed: observed.clone(),
+                running: running_tx.clone(),
+                retry: tx,
+            };
+            tasks.push(tokio::spawn(worker.run(rx)));
+        }
+        let pods: Api<Pod> = Api::namespaced(client, namespace);
+        tasks.push(tokio::spawn(async move {
+            let mut events = std::pin::pin!(watcher(pods, watcher::Config::default()));
+            while let Some(event) = events.next().await {
+                let (pod, gone) = match event {
+                    Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => (pod, false),
+                    Ok(watcher::Event::Delete(pod)) => (pod, true),
+                    Ok(_) => continue,
+                    Err(err) => {
+                        tracing::debug!(%err, "the pod watch failed; it starts again");
+                        tokio::time::sleep(RETRY).await;
+                        continue;
+                    }
+                };
+                let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+                if let Some(route) = node.and_then(|n| routes.get(&n)) {
+                    let mut pod = pod;
+                    if gone {
+                        // A pod gone from the API server: a deletion mark, so the worker
+                        // unprepares it and makes no final delete.
+                        pod.metadata
+                            .annotations
+                            .get_or_insert_default()
+                            .insert(GONE.into(), "1".into());
+                    }
+                    let _ = route.send(pod);
+                }
+            }
+        }));
+        Kubelets {
+            tasks,
+            observed,
+            running,
+        }
+    }
+
+    /// Stops every worker and the watch.
+    pub fn stop(self) {
+        for task in self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Marks a pod event as the pod's deletion from the API server.
+const GONE: &str = "devplug-bench/gone";
+
+impl Worker {
+    async fn run(mut self, mut pods: mpsc::UnboundedReceiver<Pod>) {
+        while let Some(pod) = pods.recv().await {
+            self.handle(pod).await;
+        }
+    }
+
+    async fn handle(&mut self, pod: Pod) {
+        let Some(uid) = pod.metadata.uid.clone() else {
+            return;
+        };
+        let gone = pod
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(GONE));
+        if gone || pod.metadata.deletion_timestamp.is_some() {
+            if let Some(claims) = self.prepared.remove(&uid) {
+                self.unprepare(claims).await;
+            }
+            if !gone {
+                self.final_delete(&pod, &uid).await;
+            }
+            return;
+        }
+        let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+        if self.prepared.contains_key(&uid) || phase == Some("Running") {
+            return;
+        }
+        match self.prepare(&pod, &uid).await {
+            Ok(Some(claims)) => {
+                self.prepared.insert(uid, claims);
+                self.mark_running(&pod).await;
+            }
+            Ok(None) => {
+                // Claims not allocated or reserved yet: try again shortly.
+                let retry = self.retry.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(RETRY).await;
+                    let _ = retry.send(pod);
+                });
+            }
+            Err(err) => {
+                self.observed
+                    .failures
+                    .lock()
+                    .map(|mut f| f.push(format!("{}: {err}", self.node)))
+                    .ok();
+                let retry = self.retry.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(RETRY).await;
+                    let _ = retry.send(pod);
+                });
+            }
+        }
+    }
+
+    /// The pod's claims read and prepared; `None` when one is not allocated and reserved for
+    /// the pod yet.
+    async fn prepare(
+        &mut self,
+        pod: &Pod,
+        uid: &str,
+    ) -> anyhow::Result<Option<Vec<dra_v1::Claim>>> {
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let statuses = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.resource_claim_statuses.clone())
+            .unwrap_or_default();
+        let wanted = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.resource_claims.as_ref())
+            .map_or(0, Vec::len);
+        if statuses.len() < wanted {
+            return Ok(None);
+        }
+        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &namespace);
+        let mut claims = Vec::with_capacity(statuses.len());
+        for status in statuses {
+            let Some(name) = status.resource_claim_name else {
+                continue;
+            };
+            let claim = api.get(&name).await?;
+            let reserved = claim
+                .status
+                .as_ref()
+                .and_then(|s| s.reserved_for.as_ref())
+                .is_some_and(|r| r.iter().any(|c| c.uid == uid));
+            let allocated = claim
+                .status
+                .as_ref()
+                .is_some_and(|s| s.allocation.is_some());
+            if !reserved || !allocated {
+                return Ok(None);
+            }
+            claims.push(dra_v1::Claim {
+                namespace: namespace.clone(),
+                name,
+                uid: claim.metadata.uid.unwrap_or_default(),
+            });
+        }
+        let channel = match &self.channel {
+            Some(channel) => channel.clone(),
+            None => {
+                let channel =
+                    devplug_proto::uds::connect(&self.endpoint, Duration::from_secs(5)).await?;
+                self.channel = Some(channel.clone());
+                channel
+            }
+        };
+        let started = Instant::now();
+        let answer = DraPluginClient::new(channel)
+            .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
+                claims: claims.clone(),
+            })
+            .await;
+        let took = started.elapsed();
+        let answer = match answer {
+            Ok(answer) => answer.into_inner(),
+            Err(status) => {
+                self.channel = None;
+                anyhow::bail!("NodePrepareResources: {status}");
+            }
+        };
+        if let Ok(mut times) = self.observed.prepare_times.lock() {
+            times.push(took);
+        }
+        for claim in &claims {
+            match answer.claims.get(&claim.uid) {
+                Some(r) if r.error.is_empty() && !r.devices.is_empty() => {}
+                Some(r) => anyhow::bail!("claim {}: {}", claim.name, r.error),
+                None => anyhow::bail!("claim {}: no answer", claim.name),
+            }
+        }
+        if let Ok(mut prepared) = self.observed.prepared.lock() {
+            for claim in &claims {
+                let entry = prepared
+                    .entry(claim.uid.clone())
+                    .or_insert((0, self.node.clone()));
+                entry.0 = entry.0.saturating_add(1);
+                entry.1 = self.node.clone();
+            }
+        }
+        Ok(Some(claims))
+    }
+
+    async fn unprepare(&mut self, claims: Vec<dra_v1::Claim>) {
+        let result = async {
+            let channel = match &self.channel {
+                Some(channel) => channel.clone(),
+                None => devplug_proto::uds::connect(&self.endpoint, Duration::from_secs(5)).await?,
+            };
+            let answer = DraPluginClient::new(channel)
+                .node_unprepare_resources(dra_v1::NodeUnprepareResourcesRequest {
+                    claims: claims.clone(),
+                })
+                .await?
+                .into_inner();
+            anyhow::Ok(answer)
+        }
+        .await;
+        match result {
+            Ok(answer) => {
+                for claim in &claims {
+                    match answer.claims.get(&claim.uid) {
+                        Some(r) if r.error.is_empty() => {
+                            if let Ok(mut un) = self.observed.unprepared.lock() {
+                                let n = un.entry(claim.uid.clone()).or_default();
+                                *n = n.saturating_add(1);
+                            }
+                        }
+                        other => self.fail(format!("unprepare {}: {other:?}", claim.name)),
+                    }
+                }
+            }
+            Err(err) => {
+                self.channel = None;
+                self.fail(format!("unprepare: {err}"));
+            }
+        }
+    }
+
+    fn fail(&self, what: String) {
+        if let Ok(mut f) = self.observed.failures.lock() {
+            f.push(format!("{}: {what}", self.node));
+        }
+    }
+
+    async fn mark_running(&mut self, pod: &Pod) {
+        let (Some(name), Some(namespace)) = (&pod.metadata.name, &pod.metadata.namespace) else {
+            return;
+        };
+        let at = k8s_openapi::jiff::Timestamp::now().to_string();
+        let condition =
+            |kind: &str| json!({ "type": kind, "status": "True", "lastTransitionTime": at });
+        let status = json!({ "status": {
+            "phase": "Running", "startTime": at,
+            "conditions": [condition("PodScheduled"), condition("Initialized"),
+                condition("ContainersReady"), condition("Ready")],
+        } });
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        match api
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+        {
+            Ok(_) => {
+                if let Ok(mut running) = self.observed.running.lock() {
+                    running.insert(name.clone(), Instant::now());
+                }
+                self.running.send_modify(|n| *n = n.saturating_add(1));
+            }
+            Err(err) => self.fail(format!("pod {name} not marked Running: {err}")),
+        }
+    }
+
+    /// The kubelet's last word on a deleted pod: removed for good once its containers (none
+    /// here) stopped and its claims were unprepared.
+    async fn final_delete(&self, pod: &Pod, uid: &str) {
+        let (Some(name), Some(namespace)) = (&pod.metadata.name, &pod.metadata.namespace) else {
+            return;
+        };
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let params = DeleteParams {
+            grace_period_seconds: Some(0),
+            preconditions: Some(Preconditions {
+                uid: Some(uid.to_owned()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match api.delete(name, &params).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.is_not_found() || s.code == 409 => {}
+            Err(err) => self.fail(format!("pod {name} not deleted: {err}")),
+        }
+    }
+}

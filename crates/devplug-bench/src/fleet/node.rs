@@ -1,0 +1,187 @@
+//! One simulated node: a real `Node` object (allocatable CPU, memory and pods, `Ready`, its
+//! lease renewed as a kubelet renews it) and devplug's real DRA driver for it: its own slice
+//! publisher, preparer, checkpoint, CDI folder and kubelet-facing gRPC socket in a temp folder
+//! of its own, over a virtual backend.
+
+use super::Variant;
+use anyhow::Context;
+use devplug_backends::virtual_devices::{
+    VirtualBackend, VirtualPartitions, VirtualSettings, VirtualShare,
+};
+use devplug_dra::kubelet::KubeletDirs;
+use devplug_dra::{ClaimBackend, DraDriver, DraDriverSettings};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::Api;
+use serde_json::json;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The namespace of the nodes' leases.
+const LEASE_NAMESPACE: &str = "kube-node-lease";
+/// How often a kubelet renews its lease (its default: a quarter of the 40 s lease).
+pub const LEASE_RENEW: Duration = Duration::from_secs(10);
+
+/// A simulated node's driver and where its files are.
+pub struct SimNode {
+    /// The Node's name (also the driver's pool).
+    pub name: String,
+    /// The driver's settings (to start it again).
+    pub settings: DraDriverSettings,
+    /// The driver, while it runs.
+    pub driver: Option<DraDriver>,
+    /// The node's kubelet folders and CDI folder.
+    pub root: tempfile::TempDir,
+    variant: Variant,
+    devices: usize,
+}
+
+impl SimNode {
+    /// The folders of node `name`'s driver, in a temp folder of its own.
+    pub fn new(
+        name: &str,
+        driver: &str,
+        variant: Variant,
+        devices: usize,
+    ) -> anyhow::Result<SimNode> {
+        let root = tempfile::Builder::new()
+            .prefix("devplug-fleet-")
+            .tempdir()?;
+        let device_plugins = root.path().join("device-plugins");
+        std::fs::create_dir_all(&device_plugins)?;
+        let settings = DraDriverSettings {
+            driver: driver.to_owned(),
+            node: name.to_owned(),
+            dirs: KubeletDirs::beside(&device_plugins),
+            cdi_dir: root.path().join("cdi"),
+            no_execute_after: None,
+        };
+        Ok(SimNode {
+            name: name.to_owned(),
+            settings,
+            driver: None,
+            root,
+            variant,
+            devices,
+        })
+    }
+
+    /// The driver's `DRAPlugin` socket, as the kubelet finds it.
+    pub fn endpoint(&self) -> PathBuf {
+        self.settings.dirs.endpoint(&self.settings.driver)
+    }
+
+    /// Starts the driver with `client` (a new backend each time, as a new process has).
+    pub async fn start_driver(&mut self, client: kube::Client) -> anyhow::Result<()> {
+        let backend: Arc<dyn ClaimBackend> = Arc::new(VirtualBackend::new(&backend_settings(
+            self.variant,
+            self.devices,
+        ))?);
+        let driver = DraDriver::start(self.settings.clone(), backend, client)
+            .await
+            .with_context(|| format!("the driver of {}", self.name))?;
+        self.driver = Some(driver);
+        Ok(())
+    }
+
+    /// Stops the driver as devplug stops at SIGTERM: sockets and slices removed, the checkpoint
+    /// and CDI specs kept. Returns what could not be cleaned up.
+    pub async fn stop_driver(&mut self) -> Vec<String> {
+        match self.driver.take() {
+            Some(driver) => driver.shutdown().await,
+            None => Vec::new(),
+        }
+    }
+}
+
+/// The virtual backend of one node: `devices` devices, whole, shared by capacity or
+/// partitioned.
+pub fn backend_settings(variant: Variant, devices: usize) -> VirtualSettings {
+    let mut settings = VirtualSettings {
+        env: "FLEET_DEVICES".into(),
+        id_prefix: "dev-".into(),
+        ..VirtualSettings::new(devices)
+    };
+    match variant {
+        Variant::Whole => {}
+        Variant::Share => {
+            settings.share = Some(VirtualShare {
+                cores: 100,
+                memory: None,
+                memory_step: "256Mi".into(),
+            });
+        }
+        Variant::Partitions => {
+            settings.partitions = Some(VirtualPartitions {
+                slices: 2,
+                sizes: vec![1],
+            });
+        }
+    }
+    settings
+}
+
+fn now() -> String {
+    k8s_openapi::jiff::Timestamp::now().to_string()
+}
+
+/// Creates Node `name` (64 CPUs, 256 GiB, 110 pods, `Ready`) and its lease.
+pub async fn create_node(client: &kube::Client, name: &str) -> anyhow::Result<()> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node: Node = serde_json::from_value(json!({
+        "metadata": { "name": name, "labels": { "kubernetes.io/hostname": name, "devplug-fleet": "node" } },
+    }))?;
+    nodes.create(&PostParams::default(), &node).await?;
+    let resources = json!({ "cpu": "64", "memory": "256Gi", "pods": "110" });
+    let at = now();
+    let status = json!({ "status": {
+        "capacity": resources, "allocatable": resources,
+        "conditions": [{ "type": "Ready", "status": "True", "reason": "KubeletReady",
+            "message": "devplug-bench fleet: a simulated node", "lastHeartbeatTime": at,
+            "lastTransitionTime": at }],
+        "nodeInfo": { "kubeletVersion": "v1.36.2", "containerRuntimeVersion": "containerd://2.2.7",
+            "architecture": "amd64", "operatingSystem": "linux", "bootID": "", "kernelVersion": "",
+            "kubeProxyVersion": "", "machineID": "", "osImage": "", "systemUUID": "" },
+    } });
+    nodes
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NAMESPACE);
+    let lease: Lease = serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": { "holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": micro_now() },
+    }))?;
+    leases.create(&PostParams::default(), &lease).await?;
+    Ok(())
+}
+
+fn micro_now() -> String {
+    let t = k8s_openapi::jiff::Timestamp::now();
+    t.strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string()
+}
+
+/// Renews every node's lease every [`LEASE_RENEW`], spread evenly over the interval, until
+/// the task is aborted; each renewal is a task of its own, so a slow API server delays no other
+/// node's (as each kubelet renews its own); a failure (the API server away) is retried at the
+/// next turn.
+pub async fn renew_leases(client: kube::Client, names: Vec<String>) {
+    let leases: Api<Lease> = Api::namespaced(client, LEASE_NAMESPACE);
+    let count = u32::try_from(names.len().max(1)).unwrap_or(u32::MAX);
+    let mut tick = tokio::time::interval(LEASE_RENEW / count);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    for name in names.iter().cycle() {
+        tick.tick().await;
+        let (leases, name) = (leases.clone(), name.clone());
+        tokio::spawn(async move {
+            let patch = json!({ "spec": { "renewTime": micro_now() } });
+            if let Err(err) = leases
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                tracing::debug!(node = %name, %err, "lease not renewed");
+            }
+        });
+    }
+}
