@@ -9,7 +9,7 @@
 
 use devplug_cluster::node_labels::{Mode, NodeLabeler};
 use devplug_testkit::api_server::{
-    admin, client_for_token, new_node, node_token, until, ApiServer,
+    admin, client_for_token, create_cluster_scoped, new_node, node_token, until, ApiServer,
 };
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
@@ -35,22 +35,6 @@ fn rendered() -> Vec<Value> {
                 .is_some_and(|n| n.ends_with("-node-labels"))
         })
         .collect()
-}
-
-async fn create_cluster_scoped<T>(client: &kube::Client, doc: &Value)
-where
-    T: kube::Resource<Scope = k8s_openapi::ClusterResourceScope>
-        + k8s_openapi::serde::de::DeserializeOwned
-        + k8s_openapi::serde::Serialize
-        + Clone
-        + std::fmt::Debug,
-    T::DynamicType: Default,
-{
-    let object: T = serde_json::from_value(doc.clone()).unwrap();
-    Api::<T>::all(client.clone())
-        .create(&PostParams::default(), &object)
-        .await
-        .unwrap();
 }
 
 /// A label apply on `node` as `nodes`' user, with `labels`.
