@@ -40,10 +40,28 @@ const RETRY_MAX: Duration = Duration::from_secs(60);
 /// Conflicts (409) and vanished slices (404) retried at once, after a fresh read, before
 /// backing off.
 const CONFLICT_RETRIES: u32 = 5;
-/// While a watch is failing, how often to ask the API server whether it answers again: once it
-/// does, both watches start again from fresh lists (a watch that resumes at a resource version
-/// a restored etcd has not reached would deliver nothing) and the slices are published at once.
+/// While a watch is failing, the first wait before asking the API server whether it answers
+/// again: once it does, both watches start again from fresh lists (a watch that resumes at a
+/// resource version a restored etcd has not reached would deliver nothing) and the slices are
+/// published at once. Each unanswered probe doubles the wait up to [`RECOVERY_PROBE_MAX`], and
+/// every wait is jittered ([`jittered`]): drivers that lost the API server together (a fleet
+/// whose API server restarted) would otherwise ask it in step, 2 requests a second each, while it
+/// starts (500 simulated nodes: docs/benchmarks.md, "A fleet of DRA nodes"). Also the longest a
+/// probe waits for its answer.
 const RECOVERY_PROBE: Duration = Duration::from_millis(500);
+/// The longest wait between two probes of an API server that does not answer.
+const RECOVERY_PROBE_MAX: Duration = Duration::from_secs(4);
+
+/// `wait` spread over 75–125 % of itself, differently in each driver and each time.
+fn jittered(wait: Duration) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    // A fresh RandomState has keys of its own: an empty hash of it is a random number.
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    let spread = (random % 1000) as f64 / 2000.0;
+    wait.mul_f64(0.75 + spread)
+}
 /// Warnings remembered so each is logged once; past this the memory is cleared.
 const MAX_WARNED: usize = 10_000;
 
@@ -169,8 +187,9 @@ impl Run {
         let mut retry_at: Option<Instant> = None;
         let mut delay = RETRY_FIRST;
         let mut dirty = true;
-        // Set while a watch is failing: when to ask the API server again.
+        // Set while a watch is failing: when to ask the API server again, and the wait before.
         let mut probe_at: Option<Instant> = None;
+        let mut probe_wait = RECOVERY_PROBE;
         loop {
             let probe_due =
                 probe_at.unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400));
@@ -236,7 +255,7 @@ impl Run {
                     Some(Err(err)) => {
                         tracing::warn!(node = %self.node, %err, "watching our Node failed; reading everything afresh once the API server answers");
                         self.counters.errors.fetch_add(1, Relaxed);
-                        probe_at.get_or_insert_with(|| Instant::now() + RECOVERY_PROBE);
+                        probe_at.get_or_insert_with(|| Instant::now() + jittered(probe_wait));
                     }
                     None => return,
                 },
@@ -254,7 +273,7 @@ impl Run {
                     Some(Err(err)) => {
                         tracing::warn!(driver = %self.driver, node = %self.node, %err, "watching our ResourceSlices failed; reading everything afresh once the API server answers");
                         self.counters.errors.fetch_add(1, Relaxed);
-                        probe_at.get_or_insert_with(|| Instant::now() + RECOVERY_PROBE);
+                        probe_at.get_or_insert_with(|| Instant::now() + jittered(probe_wait));
                     }
                     None => return,
                 },
@@ -276,10 +295,12 @@ impl Run {
                     if answered {
                         tracing::info!(driver = %self.driver, node = %self.node, "the API server answers again; reading our slices and Node afresh");
                         probe_at = None;
+                        probe_wait = RECOVERY_PROBE;
                         self.counters.resyncs.fetch_add(1, Relaxed);
                         self.restart_watches = true;
                     } else {
-                        probe_at = Some(Instant::now() + RECOVERY_PROBE);
+                        probe_wait = probe_wait.saturating_mul(2).min(RECOVERY_PROBE_MAX);
+                        probe_at = Some(Instant::now() + jittered(probe_wait));
                     }
                 }
             }
@@ -765,4 +786,22 @@ fn has_taints(spec: &api::ResourceSliceSpec) -> bool {
         .iter()
         .flatten()
         .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_waits_are_spread_over_75_to_125_percent() {
+        let waits: Vec<Duration> = (0..200).map(|_| jittered(RECOVERY_PROBE_MAX)).collect();
+        let (lo, hi) = (
+            RECOVERY_PROBE_MAX.mul_f64(0.75),
+            RECOVERY_PROBE_MAX.mul_f64(1.25),
+        );
+        assert!(waits.iter().all(|w| *w >= lo && *w < hi), "{waits:?}");
+        // Spread, not one value: drivers that lost the API server together do not probe in step.
+        let distinct: std::collections::BTreeSet<_> = waits.iter().collect();
+        assert!(distinct.len() > 100, "{} distinct waits", distinct.len());
+    }
 }
