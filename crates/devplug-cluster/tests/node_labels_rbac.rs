@@ -9,14 +9,10 @@
 
 use devplug_cluster::node_labels::{Mode, NodeLabeler};
 use devplug_testkit::api_server::{
-    admin, client_for_token, create_cluster_scoped, new_node, node_token, until, ApiServer,
+    admin, apply_rendered_permissions, client_for_token, new_node, node_token, until, ApiServer,
 };
-use k8s_openapi::api::admissionregistration::v1::{
-    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
-};
-use k8s_openapi::api::core::v1::{Node, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
-use kube::api::{Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Patch, PatchParams};
 use kube::Api;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -61,37 +57,8 @@ async fn the_charts_node_label_permissions_are_scoped_to_the_nodes_gpu_labels() 
     };
     let server = ApiServer::shared("node_labels_rbac").unwrap();
     let docs = rendered();
-    let of_kind = |kind: &str| {
-        docs.iter()
-            .filter(|d| d["kind"] == kind)
-            .collect::<Vec<_>>()
-    };
-    let binding = of_kind("ClusterRoleBinding");
-    assert_eq!(binding.len(), 1, "the chart's node-labels binding");
-    let subject = &binding[0]["subjects"][0];
-    let (account, namespace) = (
-        subject["name"].as_str().unwrap(),
-        subject["namespace"].as_str().unwrap(),
-    );
-    let accounts: Api<ServiceAccount> = Api::namespaced(admin.clone(), namespace);
-    let sa: ServiceAccount =
-        serde_json::from_value(json!({"metadata": {"name": account, "namespace": namespace}}))
-            .unwrap();
-    accounts.create(&PostParams::default(), &sa).await.unwrap();
-    create_cluster_scoped::<ClusterRole>(&admin, of_kind("ClusterRole")[0]).await;
-    create_cluster_scoped::<ClusterRoleBinding>(&admin, binding[0]).await;
-    let policy = of_kind("ValidatingAdmissionPolicy");
-    assert_eq!(
-        policy.len(),
-        1,
-        "the chart ships the policy limiting label writes"
-    );
-    create_cluster_scoped::<ValidatingAdmissionPolicy>(&admin, policy[0]).await;
-    create_cluster_scoped::<ValidatingAdmissionPolicyBinding>(
-        &admin,
-        of_kind("ValidatingAdmissionPolicyBinding")[0],
-    )
-    .await;
+    let (accounts, account) = apply_rendered_permissions(&admin, &docs, "node labels").await;
+    let account = account.as_str();
 
     let nodes: Api<Node> = Api::all(admin.clone());
     let node_a = new_node(&nodes, "labels-a").await;

@@ -151,6 +151,52 @@ where
         .unwrap_or_else(|e| panic!("create {}: {e}", doc["metadata"]["name"]));
 }
 
+/// One feature's permissions as the chart renders them, applied with `admin`: `docs` hold
+/// exactly one ClusterRole, ClusterRoleBinding, ValidatingAdmissionPolicy and policy binding
+/// (`what` names them in a failure). The binding's service account is made too. Returns that
+/// account's namespace API and its name, for [`node_token`]. Panics on an error (a test helper).
+pub async fn apply_rendered_permissions(
+    admin: &kube::Client,
+    docs: &[serde_json::Value],
+    what: &str,
+) -> (
+    kube::Api<k8s_openapi::api::core::v1::ServiceAccount>,
+    String,
+) {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    let one = |kind: &str| {
+        let found: Vec<&serde_json::Value> = docs.iter().filter(|d| d["kind"] == kind).collect();
+        assert_eq!(found.len(), 1, "{what}: the chart renders one {kind}");
+        found[0].clone()
+    };
+    let binding = one("ClusterRoleBinding");
+    let subject = &binding["subjects"][0];
+    let account = subject["name"].as_str().unwrap_or_default().to_owned();
+    let namespace = subject["namespace"].as_str().unwrap_or_default();
+    let accounts = kube::Api::namespaced(admin.clone(), namespace);
+    let sa: k8s_openapi::api::core::v1::ServiceAccount = serde_json::from_value(
+        serde_json::json!({"metadata": {"name": account, "namespace": namespace}}),
+    )
+    .unwrap_or_else(|e| panic!("a ServiceAccount: {e}"));
+    accounts
+        .create(&kube::api::PostParams::default(), &sa)
+        .await
+        .unwrap_or_else(|e| panic!("create the service account {account}: {e}"));
+    create_cluster_scoped::<ClusterRole>(admin, &one("ClusterRole")).await;
+    create_cluster_scoped::<ClusterRoleBinding>(admin, &binding).await;
+    create_cluster_scoped::<ValidatingAdmissionPolicy>(admin, &one("ValidatingAdmissionPolicy"))
+        .await;
+    create_cluster_scoped::<ValidatingAdmissionPolicyBinding>(
+        admin,
+        &one("ValidatingAdmissionPolicyBinding"),
+    )
+    .await;
+    (accounts, account)
+}
+
 /// A client of `server` using `token` (its kubeconfig named `name`). Panics on an error.
 pub async fn client_for_token(server: &ApiServer, name: &str, token: &str) -> kube::Client {
     let config = server
