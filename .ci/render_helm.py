@@ -129,6 +129,20 @@ RELEASES = {
     },
 }
 
+# Values the chart must refuse to render: name -> (values, what is wrong, words the refusal must
+# say).
+REFUSALS = {
+    # No config: the chart refuses, naming the value and the demo's file.
+    "defaults": ({}, "no resources configured", ["config.resources", "demo-values.yaml"]),
+    # An account of the operator's own that is not named: the roles would go to the namespace's
+    # "default" account, which every other pod there runs as.
+    "no-service-account-name": (
+        {**DEMO, "serviceAccount": {"create": False}},
+        "serviceAccount.create false and no serviceAccount.name",
+        ["serviceAccount.name is required when serviceAccount.create is false"],
+    ),
+}
+
 
 def main() -> int:
     out_dir = Path(sys.argv[1])
@@ -153,17 +167,32 @@ def main() -> int:
         releases[path.name.removesuffix("-values.yaml")] = helm.values_from_yaml(path.read_text())
 
     with helm.Chart.load(str(CHART)) as chart:
-        # No config: the chart refuses, naming the value and the demo's file.
-        try:
-            chart.render({}, name="devplug", namespace="kube-system")
-        except Exception as refused:  # the SDK raises its own error type for a template's fail
-            if "config.resources" not in str(refused) or "demo-values.yaml" not in str(refused):
-                print(f"defaults: refused for another reason: {refused}", file=sys.stderr)
+        for name, (values, why, words) in REFUSALS.items():
+            try:
+                chart.render(values, name="devplug", namespace="kube-system")
+            except Exception as refused:  # the SDK raises its own error type for a template's fail
+                if not all(word in str(refused) for word in words):
+                    print(f"{name}: refused for another reason: {refused}", file=sys.stderr)
+                    return 1
+                print(f"{name}: refused as it should be ({why})")
+            else:
+                print(f"{name}: the chart rendered with {why}", file=sys.stderr)
                 return 1
-            print("defaults: refused as it should be (no resources configured)")
-        else:
-            print("defaults: the chart rendered with no resources configured", file=sys.stderr)
+        # An account of the operator's own, named: the chart makes none and the pods run as it.
+        own = chart.render(
+            {**DEMO, "serviceAccount": {"create": False, "name": "devplug-operator"}},
+            name="devplug",
+            namespace="kube-system",
+        )
+        made = [t for p, t in own.items() if p.endswith("/serviceaccount.yaml") and t.strip()]
+        pods = "".join(t for p, t in own.items() if p.endswith("/daemonset.yaml"))
+        if made or "serviceAccountName: devplug-operator" not in pods:
+            print(
+                "existing-service-account: the chart made an account or did not use the one named",
+                file=sys.stderr,
+            )
             return 1
+        print("existing-service-account: rendered as it should be (no account made, the one named used)")
         for name, values in releases.items():
             manifests = chart.render(values, name="devplug", namespace="kube-system")
             docs = [

@@ -48,13 +48,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/*
-Service account name.
+Service account name. With serviceAccount.create false the account is the operator's own and
+must be named: the roles would otherwise be bound to the namespace's "default" account, which
+every other pod of the namespace runs as.
 */}}
 {{- define "devplug.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "devplug.fullname" .) .Values.serviceAccount.name }}
+{{- else if .Values.serviceAccount.name }}
+{{- .Values.serviceAccount.name }}
 {{- else }}
-{{- default "default" .Values.serviceAccount.name }}
+{{- fail "serviceAccount.name is required when serviceAccount.create is false: name the existing ServiceAccount devplug runs as (the chart binds its roles to it; without a name they would go to the namespace's \"default\" account, which every other pod there uses)" }}
 {{- end }}
 {{- end }}
 
