@@ -1024,6 +1024,7 @@ fn references(objects: &[Object]) -> Vec<String> {
     }
 
     problems.extend(pod_problems(spec, container));
+    problems.extend(http_problems(container));
 
     // --kubelet-dir DIR: mounted from the host's DIR at DIR.
     match arg("--kubelet-dir") {
@@ -1039,6 +1040,84 @@ fn references(objects: &[Object]) -> Vec<String> {
                     "--kubelet-dir {dir} is not the host's {dir} mounted at the same path"
                 ));
             }
+        }
+    }
+    problems
+}
+
+/// The HTTP listeners: `--metrics-addr` and `--probe-addr` listen on the container ports named
+/// `metrics` and `probes`; the kubelet's liveness and readiness probes go to the probe listener
+/// (a connection budget of its own, which clients of the metrics port cannot spend); every
+/// `$(VAR)` in the arguments is an env var of the container (the kubelet leaves an unknown one
+/// as written, which devplug then refuses as an address).
+fn http_problems(container: &Container) -> Vec<String> {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    let mut problems = Vec::new();
+    let args = container.args.as_deref().unwrap_or_default();
+    let arg = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+    };
+    let ports = container.ports.as_deref().unwrap_or_default();
+    let named = |name: &str| {
+        ports
+            .iter()
+            .find(|p| p.name.as_deref() == Some(name))
+            .map(|p| p.container_port)
+    };
+    // The port of a listen address (`[$(POD_IP)]:8081`, `0.0.0.0:8080`, `:8080`).
+    let port_of = |addr: &str| {
+        addr.rsplit_once(':')
+            .and_then(|(_, p)| p.parse::<i32>().ok())
+    };
+    for (flag, name) in [("--metrics-addr", "metrics"), ("--probe-addr", "probes")] {
+        match (arg(flag), named(name)) {
+            (None, _) => problems.push(format!("the container has no {flag} argument")),
+            (Some(addr), port) if port_of(addr) != port || port.is_none() => problems.push(
+                format!("{flag} {addr} is not on the container port named {name:?} ({port:?})"),
+            ),
+            _ => {}
+        }
+    }
+    let probe_port = arg("--probe-addr").and_then(|a| port_of(a));
+    for (what, probe) in [
+        ("liveness", &container.liveness_probe),
+        ("readiness", &container.readiness_probe),
+    ] {
+        let Some(get) = probe.as_ref().and_then(|p| p.http_get.as_ref()) else {
+            problems.push(format!("the container has no HTTP {what} probe"));
+            continue;
+        };
+        let port = match &get.port {
+            IntOrString::Int(n) => Some(*n),
+            IntOrString::String(name) => named(name),
+        };
+        if port.is_none() || port != probe_port {
+            problems.push(format!(
+                "the {what} probe goes to port {:?}, not to the probe listener (--probe-addr, port {probe_port:?})",
+                get.port
+            ));
+        }
+    }
+    let env: Vec<&str> = container
+        .env
+        .iter()
+        .flatten()
+        .map(|e| e.name.as_str())
+        .collect();
+    for a in args {
+        let mut rest = a.as_str();
+        while let Some((_, after)) = rest.split_once("$(") {
+            let Some((var, tail)) = after.split_once(')') else {
+                break;
+            };
+            if !env.contains(&var) {
+                problems.push(format!(
+                    "argument {a:?} names $({var}), which is not an env var of the container"
+                ));
+            }
+            rest = tail;
         }
     }
     problems
@@ -1663,6 +1742,62 @@ fn the_wrong_binary_for_the_config_is_caught() {
             .iter()
             .any(|p| p.contains("capacity needs the API client")),
         "{problems:?}"
+    );
+}
+
+#[test]
+fn probes_that_miss_the_probe_listener_are_caught() {
+    let objects = || load_ok(&kustomize_manifests());
+    assert!(references(&objects()).is_empty());
+    let problems_after = |change: &dyn Fn(&mut Container)| {
+        let mut objects = objects();
+        for o in &mut objects {
+            if let Object::DaemonSet(d) = o {
+                let spec = d.spec.as_mut().unwrap().template.spec.as_mut().unwrap();
+                change(&mut spec.containers[0]);
+            }
+        }
+        references(&objects)
+    };
+    let says = |problems: Vec<String>, needle: &str| {
+        assert!(
+            problems.iter().any(|p| p.contains(needle)),
+            "no {needle:?} in {problems:?}"
+        );
+    };
+    // The liveness probe back on the metrics port, which any client can fill.
+    says(
+        problems_after(&|c| {
+            let probe = c.liveness_probe.as_mut().unwrap();
+            probe.http_get.as_mut().unwrap().port =
+                k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("metrics".into());
+        }),
+        "the liveness probe goes to port",
+    );
+    // No probe listener at all.
+    says(
+        problems_after(&|c| {
+            let args = c.args.as_mut().unwrap();
+            let i = args.iter().position(|a| a == "--probe-addr").unwrap();
+            args.drain(i..i + 2);
+        }),
+        "no --probe-addr argument",
+    );
+    // The probe listener on another port than the one the probes name.
+    says(
+        problems_after(&|c| {
+            let args = c.args.as_mut().unwrap();
+            let i = args.iter().position(|a| a == "--probe-addr").unwrap();
+            args[i + 1] = "[$(POD_IP)]:9999".into();
+        }),
+        "is not on the container port named \"probes\"",
+    );
+    // $(POD_IP) without the env var: the kubelet would pass it as written.
+    says(
+        problems_after(&|c| {
+            c.env.as_mut().unwrap().retain(|e| e.name != "POD_IP");
+        }),
+        "names $(POD_IP), which is not an env var of the container",
     );
 }
 

@@ -1,8 +1,11 @@
-//! The optional HTTP listener of `devplug run` (`--metrics-addr`): `/metrics` in the Prometheus
+//! The optional HTTP listeners of `devplug run`. `--metrics-addr`: `/metrics` in the Prometheus
 //! text format, `/healthz` (the process is working: it answers and can follow the kubelet
-//! folder, and the plugin watcher's where a resource or a DRA driver registers through it) and `/readyz` (every configured resource is registered with the kubelet, its
-//! ListAndWatch stream is open and its device list can be sent; every DRA driver has its
-//! ResourceSlices published and current and is registered with the kubelet).
+//! folder, and the plugin watcher's where a resource or a DRA driver registers through it) and
+//! `/readyz` (every configured resource is registered with the kubelet, its ListAndWatch stream
+//! is open and its device list can be sent; every DRA driver has its ResourceSlices published
+//! and current and is registered with the kubelet). `--probe-addr`: `/healthz` and `/readyz`
+//! alone, on a listener with a connection budget of its own, so that whatever the metrics port
+//! suffers (a client holding connections open) the kubelet's probes are answered.
 
 use crate::http::{self, Response};
 use devplug::host::{MetricsSnapshot, ALLOCATE_BUCKETS};
@@ -74,7 +77,8 @@ pub struct DriverCounters {
     pub claims: devplug_dra::claim_metrics::ClaimMetricsSnapshot,
 }
 
-/// Binds `addr` and serves until `stop`. Binding errors are returned at once.
+/// Binds `addr` and serves `/metrics`, `/healthz` and `/readyz` until `stop`. Binding errors
+/// are returned at once.
 pub async fn serve(
     addr: SocketAddr,
     endpoints: Endpoints,
@@ -82,14 +86,44 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(addr = %listener.local_addr()?, "metrics and probes listening");
-    http::serve(listener, stop, move |path: String| {
+    http::serve(
+        listener,
+        http::Limits::METRICS,
+        stop,
+        move |path: String| {
+            let endpoints = endpoints.clone();
+            async move {
+                match path.as_str() {
+                    "/metrics" => metrics(&endpoints),
+                    "/healthz" => healthy(&endpoints),
+                    "/readyz" => ready(&endpoints),
+                    _ => Response::text(404, "not found: try /metrics, /healthz or /readyz\n"),
+                }
+            }
+        },
+    );
+    Ok(())
+}
+
+/// Binds `addr` and serves `/healthz` and `/readyz` alone until `stop`, for the kubelet's
+/// probes, within [`http::Limits::PROBES`]. Binding errors are returned at once.
+pub async fn serve_probes(
+    addr: SocketAddr,
+    endpoints: Endpoints,
+    stop: CancellationToken,
+) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(addr = %listener.local_addr()?, "probes listening");
+    http::serve(listener, http::Limits::PROBES, stop, move |path: String| {
         let endpoints = endpoints.clone();
         async move {
             match path.as_str() {
-                "/metrics" => metrics(&endpoints),
                 "/healthz" => healthy(&endpoints),
                 "/readyz" => ready(&endpoints),
-                _ => Response::text(404, "not found: try /metrics, /healthz or /readyz\n"),
+                _ => Response::text(
+                    404,
+                    "not found: this port serves /healthz and /readyz; /metrics is on --metrics-addr\n",
+                ),
             }
         }
     });

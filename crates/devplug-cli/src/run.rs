@@ -31,6 +31,11 @@ pub struct RunArgs {
     /// 0.0.0.0:8080, or 127.0.0.1:8080). Off by default: nothing listens on TCP unless this is set.
     #[arg(long, env = "DEVPLUG_METRICS_ADDR", value_parser = crate::listen_addr::parse)]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Serve /healthz and /readyz alone on this address too, for the kubelet's probes: a
+    /// listener with a connection budget of its own, so that clients of the metrics port cannot
+    /// keep the probes waiting (same forms as --metrics-addr, e.g. :8081). Off by default.
+    #[arg(long, env = "DEVPLUG_PROBE_ADDR", value_parser = crate::listen_addr::parse)]
+    pub probe_addr: Option<std::net::SocketAddr>,
     /// The kubelet's plugin-watcher folder, for resources with `registration: watcher`
     /// (default: `plugins_registry` beside the kubelet folder).
     #[arg(long, env = "DEVPLUG_PLUGINS_REGISTRY_DIR")]
@@ -132,16 +137,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         runner.host.watch_pod_resources(socket.clone(), interval);
     }
     let stop_http = CancellationToken::new();
+    let endpoints = Endpoints {
+        host: runner.host.clone(),
+        reloads: runner.reloads.clone(),
+        problems: runner.problems.clone(),
+        drivers,
+    };
     if let Some(addr) = args.metrics_addr {
-        let endpoints = Endpoints {
-            host: runner.host.clone(),
-            reloads: runner.reloads.clone(),
-            problems: runner.problems.clone(),
-            drivers,
-        };
-        endpoints::serve(addr, endpoints, stop_http.clone())
+        endpoints::serve(addr, endpoints.clone(), stop_http.clone())
             .await
             .with_context(|| format!("cannot listen on --metrics-addr {addr}"))?;
+    }
+    if let Some(addr) = args.probe_addr {
+        endpoints::serve_probes(addr, endpoints, stop_http.clone())
+            .await
+            .with_context(|| format!("cannot listen on --probe-addr {addr}"))?;
     }
     tracing::info!(
         resources = config.resources.len(),

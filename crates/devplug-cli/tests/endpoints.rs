@@ -1,4 +1,5 @@
-//! `devplug run --metrics-addr`: readiness follows registration, metrics move with traffic.
+//! `devplug run --metrics-addr`: readiness follows registration, metrics move with traffic;
+//! `--probe-addr` answers the probes whatever clients of the metrics port do.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
 mod support;
@@ -147,6 +148,70 @@ async fn metrics_addr_takes_a_bare_port_as_kubernetes_components_do() {
     let (status, log) = devplug.terminate(WAIT).await;
     assert!(status.success(), "{log}");
     assert!(log.contains(&format!("0.0.0.0:{port}")), "{log}");
+}
+
+/// A client holding twice the metrics port's connection budget open and silent keeps neither
+/// the probe port nor the metrics port's own `/healthz` from answering; the probe port serves
+/// the probes alone.
+#[tokio::test]
+async fn probes_answer_while_idle_connections_hold_the_metrics_port() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plugins = tmp.path().join("device-plugins");
+    let config = tmp.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        format!("resources:\n  - name: {RESOURCE}\n    virtual: {{ count: 1 }}\n"),
+    )
+    .unwrap();
+    let metrics = free_port();
+    let probes = loop {
+        let port = free_port();
+        if port != metrics {
+            break port;
+        }
+    };
+    let devplug = Devplug::run_with(
+        &config,
+        &plugins,
+        &[
+            "--metrics-addr",
+            &format!("127.0.0.1:{metrics}"),
+            "--probe-addr",
+            &format!("127.0.0.1:{probes}"),
+        ],
+    );
+    until(probes, "/healthz", 200).await;
+    until(metrics, "/healthz", 200).await;
+
+    let mut idle = Vec::new();
+    for _ in 0..64 {
+        idle.push(
+            tokio::net::TcpStream::connect(("127.0.0.1", metrics))
+                .await
+                .unwrap(),
+        );
+    }
+    // No kubelet: alive (200), not ready (503); each answered, not left waiting.
+    for (port, path, code) in [
+        (probes, "/healthz", 200),
+        (probes, "/readyz", 503),
+        (metrics, "/healthz", 200),
+        (probes, "/metrics", 404),
+    ] {
+        let got = tokio::time::timeout(Duration::from_secs(5), http_get(port, path))
+            .await
+            .unwrap_or_else(|_| panic!("{path} on port {port}: no answer within 5 s"));
+        let (status, body) = got.unwrap_or_else(|| panic!("{path} on port {port}: no answer"));
+        assert_eq!(status, code, "{path} on port {port}: {body}");
+    }
+    drop(idle);
+
+    let (status, log) = devplug.terminate(WAIT).await;
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("probes listening") && log.contains(&format!("127.0.0.1:{probes}")),
+        "{log}"
+    );
 }
 
 /// The nvidia backend in the real binary: NVML missing keeps the process up, serving its other
