@@ -5,6 +5,8 @@
 //! - [`advertise`]: resources kept on our own Node by `devplug run` (`advertise:`), event-driven.
 //! - [`node_labels`]: the labels the backends describe the node with, on our Node (server-side
 //!   apply) or in a NodeFeature object for Node Feature Discovery; removed at uninstall.
+//! - [`policy_check`]: whether the admission policy that keeps a feature to its own node is in
+//!   force (a server-side dry run of a write it must refuse).
 //! - [`events`]: device health, registration and config reload problems as Events on the Node.
 //! - [`refused_pods`]: pods the kubelet refused at admission for a resource we serve (after a
 //!   reboot): deleted where their controller replaced them, reported where nothing does.
@@ -19,9 +21,31 @@ pub mod advertise;
 pub mod capacity;
 pub mod events;
 pub mod node_labels;
+pub mod policy_check;
 pub mod refused_pods;
 
 use std::path::Path;
+use std::time::Duration;
+
+/// The longest one request of a cluster feature to the API server may take (watches excepted:
+/// kube-rs's watcher has its own timeouts). A hung request must not stop a feature for good.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `request` within [`REQUEST_TIMEOUT`]; past it, a timeout error.
+pub(crate) async fn timed<T>(
+    request: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T, kube::Error> {
+    match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
+        Ok(answer) => answer,
+        Err(_) => Err(kube::Error::Service(
+            format!(
+                "no answer from the API server within {} s",
+                REQUEST_TIMEOUT.as_secs()
+            )
+            .into(),
+        )),
+    }
+}
 
 /// Why a client could not be made.
 #[derive(Debug, thiserror::Error)]

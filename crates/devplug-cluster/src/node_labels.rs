@@ -12,7 +12,17 @@
 //!
 //! [`NodeLabeler`] keeps them in step with the backends, event-driven: a new label set is written
 //! at once; in direct mode a watch on our Node puts back a label someone removed or changed.
+//!
+//! Bounded, whoever else writes: only keys [`writable_key`] allows are written (the GPU vendors'
+//! prefixes, never the GPU operators' control labels; an invalid key or value is skipped with a
+//! warning, not the whole set), every request has a timeout ([`crate::REQUEST_TIMEOUT`]), and a put-back
+//! that follows another within [`FIGHT_WINDOW`] waits longer each time (jittered, from
+//! [`FIGHT_FIRST`] to [`FIGHT_MAX`]): two writers with one field manager (an old and a new pod
+//! with different label sets, two releases) settle instead of rewriting the Node at round-trip
+//! speed, which every Node watcher of the cluster would see. After [`FIGHTS_BEFORE_WARNING`] such
+//! put-backs in a row devplug says so once, in its log and in a Warning event on the Node.
 
+use crate::timed;
 use devplug::NodeLabels;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Node;
@@ -35,9 +45,101 @@ pub const OWNER_LABEL: &str = "app.kubernetes.io/managed-by";
 /// Its value.
 pub const OWNER: &str = "devplug";
 
-/// Retry delay after an API error (doubling to 30 s).
+/// Retry delay after an API error (doubling to 30 s, jittered).
 const RETRY_FIRST: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(30);
+/// A put-back within this long of the previous one is part of a fight with another writer.
+pub const FIGHT_WINDOW: Duration = Duration::from_secs(120);
+/// The wait before the second put-back of a fight (doubling, jittered).
+pub const FIGHT_FIRST: Duration = Duration::from_secs(1);
+/// The longest wait between two put-backs of a fight.
+pub const FIGHT_MAX: Duration = Duration::from_secs(300);
+/// Put-backs in a row after which the fight is reported.
+pub const FIGHTS_BEFORE_WARNING: u32 = 5;
+/// The reason of the Node event reporting a fight.
+pub const FIGHT_REASON: &str = "NodeLabelsContested";
+
+/// The label prefixes devplug writes under: the GPU vendors' labellers'.
+pub const VENDOR_PREFIXES: [&str; 3] = ["nvidia.com/", "amd.com/", "gpu.intel.com/"];
+/// Keys under those prefixes that devplug never writes: the GPU operators' control labels,
+/// which select what an operator deploys (`nvidia.com/gpu.deploy.*`) or how it configures the
+/// GPUs (`nvidia.com/mig.config`, …). The chart's admission policies refuse them too.
+pub const CONTROL_PREFIXES: [&str; 8] = [
+    "nvidia.com/gpu.deploy.",
+    "nvidia.com/mig.config",
+    "nvidia.com/vgpu.config",
+    "nvidia.com/gpu.workload.config",
+    "nvidia.com/device-plugin.config",
+    "nvidia.com/gpu-driver-upgrade",
+    "nvidia.com/cc.",
+    "nvidia.com/ofed-driver-upgrade",
+];
+
+/// Why devplug does not write a label.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LabelRefused {
+    /// Not under a GPU vendor's prefix.
+    #[error("{0}: not under nvidia.com/, amd.com/ or gpu.intel.com/")]
+    Prefix(String),
+    /// A GPU operator's control label.
+    #[error("{0}: a GPU operator's control label, which devplug never writes")]
+    Control(String),
+    /// Not a valid label key.
+    #[error("{0}: not a valid label key (a DNS prefix, '/', and a name of at most 63 letters, digits, '-', '_', '.')")]
+    Key(String),
+    /// Not a valid label value.
+    #[error("{key}={value:?}: not a valid label value (at most 63 letters, digits, '-', '_', '.', starting and ending with a letter or digit)")]
+    Value {
+        /// The key.
+        key: String,
+        /// The value.
+        value: String,
+    },
+}
+
+/// Whether `s` is a label name or value: at most 63 of `[A-Za-z0-9_.-]`, starting and ending
+/// with a letter or digit (an empty value is allowed; an empty name is not).
+fn label_segment(s: &str) -> bool {
+    s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && s.bytes().next().is_none_or(|b| b.is_ascii_alphanumeric())
+        && s.bytes().last().is_none_or(|b| b.is_ascii_alphanumeric())
+}
+
+/// Whether devplug may write the label `key`: under a GPU vendor's prefix, not a control label,
+/// and a valid key.
+pub fn writable_key(key: &str) -> Result<(), LabelRefused> {
+    if !VENDOR_PREFIXES.iter().any(|p| key.starts_with(p)) {
+        return Err(LabelRefused::Prefix(key.to_owned()));
+    }
+    if CONTROL_PREFIXES.iter().any(|p| key.starts_with(p)) {
+        return Err(LabelRefused::Control(key.to_owned()));
+    }
+    match key.split_once('/') {
+        Some((_, name)) if !name.is_empty() && label_segment(name) => Ok(()),
+        _ => Err(LabelRefused::Key(key.to_owned())),
+    }
+}
+
+/// `labels` without those devplug may not write, and why each was left out.
+pub fn writable(labels: &NodeLabels) -> (NodeLabels, Vec<LabelRefused>) {
+    let mut kept = NodeLabels::new();
+    let mut refused = Vec::new();
+    for (key, value) in labels {
+        if let Err(why) = writable_key(key) {
+            refused.push(why);
+        } else if !label_segment(value) {
+            refused.push(LabelRefused::Value {
+                key: key.clone(),
+                value: value.clone(),
+            });
+        } else {
+            kept.insert(key.clone(), value.clone());
+        }
+    }
+    (kept, refused)
+}
 
 /// How the labels reach the Node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,11 +204,11 @@ pub async fn apply_direct(
         "kind": "Node",
         "metadata": { "name": node, "labels": labels },
     });
-    api.patch(
+    timed(api.patch(
         node,
         &PatchParams::apply(FIELD_MANAGER).force(),
         &Patch::Apply(&patch),
-    )
+    ))
     .await
     .map_err(api_error("apply labels", node))?;
     Ok(())
@@ -134,7 +236,7 @@ pub fn owned_keys(node: &Node) -> BTreeSet<String> {
 /// Removes every label our field manager set on `node` and nothing else; returns the keys it
 /// owned (none: the Node is not touched).
 pub async fn remove_direct(api: &Api<Node>, node: &str) -> Result<BTreeSet<String>, LabelError> {
-    let found = api.get(node).await.map_err(api_error("get", node))?;
+    let found = timed(api.get(node)).await.map_err(api_error("get", node))?;
     let owned = owned_keys(&found);
     if !owned.is_empty() {
         apply_direct(api, node, &NodeLabels::new()).await?;
@@ -162,11 +264,11 @@ pub async fn apply_node_feature(
         },
         "spec": { "labels": labels },
     });
-    api.patch(
+    timed(api.patch(
         &name,
         &PatchParams::apply(FIELD_MANAGER).force(),
         &Patch::Apply(&object),
-    )
+    ))
     .await
     .map_err(api_error("apply NodeFeature", node))?;
     Ok(())
@@ -186,7 +288,7 @@ pub async fn remove_node_feature(
         selector.push_str(&format!(",{NFD_NODE_LABEL}={node}"));
     }
     let who = node.unwrap_or("*");
-    let list = match api.list(&ListParams::default().labels(&selector)).await {
+    let list = match timed(api.list(&ListParams::default().labels(&selector))).await {
         Ok(list) => list,
         Err(kube::Error::Api(e)) if e.code == 404 => return Ok(Vec::new()),
         Err(e) => return Err(api_error("list NodeFeatures", who)(e)),
@@ -196,7 +298,7 @@ pub async fn remove_node_feature(
         let Some(name) = object.metadata.name else {
             continue;
         };
-        match api.delete(&name, &DeleteParams::default()).await {
+        match timed(api.delete(&name, &DeleteParams::default())).await {
             Ok(_) => deleted.push(name),
             Err(kube::Error::Api(e)) if e.code == 404 => {}
             Err(e) => return Err(api_error("delete NodeFeature", who)(e)),
@@ -212,6 +314,12 @@ pub struct LabelCounters {
     pub applied: std::sync::atomic::AtomicU64,
     /// API errors.
     pub errors: std::sync::atomic::AtomicU64,
+    /// Put-backs that followed another within [`FIGHT_WINDOW`] (another writer undoes ours).
+    pub fights: std::sync::atomic::AtomicU64,
+    /// Labels left out because devplug may not write them ([`writable`]).
+    pub skipped: std::sync::atomic::AtomicU64,
+    /// When a label set was last written (Unix seconds; 0: never).
+    pub last_success_unix: std::sync::atomic::AtomicU64,
 }
 
 /// Keeps one Node's labels as the backends describe it, until dropped.
@@ -225,10 +333,27 @@ pub struct NodeLabeler {
 impl NodeLabeler {
     /// Starts writing labels for `node` as `mode` says (nothing until [`NodeLabeler::set`]).
     pub fn spawn(client: kube::Client, node: String, mode: Mode) -> NodeLabeler {
+        NodeLabeler::spawn_with_events(client, node, mode, None)
+    }
+
+    /// The same, reporting a fight over the labels as a Warning event through `events`.
+    pub fn spawn_with_events(
+        client: kube::Client,
+        node: String,
+        mode: Mode,
+        events: Option<crate::events::NodeEvents>,
+    ) -> NodeLabeler {
         let (desired, rx) = watch::channel(None);
         let counters = std::sync::Arc::new(LabelCounters::default());
         let stop = CancellationToken::new();
-        tokio::spawn(run(client, node, mode, rx, counters.clone(), stop.clone()));
+        let task = Task {
+            client,
+            node,
+            mode,
+            counters: counters.clone(),
+            events,
+        };
+        tokio::spawn(task.run(rx, stop.clone()));
         NodeLabeler {
             desired,
             counters,
@@ -265,81 +390,283 @@ fn carries(node: &Node, wanted: &NodeLabels) -> bool {
         .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
 }
 
-async fn run(
+/// Put-backs of one fight with another writer: how many in a row, the last one's time, and the
+/// growing wait before the next.
+struct Fight {
+    streak: u32,
+    last: Option<tokio::time::Instant>,
+    backoff: devplug::host::backoff::Backoff,
+    reported: bool,
+}
+
+impl Fight {
+    fn new() -> Fight {
+        Fight {
+            streak: 0,
+            last: None,
+            backoff: devplug::host::backoff::Backoff::new(FIGHT_FIRST, FIGHT_MAX).jittered(),
+            reported: false,
+        }
+    }
+
+    /// A put-back is due now: how long to wait before it (none for the first of a fight).
+    fn put_back(&mut self, now: tokio::time::Instant) -> Duration {
+        // Measured from the previous put-back's write, which came after its wait.
+        let close = self
+            .last
+            .is_some_and(|last| now.saturating_duration_since(last) < FIGHT_WINDOW);
+        let wait = if close {
+            self.streak = self.streak.saturating_add(1);
+            self.backoff.next_delay()
+        } else {
+            self.streak = 1;
+            self.backoff.reset();
+            self.reported = false;
+            Duration::ZERO
+        };
+        self.last = Some(now + wait);
+        wait
+    }
+}
+
+/// The labeler's task.
+struct Task {
     client: kube::Client,
     node: String,
     mode: Mode,
-    mut desired: watch::Receiver<Option<NodeLabels>>,
     counters: std::sync::Arc<LabelCounters>,
-    stop: CancellationToken,
-) {
-    use std::sync::atomic::Ordering::Relaxed;
-    let nodes: Api<Node> = Api::all(client.clone());
-    // Direct mode watches our Node, to put back what someone removes; NFD owns the Node in the
-    // other mode.
-    let mut events = match mode {
-        Mode::Direct => watcher(
-            nodes.clone(),
-            watcher::Config::default().fields(&format!("metadata.name={node}")),
-        )
-        .default_backoff()
-        .applied_objects()
-        .boxed(),
-        Mode::NodeFeature { .. } => futures_util::stream::pending().boxed(),
-    };
-    let mut written: Option<NodeLabels> = None;
-    let mut retry_at: Option<tokio::time::Instant> = None;
-    let mut delay = RETRY_FIRST;
-    loop {
-        let due =
-            retry_at.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(86_400));
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            changed = desired.changed() => if changed.is_err() { return },
-            event = events.next() => match event {
-                Some(Ok(n)) => {
-                    let wanted = desired.borrow().clone();
-                    match (&written, &wanted) {
-                        (Some(w), Some(want)) if w == want && !carries(&n, want) => written = None,
-                        _ => continue,
+    events: Option<crate::events::NodeEvents>,
+}
+
+impl Task {
+    async fn run(self, mut desired: watch::Receiver<Option<NodeLabels>>, stop: CancellationToken) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let node = self.node.clone();
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        // Direct mode watches our Node, to put back what someone removes; NFD owns the Node in
+        // the other mode. Served from the watch cache (no consistent read reaching etcd).
+        let mut events = match self.mode {
+            Mode::Direct => watcher(
+                nodes.clone(),
+                watcher::Config::default()
+                    .fields(&format!("metadata.name={node}"))
+                    .any_semantic(),
+            )
+            .default_backoff()
+            .applied_objects()
+            .boxed(),
+            Mode::NodeFeature { .. } => futures_util::stream::pending().boxed(),
+        };
+        let mut written: Option<NodeLabels> = None;
+        // No write before this (an API error's retry, or a fight's wait).
+        let mut hold: Option<tokio::time::Instant> = None;
+        let mut retry = devplug::host::backoff::Backoff::new(RETRY_FIRST, RETRY_MAX).jittered();
+        let mut fight = Fight::new();
+        let mut warned: BTreeSet<String> = BTreeSet::new();
+        loop {
+            let due =
+                hold.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(86_400));
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                changed = desired.changed() => {
+                    if changed.is_err() { return }
+                    // New labels from the backends go out at once.
+                    hold = None;
+                }
+                event = events.next() => match event {
+                    Some(Ok(n)) => {
+                        let wanted = desired.borrow().as_ref().map(|w| writable(w).0);
+                        match (&written, &wanted) {
+                            (Some(w), Some(want)) if w == want && !carries(&n, want) => {
+                                written = None;
+                                let wait = fight.put_back(tokio::time::Instant::now());
+                                if fight.streak > 1 {
+                                    self.counters.fights.fetch_add(1, Relaxed);
+                                }
+                                if fight.streak >= FIGHTS_BEFORE_WARNING && !fight.reported {
+                                    fight.reported = true;
+                                    self.report_fight(fight.streak, wait);
+                                }
+                                if !wait.is_zero() {
+                                    hold = Some(tokio::time::Instant::now() + wait);
+                                    continue;
+                                }
+                            }
+                            _ => continue,
+                        }
                     }
+                    Some(Err(err)) => {
+                        tracing::debug!(%node, %err, "watching our Node for its labels failed; retrying");
+                        continue;
+                    }
+                    None => return,
+                },
+                _ = tokio::time::sleep_until(due), if hold.is_some() => hold = None,
+            }
+            if hold.is_some() {
+                continue;
+            }
+            // Nothing is written before the backends have said what they describe.
+            let Some(all) = desired.borrow_and_update().clone() else {
+                continue;
+            };
+            let (wanted, refused) = writable(&all);
+            for why in refused {
+                if warned.insert(why.to_string()) {
+                    self.counters.skipped.fetch_add(1, Relaxed);
+                    tracing::warn!(%node, %why, "node label left out");
                 }
-                Some(Err(err)) => {
-                    tracing::debug!(%node, %err, "watching our Node for its labels failed; retrying");
-                    continue;
+            }
+            if written.as_ref() == Some(&wanted) {
+                continue;
+            }
+            match self.write(&nodes, &wanted).await {
+                Ok(()) => {
+                    tracing::info!(%node, labels = wanted.len(), "node labels written");
+                    written = Some(wanted);
+                    self.counters.applied.fetch_add(1, Relaxed);
+                    self.counters.last_success_unix.store(unix_now(), Relaxed);
+                    retry.reset();
                 }
-                None => return,
-            },
-            _ = tokio::time::sleep_until(due), if retry_at.is_some() => retry_at = None,
+                Err(err) => {
+                    let delay = retry.next_delay();
+                    tracing::warn!(%node, %err, retry_in = ?delay, "cannot write the node labels; retrying");
+                    self.counters.errors.fetch_add(1, Relaxed);
+                    hold = Some(tokio::time::Instant::now() + delay);
+                }
+            }
         }
-        // Nothing is written before the backends have said what they describe.
-        let Some(wanted) = desired.borrow_and_update().clone() else {
-            continue;
-        };
-        if written.as_ref() == Some(&wanted) {
-            continue;
-        }
-        let result = match &mode {
+    }
+
+    async fn write(&self, nodes: &Api<Node>, wanted: &NodeLabels) -> Result<(), LabelError> {
+        match &self.mode {
             // No labels: remove ours, without touching a Node that has none.
-            Mode::Direct if wanted.is_empty() => remove_direct(&nodes, &node).await.map(drop),
-            Mode::Direct => apply_direct(&nodes, &node, &wanted).await,
+            Mode::Direct if wanted.is_empty() => remove_direct(nodes, &self.node).await.map(drop),
+            Mode::Direct => apply_direct(nodes, &self.node, wanted).await,
             Mode::NodeFeature { namespace } => {
-                apply_node_feature(&client, namespace, &node, &wanted).await
-            }
-        };
-        match result {
-            Ok(()) => {
-                tracing::info!(%node, labels = wanted.len(), "node labels written");
-                counters.applied.fetch_add(1, Relaxed);
-                written = Some(wanted);
-                delay = RETRY_FIRST;
-            }
-            Err(err) => {
-                tracing::warn!(%node, %err, retry_in = ?delay, "cannot write the node labels; retrying");
-                counters.errors.fetch_add(1, Relaxed);
-                retry_at = Some(tokio::time::Instant::now() + delay);
-                delay = (delay * 2).min(RETRY_MAX);
+                apply_node_feature(&self.client, namespace, &self.node, wanted).await
             }
         }
+    }
+
+    /// Says once per fight that another writer keeps undoing our labels.
+    fn report_fight(&self, streak: u32, wait: Duration) {
+        let note = format!(
+            "another writer keeps changing the labels devplug writes on this Node under field \
+             manager {FIELD_MANAGER} ({streak} put-backs in a row); devplug now waits up to {} s \
+             between put-backs. Two devplug releases labelling one node, or pods of one release \
+             with different configs, do this: label each node from one of them",
+            FIGHT_MAX.as_secs()
+        );
+        tracing::warn!(node = %self.node, streak, wait = ?wait, "{note}");
+        if let Some(events) = &self.events {
+            events.publish(crate::events::NodeEvent {
+                warning: true,
+                reason: FIGHT_REASON.into(),
+                action: "PutBack".into(),
+                note,
+            });
+        }
+    }
+}
+
+/// Seconds since the Unix epoch (0 if the clock is before it).
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_vendor_keys_that_are_not_control_labels_are_writable() {
+        assert_eq!(writable_key("nvidia.com/gpu.product"), Ok(()));
+        assert_eq!(writable_key("amd.com/gpu.device-id"), Ok(()));
+        assert_eq!(writable_key("gpu.intel.com/cards"), Ok(()));
+        assert!(matches!(
+            writable_key("example.com/x"),
+            Err(LabelRefused::Prefix(_))
+        ));
+        assert!(matches!(
+            writable_key("nvidia.com.evil/x"),
+            Err(LabelRefused::Prefix(_))
+        ));
+        for control in [
+            "nvidia.com/gpu.deploy.operands",
+            "nvidia.com/mig.config",
+            "nvidia.com/mig.config.state",
+            "nvidia.com/device-plugin.config",
+        ] {
+            assert!(
+                matches!(writable_key(control), Err(LabelRefused::Control(_))),
+                "{control}"
+            );
+        }
+        assert!(matches!(
+            writable_key("nvidia.com/"),
+            Err(LabelRefused::Key(_))
+        ));
+        assert!(matches!(
+            writable_key("nvidia.com/a/b"),
+            Err(LabelRefused::Key(_))
+        ));
+        assert!(matches!(
+            writable_key(&format!("nvidia.com/{}", "a".repeat(64))),
+            Err(LabelRefused::Key(_))
+        ));
+    }
+
+    #[test]
+    fn an_invalid_label_is_left_out_and_the_others_kept() {
+        let labels: NodeLabels = [
+            ("nvidia.com/gpu.product", "NVIDIA-H100"),
+            ("nvidia.com/gpu.family", "not a value"),
+            ("nvidia.com/gpu.deploy.driver", "false"),
+            ("nvidia.com/gpu.count", ""),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        let (kept, refused) = writable(&labels);
+        assert_eq!(
+            kept.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["nvidia.com/gpu.count", "nvidia.com/gpu.product"]
+        );
+        assert_eq!(refused.len(), 2, "{refused:?}");
+    }
+
+    #[test]
+    fn put_backs_close_together_wait_longer_each_time() {
+        let mut fight = Fight::new();
+        let mut now = tokio::time::Instant::now();
+        // Someone removed a label once: put back at once.
+        assert_eq!(fight.put_back(now), Duration::ZERO);
+        let mut waits = Vec::new();
+        for _ in 0..12 {
+            now += Duration::from_millis(50);
+            let wait = fight.put_back(now);
+            waits.push(wait);
+            now += wait;
+        }
+        assert!(waits[0] >= FIGHT_FIRST.mul_f64(0.75), "{waits:?}");
+        assert!(
+            waits.windows(2).all(|w| w[1] >= w[0].mul_f64(0.6)),
+            "{waits:?}"
+        );
+        assert!(
+            *waits.last().unwrap_or(&Duration::ZERO) >= FIGHT_MAX.mul_f64(0.75),
+            "{waits:?}"
+        );
+        assert!(
+            waits.iter().all(|w| *w <= FIGHT_MAX.mul_f64(1.25)),
+            "{waits:?}"
+        );
+        // Quiet for longer than the window: the next put-back is at once again.
+        now += FIGHT_WINDOW;
+        assert_eq!(fight.put_back(now), Duration::ZERO);
+        assert_eq!(fight.streak, 1);
     }
 }

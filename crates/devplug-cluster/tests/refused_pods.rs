@@ -212,9 +212,11 @@ async fn refused_pods_are_deleted_when_replaced_and_reported_when_nothing_replac
     })
     .await;
     let note = on_node[0].note.clone().unwrap_or_default();
+    // Counts by namespace: the Node's events are read by other tenants, so no pod is named.
     assert!(
-        note.contains(&format!("{namespace}/train-x (Job job-owner)"))
-            && note.contains(&format!("{namespace}/bare (no controller)")),
+        note.contains(&format!("2 in {namespace}"))
+            && !note.contains("train-x")
+            && !note.contains("bare"),
         "{note}"
     );
     // The ReplicaSet's pod waits for its replacement.

@@ -112,7 +112,9 @@ async fn the_charts_refused_pods_permissions_are_scoped_to_the_nodes_failed_pods
         .await
         .expect_err("node A's devplug deleting a running pod of its node");
     assert!(
-        refusal.to_string().contains("may delete only Failed pods"),
+        refusal
+            .to_string()
+            .contains("may delete only pods the kubelet refused at admission"),
         "{refusal}"
     );
 

@@ -10,6 +10,8 @@
 //!   `KUBEBUILDER_ASSETS`; its admin client, and fresh Nodes for tests.
 //! - [`dra_node`]: a node's kubelet (the simulator) with devplug's DRA driver registered to
 //!   it, and the claims, pods and waits the DRA tests against the real API server share.
+//! - [`rendered`]: the rendered Helm chart's releases, and their permissions applied to a real
+//!   API server for permission tests.
 //! - [`node`]: a whole single-node Kubernetes cluster on this machine (etcd, kube-apiserver,
 //!   kube-controller-manager, kube-scheduler, containerd with runc and CNI, and a kubelet that
 //!   registers its Node through the API server), so tests can install devplug as an operator
@@ -20,3 +22,4 @@ pub mod dra_node;
 pub mod fake_accelerators;
 pub mod fake_sysfs;
 pub mod node;
+pub mod rendered;

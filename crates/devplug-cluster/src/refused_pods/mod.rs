@@ -29,6 +29,7 @@
 pub mod rules;
 
 use crate::events::node_reference;
+use crate::timed;
 use futures_util::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Event as CoreEvent, ObjectReference, Pod};
 use kube::api::{DeleteParams, ListParams, Preconditions};
@@ -149,8 +150,11 @@ struct Reported {
 
 async fn run(ctx: Ctx, mut served: watch::Receiver<BTreeSet<String>>, stop: CancellationToken) {
     let pods: Api<Pod> = Api::all(ctx.client.clone());
+    // Only this node's Failed pods, listed from the API server's watch cache (resourceVersion
+    // 0): no consistent read reaching etcd, also when the watch starts again after an outage.
     let config = watcher::Config::default()
-        .fields(&format!("spec.nodeName={},status.phase=Failed", ctx.node));
+        .fields(&format!("spec.nodeName={},status.phase=Failed", ctx.node))
+        .any_semantic();
     let mut events = watcher(pods, config).default_backoff().boxed();
     // The node's Failed pods as the watch has them, by UID.
     let mut known: BTreeMap<String, Pod> = BTreeMap::new();
@@ -171,7 +175,7 @@ async fn run(ctx: Ctx, mut served: watch::Receiver<BTreeSet<String>>, stop: Canc
                 }
                 let now = served.borrow_and_update().clone();
                 for pod in known.values() {
-                    consider(&ctx, pod, &now, &mut handled, &report_tx);
+                    consider(&ctx, pod, &now, &mut handled, &report_tx, &stop);
                 }
             }
             event = events.next() => match event {
@@ -181,7 +185,7 @@ async fn run(ctx: Ctx, mut served: watch::Receiver<BTreeSet<String>>, stop: Canc
                 }
                 Some(Ok(watcher::Event::InitApply(pod) | watcher::Event::Apply(pod))) => {
                     let now = served.borrow().clone();
-                    consider(&ctx, &pod, &now, &mut handled, &report_tx);
+                    consider(&ctx, &pod, &now, &mut handled, &report_tx, &stop);
                     if let Some(uid) = pod.uid() {
                         known.insert(uid, pod);
                     }
@@ -207,7 +211,14 @@ async fn run(ctx: Ctx, mut served: watch::Receiver<BTreeSet<String>>, stop: Canc
             }
             () = tokio::time::sleep_until(due), if flush_at.is_some() => {
                 flush_at = None;
-                report(&ctx, std::mem::take(&mut batch)).await;
+                // Off the watch loop: a slow API server holds up reporting, not watching.
+                let (ctx, batch, stop) = (ctx.clone(), std::mem::take(&mut batch), stop.clone());
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = stop.cancelled() => {}
+                        () = report(&ctx, batch) => {}
+                    }
+                });
             }
         }
     }
@@ -220,6 +231,7 @@ fn consider(
     served: &BTreeSet<String>,
     handled: &mut HashSet<String>,
     reports: &mpsc::UnboundedSender<Reported>,
+    stop: &CancellationToken,
 ) {
     let Some(uid) = pod.uid() else {
         return;
@@ -256,12 +268,19 @@ fn consider(
         (Policy::DeleteReplaced, Some(wait)) => {
             let ctx = ctx.clone();
             let reports = reports.clone();
+            let stop = stop.clone();
+            // Cancelled with the watch: `refused_pods: off` stops pending deletes at once.
             tokio::spawn(async move {
-                if wait && !replaced(&ctx, &reported).await {
-                    let _ = reports.send(reported);
-                    return;
+                tokio::select! {
+                    () = stop.cancelled() => {}
+                    () = async {
+                        if wait && !replaced(&ctx, &reported).await {
+                            let _ = reports.send(reported);
+                            return;
+                        }
+                        delete_pod(&ctx, &reported).await;
+                    } => {}
                 }
-                delete_pod(&ctx, &reported).await;
             });
         }
         _ => {
@@ -331,7 +350,7 @@ async fn delete_pod(ctx: &Ctx, reported: &Reported) {
         ..DeleteParams::default()
     };
     ctx.counters.request();
-    match api.delete(&name, &params).await {
+    match timed(api.delete(&name, &params)).await {
         Ok(_) => {
             let deleted = ctx.counters.deleted.fetch_add(1, Ordering::Relaxed) + 1;
             tracing::info!(
@@ -359,9 +378,12 @@ async fn already_reported(ctx: &Ctx, pod: &Pod) -> bool {
     };
     let events: Api<CoreEvent> = Api::namespaced(ctx.client.clone(), &namespace);
     ctx.counters.request();
-    let params =
-        ListParams::default().fields(&format!("involvedObject.uid={uid},reason={POD_REASON}"));
-    match events.list(&params).await {
+    // From the watch cache: an event written a moment ago may be missed, and the pod reported
+    // twice, which is better than a read of etcd per refused pod.
+    let params = ListParams::default()
+        .fields(&format!("involvedObject.uid={uid},reason={POD_REASON}"))
+        .match_any();
+    match timed(events.list(&params)).await {
         Ok(list) => !list.items.is_empty(),
         Err(err) => {
             ctx.counters.failed.fetch_add(1, Ordering::Relaxed);
@@ -416,7 +438,7 @@ async fn report(ctx: &Ctx, batch: Vec<Reported>) {
             secondary: None,
         };
         ctx.counters.request();
-        if let Err(err) = ctx.recorder.publish(&event, &reference).await {
+        if let Err(err) = timed(ctx.recorder.publish(&event, &reference)).await {
             ctx.counters.failed.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(pod = %describe(&reported), %err, "cannot write the refused pod's event");
         }
@@ -428,12 +450,15 @@ async fn report(ctx: &Ctx, batch: Vec<Reported>) {
         return;
     }
     let resources = resources.into_iter().collect::<Vec<_>>().join(", ");
+    // The Node's events are readable by whoever reads namespace default: they name counts by
+    // namespace, not other tenants' pods (each pod's own event, in its namespace, names it).
     let note = format!(
         "the kubelet refused {} pod(s) asking for {resources} at admission ({}) before devplug \
-         had registered, and nothing makes them again: {}. To keep such pods at a reboot: {}",
+         had registered, and nothing makes them again: {} (each has a {POD_REASON} event). To \
+         keep such pods at a reboot: {}",
         named.len(),
         rules::REFUSED_REASON,
-        named.join(", "),
+        by_namespace(&named),
         rules::HOW_TO_KEEP
     );
     let event = Event {
@@ -444,11 +469,7 @@ async fn report(ctx: &Ctx, batch: Vec<Reported>) {
         secondary: None,
     };
     ctx.counters.request();
-    if let Err(err) = ctx
-        .recorder
-        .publish(&event, &node_reference(&ctx.node))
-        .await
-    {
+    if let Err(err) = timed(ctx.recorder.publish(&event, &node_reference(&ctx.node))).await {
         ctx.counters.failed.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(%err, "cannot write the node event naming the refused pods");
     }
@@ -458,6 +479,21 @@ async fn report(ctx: &Ctx, batch: Vec<Reported>) {
         api_requests = ctx.counters.api_requests.load(Ordering::Relaxed),
         "pods the kubelet refused at admission, which nothing makes again: reported on the pods and the Node"
     );
+}
+
+/// `namespace/name (owner)` lines as counts by namespace: `2 in team-a, 1 in team-b`.
+fn by_namespace(named: &[String]) -> String {
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for line in named {
+        let namespace = line.split_once('/').map_or("", |(ns, _)| ns);
+        let count = counts.entry(namespace).or_default();
+        *count = count.saturating_add(1);
+    }
+    counts
+        .iter()
+        .map(|(ns, n)| format!("{n} in {ns}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// `text` cut to at most `max` bytes on a character boundary (an event's note is at most 1 kB).
@@ -475,7 +511,17 @@ fn truncate(mut text: String, max: usize) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::truncate;
+    use super::{by_namespace, truncate};
+
+    #[test]
+    fn the_node_event_counts_pods_by_namespace_without_naming_them() {
+        let named = [
+            "team-a/web-1 (no controller)".to_owned(),
+            "team-b/db-0 (Job db)".to_owned(),
+            "team-a/web-2 (no controller)".to_owned(),
+        ];
+        assert_eq!(by_namespace(&named), "2 in team-a, 1 in team-b");
+    }
 
     #[test]
     fn a_long_note_is_cut_on_a_character_boundary() {

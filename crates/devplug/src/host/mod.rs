@@ -5,7 +5,8 @@
 //!   reload), keeping unchanged resources' sockets and streams.
 //! - `dir_watch`: inotify on the folder (kubelet.sock created, sockets deleted), following the
 //!   folder itself when it is missing or removed and created again.
-//! - `backoff`: retry delays that start fast (a Go kubelet binds before it listens).
+//! - [`backoff`]: retry delays, doubling to a cap, jittered for writers to the API server
+//!   (registration's start fast: a Go kubelet binds before it listens).
 //! - `feed`: the backend's list through the health hold-down to the kubelet; backend swaps.
 //! - `socket`: socket names, owner-only binding, stale-file cleanup.
 //! - `registration`: the `Register` call on kubelet.sock.
@@ -21,7 +22,7 @@
 //!   (`plugins_registry/`), chosen per resource with [`Registration`].
 
 mod apply;
-mod backoff;
+pub mod backoff;
 mod dir_watch;
 mod events;
 mod feed;

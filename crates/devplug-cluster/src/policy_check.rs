@@ -1,0 +1,263 @@
+//! Whether the admission policy that keeps a cluster feature to its own node is in force.
+//!
+//! RBAC grants a verb on a kind; the chart's ValidatingAdmissionPolicies narrow each feature's
+//! writes to the node its token was issued on and the fields the feature owns. A policy whose
+//! binding is missing (deleted, or created after the DaemonSet) limits nothing, and the API
+//! server does not say so. So before a feature writes, devplug asks: a server-side dry run of a
+//! write the policy must refuse. The dry run goes through admission like the real write and
+//! changes nothing. Refused by a ValidatingAdmissionPolicy: [`PolicyState::InForce`]. Accepted:
+//! [`PolicyState::Missing`], the feature must not run where policies are required. Anything
+//! else (the API server unreachable, the kind not installed): [`PolicyState::Unknown`], asked
+//! again later.
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
+};
+use kube::Api;
+use std::time::Duration;
+
+/// The label key and capacity name the probes write: under a domain no one owns.
+pub const PROBE_KEY: &str = "devplug.invalid/policy-probe";
+/// How long one probe may take.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a probe found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PolicyState {
+    /// The write that must be refused was refused by an admission policy.
+    InForce,
+    /// The write that must be refused was accepted: nothing limits this token.
+    Missing(String),
+    /// The probe could not tell (the reason).
+    Unknown(String),
+}
+
+impl PolicyState {
+    /// Whether the policy is known to be in force.
+    pub fn in_force(&self) -> bool {
+        matches!(self, PolicyState::InForce)
+    }
+}
+
+/// The features a probe exists for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Feature {
+    /// `advertise:` resources on the Node's status.
+    Advertise,
+    /// Node labels on the Node (`node_labels: direct`).
+    NodeLabels,
+    /// Node labels in a NodeFeature object (`node_labels: node-feature`).
+    NodeFeatures,
+    /// Deleting pods refused at admission (`refused_pods: delete-replaced`).
+    RefusedPods,
+}
+
+impl Feature {
+    /// The name used in logs, events, metrics and `/readyz`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Feature::Advertise => "advertise",
+            Feature::NodeLabels => "node_labels",
+            Feature::NodeFeatures => "node_labels (node-feature)",
+            Feature::RefusedPods => "refused_pods",
+        }
+    }
+
+    /// What an operator does when the policy is missing.
+    pub fn fix(self) -> &'static str {
+        match self {
+            Feature::Advertise => {
+                "the chart's ValidatingAdmissionPolicy and binding <release>-advertise"
+            }
+            Feature::NodeLabels => {
+                "the chart's ValidatingAdmissionPolicy and binding <release>-node-labels"
+            }
+            Feature::NodeFeatures => {
+                "the chart's ValidatingAdmissionPolicy and binding <release>-node-features"
+            }
+            Feature::RefusedPods => {
+                "the chart's ValidatingAdmissionPolicy and binding <release>-refused-pods"
+            }
+        }
+    }
+}
+
+/// What one node's devplug needs to probe: its client and node, and where it runs.
+#[derive(Clone)]
+pub struct Probe {
+    /// The feature's client (its token).
+    pub client: kube::Client,
+    /// This node.
+    pub node: String,
+    /// The namespace of devplug's pod (NodeFeature objects live there).
+    pub namespace: String,
+    /// devplug's own pod (`POD_NAME`), the one pod the refused-pods probe may aim a delete at.
+    pub pod: Option<String>,
+}
+
+impl std::fmt::Debug for Probe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Probe")
+            .field("node", &self.node)
+            .field("namespace", &self.namespace)
+            .field("pod", &self.pod)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether `error` is a refusal by a ValidatingAdmissionPolicy (the API server's message names
+/// the policy and its binding: `ValidatingAdmissionPolicy '<p>' with binding '<b>' denied
+/// request: …`).
+pub fn refused_by_policy(error: &kube::Error) -> bool {
+    match error {
+        kube::Error::Api(e) => {
+            e.message.contains("ValidatingAdmissionPolicy") && e.message.contains("denied request")
+        }
+        _ => false,
+    }
+}
+
+fn dry_run() -> PatchParams {
+    PatchParams {
+        dry_run: true,
+        ..PatchParams::default()
+    }
+}
+
+/// The state a probe's answer shows.
+fn state_of<T>(
+    accepted: &str,
+    answer: Result<Result<T, kube::Error>, tokio::time::error::Elapsed>,
+) -> PolicyState {
+    match answer {
+        Err(_) => PolicyState::Unknown(format!(
+            "the API server did not answer within {} s",
+            PROBE_TIMEOUT.as_secs()
+        )),
+        Ok(Ok(_)) => PolicyState::Missing(format!(
+            "the API server accepted {accepted} (a dry run): no admission policy limits this token"
+        )),
+        Ok(Err(err)) if refused_by_policy(&err) => PolicyState::InForce,
+        Ok(Err(err)) => PolicyState::Unknown(format!("the probe failed: {err}")),
+    }
+}
+
+impl Probe {
+    /// Probes `feature`'s policy once.
+    pub async fn check(&self, feature: Feature) -> PolicyState {
+        match feature {
+            Feature::Advertise => self.advertise().await,
+            Feature::NodeLabels => self.node_labels().await,
+            Feature::NodeFeatures => self.node_features().await,
+            Feature::RefusedPods => self.refused_pods().await,
+        }
+    }
+
+    /// A capacity devplug does not advertise, on its own Node's status.
+    async fn advertise(&self) -> PolicyState {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let patch = serde_json::json!({"status": {
+            "capacity": {PROBE_KEY: "1"},
+            "allocatable": {PROBE_KEY: "1"},
+        }});
+        let answer = tokio::time::timeout(
+            PROBE_TIMEOUT,
+            nodes.patch_status(&self.node, &dry_run(), &Patch::Merge(&patch)),
+        )
+        .await;
+        state_of(
+            "a capacity outside the advertise: resources on the Node's status",
+            answer,
+        )
+    }
+
+    /// A label outside the vendors' prefixes on its own Node.
+    async fn node_labels(&self) -> PolicyState {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let patch = serde_json::json!({"metadata": {"labels": {PROBE_KEY: "refused"}}});
+        let answer = tokio::time::timeout(
+            PROBE_TIMEOUT,
+            nodes.patch(&self.node, &dry_run(), &Patch::Merge(&patch)),
+        )
+        .await;
+        state_of("a label outside the vendors' prefixes on the Node", answer)
+    }
+
+    /// A NodeFeature object under another name than its node's.
+    async fn node_features(&self) -> PolicyState {
+        let resource = ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk("nfd.k8s-sigs.io", "v1alpha1", "NodeFeature"),
+            "nodefeatures",
+        );
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), &self.namespace, &resource);
+        let object = DynamicObject::new("devplug-policy-probe", &resource)
+            .within(&self.namespace)
+            .data(serde_json::json!({"spec": {"labels": {}}}));
+        let mut object = object;
+        object.metadata.labels = Some(
+            [(
+                crate::node_labels::NFD_NODE_LABEL.to_owned(),
+                self.node.clone(),
+            )]
+            .into_iter()
+            .collect(),
+        );
+        let params = PostParams {
+            dry_run: true,
+            ..PostParams::default()
+        };
+        let answer = tokio::time::timeout(PROBE_TIMEOUT, api.create(&params, &object)).await;
+        state_of("a NodeFeature object named after no node", answer)
+    }
+
+    /// A delete of devplug's own pod, which is running (not refused at admission).
+    async fn refused_pods(&self) -> PolicyState {
+        let Some(pod) = &self.pod else {
+            return PolicyState::Unknown(
+                "devplug's own pod is not known (POD_NAME), so there is no pod to aim the probe at"
+                    .to_owned(),
+            );
+        };
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
+        let params = DeleteParams {
+            dry_run: true,
+            ..DeleteParams::default()
+        };
+        let answer = tokio::time::timeout(PROBE_TIMEOUT, pods.delete(pod, &params)).await;
+        state_of("deleting devplug's own running pod", answer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api_error(code: u16, message: &str) -> kube::Error {
+        kube::Error::Api(
+            kube::core::Status::failure(message, "Invalid")
+                .with_code(code)
+                .boxed(),
+        )
+    }
+
+    #[test]
+    fn only_an_admission_policy_refusal_counts_as_in_force() {
+        let refusal = api_error(
+            422,
+            "nodes \"a\" is forbidden: ValidatingAdmissionPolicy 'devplug-node-labels' with \
+             binding 'devplug-node-labels' denied request: devplug may change only labels",
+        );
+        assert_eq!(state_of::<()>("x", Ok(Err(refusal))), PolicyState::InForce);
+        let rbac = api_error(403, "nodes \"a\" is forbidden: User cannot patch resource");
+        assert!(matches!(
+            state_of::<()>("x", Ok(Err(rbac))),
+            PolicyState::Unknown(_)
+        ));
+        assert!(matches!(
+            state_of("x", Ok(Ok(()))),
+            PolicyState::Missing(m) if m.contains("accepted x")
+        ));
+    }
+}
