@@ -37,6 +37,36 @@ pub struct Endpoints {
     pub problems: Problems,
     /// The running DRA drivers, by driver name: their readiness and counters.
     pub drivers: Drivers,
+    /// The running cluster features (advertise, node labels, refused pods), by name.
+    pub features: Features,
+}
+
+/// Cluster features with an outcome of their own, by name, kept by whoever starts and stops
+/// them.
+pub type Features =
+    Arc<std::sync::RwLock<std::collections::BTreeMap<String, Box<dyn FeatureView>>>>;
+
+/// What the endpoints read of a cluster feature.
+pub trait FeatureView: Send + Sync {
+    /// Its outcome now.
+    fn status(&self) -> FeatureStatus;
+}
+
+/// A cluster feature's outcome, for `/metrics` and `/readyz`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FeatureStatus {
+    /// Writes made to the API server (label sets, capacity changes, pods deleted or reported).
+    pub writes: u64,
+    /// Requests that failed.
+    pub errors: u64,
+    /// Put-backs that followed another writer's change closely (node labels).
+    pub fights: u64,
+    /// When a request last worked (Unix seconds; 0: never).
+    pub last_success_unix: u64,
+    /// Whether its admission policy was found in force; `None` before the first probe.
+    pub policy_in_force: Option<bool>,
+    /// Why it cannot do its work now, for `/readyz`.
+    pub problem: Option<String>,
 }
 
 /// Problems outside the host, by subject, shared with whoever finds them.
@@ -165,6 +195,16 @@ fn ready(endpoints: &Endpoints) -> Response {
             }
         }
     }
+    for (feature, view) in endpoints
+        .features
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+    {
+        if let Some(why) = view.status().problem {
+            problems.push(format!("{feature}: {why}"));
+        }
+    }
     // A config of DRA drivers only has no device plugin to wait for.
     let drivers_only = endpoints.host.resources().is_empty()
         && !endpoints
@@ -205,8 +245,16 @@ fn metrics(endpoints: &Endpoints) -> Response {
         .iter()
         .map(|(name, view)| (name.clone(), view.counters()))
         .collect();
+    let features: Vec<(String, FeatureStatus)> = endpoints
+        .features
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(name, view)| (name.clone(), view.status()))
+        .collect();
     let mut body = render(&endpoints.host.metrics(), &endpoints.reloads);
     body.push_str(&render_drivers(&drivers));
+    body.push_str(&render_features(&features));
     Response {
         status: 200,
         content_type: "text/plain; version=0.0.4; charset=utf-8",
@@ -272,6 +320,57 @@ pub fn render_drivers(drivers: &[(String, DriverCounters)]) -> String {
     }
     #[cfg(feature = "cluster")]
     render_claim_calls(&mut out, drivers);
+    out
+}
+
+/// The cluster features' outcomes in the Prometheus text format.
+pub fn render_features(features: &[(String, FeatureStatus)]) -> String {
+    let mut out = String::new();
+    if features.is_empty() {
+        return out;
+    }
+    type Pick = fn(&FeatureStatus) -> Option<u64>;
+    let families: [(&str, &str, &str, Pick); 5] = [
+        (
+            "devplug_cluster_writes_total",
+            "counter",
+            "Writes a cluster feature made to the API server (label sets, capacity changes, refused pods deleted or reported).",
+            |s| Some(s.writes),
+        ),
+        (
+            "devplug_cluster_errors_total",
+            "counter",
+            "Requests of a cluster feature that failed (refused, timed out, API server unreachable).",
+            |s| Some(s.errors),
+        ),
+        (
+            "devplug_cluster_fights_total",
+            "counter",
+            "Put-backs of devplug's node labels that closely followed another writer's change.",
+            |s| Some(s.fights),
+        ),
+        (
+            "devplug_cluster_last_success_timestamp_seconds",
+            "gauge",
+            "When a request of a cluster feature last worked (Unix seconds; 0: never).",
+            |s| Some(s.last_success_unix),
+        ),
+        (
+            "devplug_cluster_policy_in_force",
+            "gauge",
+            "1 when the admission policy keeping a cluster feature to its own node was found in force, 0 when not (the feature then does not run where policies are required).",
+            |s| s.policy_in_force.map(u64::from),
+        ),
+    ];
+    for (name, kind, help, pick) in families {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for (feature, status) in features {
+            if let Some(value) = pick(status) {
+                let _ = writeln!(out, "{name}{{feature=\"{}\"}} {value}", escape(feature));
+            }
+        }
+    }
     out
 }
 

@@ -18,6 +18,8 @@
 #[cfg(feature = "cluster")]
 mod capacity;
 mod check_config;
+#[cfg(feature = "cluster")]
+mod cluster_features;
 mod config;
 #[cfg(feature = "tools")]
 mod demo;

@@ -51,8 +51,14 @@ impl NodeLabelsWriter {
 
     /// Matches the writer to `config`, following the labels of `backends` (the config's
     /// started resources, by name).
-    pub async fn apply(&mut self, config: &Config, backends: &BTreeMap<String, BuiltBackend>) {
-        use devplug_cluster::node_labels::{Mode, NodeLabeler};
+    pub async fn apply(
+        &mut self,
+        config: &Config,
+        backends: &BTreeMap<String, BuiltBackend>,
+        features: &crate::cluster_features::ClusterFeatures,
+    ) {
+        use devplug_cluster::node_labels::{LabelerOptions, Mode, NodeLabeler};
+        use devplug_cluster::policy_check::Feature;
         let mode = config.node_labels.mode;
         if let Some(running) = &mut self.running {
             if running.mode == mode {
@@ -63,6 +69,7 @@ impl NodeLabelsWriter {
         }
         if let (Some(old), Some(node)) = (self.running.take(), self.node.clone()) {
             old.follow.cancel();
+            features.unregister(Feature::NodeLabels);
             tokio::spawn(remove(old.client, old.mode, node));
         }
         let cluster_mode = match mode {
@@ -90,7 +97,30 @@ impl NodeLabelsWriter {
             }
         };
         tracing::info!(%node, ?mode, "writing node labels");
-        let labeler = std::sync::Arc::new(NodeLabeler::spawn(client.clone(), node, cluster_mode));
+        let options = LabelerOptions {
+            events: features.events(),
+            gate: Some(features.gate(&client, &node)),
+        };
+        let labeler = std::sync::Arc::new(NodeLabeler::spawn_with(
+            client.clone(),
+            node,
+            cluster_mode,
+            options,
+        ));
+        let counters = labeler.shared_counters();
+        features.register(Feature::NodeLabels, move || {
+            use std::sync::atomic::Ordering::Relaxed;
+            crate::endpoints::FeatureStatus {
+                writes: counters.applied.load(Relaxed),
+                errors: counters.errors.load(Relaxed),
+                fights: counters.fights.load(Relaxed),
+                last_success_unix: counters.last_success_unix.load(Relaxed),
+                problem: crate::cluster_features::failing(
+                    counters.consecutive_failures.load(Relaxed),
+                ),
+                ..Default::default()
+            }
+        });
         self.running = Some(Running {
             mode,
             client,

@@ -45,7 +45,12 @@ impl RefusedPodsWatch {
     /// Matches the watch to `config`: started with the first policy that is not `off` while a
     /// device plugin resource is served, the served resources updated, restarted when the policy
     /// changes, stopped by `off` or when no device plugin resource is left.
-    pub async fn apply(&mut self, config: &Config) {
+    pub async fn apply(
+        &mut self,
+        config: &Config,
+        features: &crate::cluster_features::ClusterFeatures,
+    ) {
+        use devplug_cluster::policy_check::Feature;
         use devplug_cluster::refused_pods::{Policy, RefusedPods};
         let policy = match config.refused_pods {
             RefusedPodsPolicy::Off => None,
@@ -61,6 +66,7 @@ impl RefusedPodsWatch {
         }
         if let Some((_, _, stop)) = self.running.take() {
             stop.cancel();
+            features.unregister(Feature::RefusedPods);
         }
         // Nothing to watch for without a device plugin resource.
         let (Some(policy), false) = (policy, served.is_empty()) else {
@@ -86,7 +92,29 @@ impl RefusedPodsWatch {
         };
         let instance = std::env::var("POD_NAME").unwrap_or_else(|_| node.clone());
         let stop = tokio_util::sync::CancellationToken::new();
-        let watch = RefusedPods::spawn(client, node, instance, policy, served, stop.clone());
+        let gate = features.gate(&client, &node);
+        let watch = RefusedPods::spawn_gated(
+            client,
+            node,
+            instance,
+            policy,
+            served,
+            stop.clone(),
+            Some(gate),
+        );
+        let counters = watch.shared_counters();
+        features.register(Feature::RefusedPods, move || {
+            use std::sync::atomic::Ordering::Relaxed;
+            crate::endpoints::FeatureStatus {
+                writes: counters
+                    .deleted
+                    .load(Relaxed)
+                    .saturating_add(counters.reported.load(Relaxed)),
+                errors: counters.failed.load(Relaxed),
+                last_success_unix: counters.last_success_unix.load(Relaxed),
+                ..Default::default()
+            }
+        });
         self.running = Some((config.refused_pods, watch, stop));
     }
 

@@ -69,6 +69,12 @@ pub struct RunArgs {
     /// `devplug` only (devplug-lite has no API client).
     #[arg(long, env = "DEVPLUG_NODE_EVENTS")]
     pub node_events: bool,
+    /// Run a cluster feature (advertise:, node labels, refused pods) only once the admission
+    /// policy that keeps its writes to this node is shown in force (a server-side dry run of a
+    /// write it must refuse); until then `/readyz` says which is missing. The Helm chart, which
+    /// installs those policies, sets it. Without it a missing policy is only logged.
+    #[arg(long, env = "DEVPLUG_REQUIRE_POLICIES")]
+    pub require_policies: bool,
     /// Where `dra:` resources write the CDI spec of each prepared claim (the container
     /// runtime's dynamic CDI folder).
     #[arg(long, env = "DEVPLUG_CDI_DIR", default_value = devplug_proto::constants::CDI_DYNAMIC_DIR)]
@@ -94,6 +100,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     warn_if_no_kubelet_folder(&args.kubelet_dir);
     let problems = endpoints::Problems::default();
     let drivers = endpoints::Drivers::default();
+    let features = endpoints::Features::default();
     let mut runner = Runner {
         host: Arc::new(Host::new(&args.kubelet_dir)?.with_watcher_dirs(watcher_dirs(&args))),
         current: BTreeMap::new(),
@@ -104,6 +111,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         #[cfg(feature = "cluster")]
         cluster: Cluster {
             advertiser: None,
+            features: crate::cluster_features::ClusterFeatures::new(
+                args.require_policies,
+                problems.clone(),
+                features.clone(),
+            ),
             node_name: args.node_name.clone(),
             kubeconfig: args.kubeconfig.clone(),
             events: None,
@@ -142,6 +154,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         reloads: runner.reloads.clone(),
         problems: runner.problems.clone(),
         drivers,
+        features,
     };
     if let Some(addr) = args.metrics_addr {
         endpoints::serve(addr, endpoints.clone(), stop_http.clone())
@@ -262,6 +275,8 @@ struct Runner {
 struct Cluster {
     /// Keeps `advertise:` resources on our Node; started with the first one.
     advertiser: Option<devplug_cluster::advertise::Advertiser>,
+    /// The cluster features' gate and outcomes.
+    features: crate::cluster_features::ClusterFeatures,
     node_name: Option<String>,
     kubeconfig: Option<PathBuf>,
     /// Node events, with --node-events.
@@ -337,7 +352,10 @@ impl Runner {
         self.apply_dra(&config.resources, &built).await?;
         self.backends.clone_from(&built);
         #[cfg(feature = "cluster")]
-        self.cluster.refused.apply(config).await;
+        self.cluster
+            .refused
+            .apply(config, &self.cluster.features)
+            .await;
         #[cfg(not(feature = "cluster"))]
         crate::refused::say_lite_cannot(config);
         self.apply_node_labels(config).await;
@@ -347,7 +365,10 @@ impl Runner {
     /// Matches the node labels to `config` and the started backends.
     async fn apply_node_labels(&mut self, config: &Config) {
         #[cfg(feature = "cluster")]
-        self.cluster.labels.apply(config, &self.backends).await;
+        self.cluster
+            .labels
+            .apply(config, &self.backends, &self.cluster.features)
+            .await;
         #[cfg(not(feature = "cluster"))]
         crate::node_labels::say_lite_cannot(config, &self.backends);
     }
@@ -401,6 +422,7 @@ impl Runner {
             CancellationToken::new(),
         );
         events.forward(self.host.events());
+        self.cluster.features.set_events(events.clone());
         self.cluster.events = Some(events);
         Ok(())
     }
@@ -428,11 +450,33 @@ impl Runner {
             )?;
             let client = devplug_cluster::connect(cluster.kubeconfig.as_deref()).await?;
             tracing::info!(%node, "advertising extended resources on our Node");
-            cluster.advertiser = Some(devplug_cluster::advertise::Advertiser::spawn(
+            let gate = cluster.features.gate(&client, &node);
+            let advertiser = devplug_cluster::advertise::Advertiser::spawn_gated(
                 client,
                 node,
                 CancellationToken::new(),
-            ));
+                Some(gate),
+            );
+            let counters = advertiser.shared_counters();
+            cluster.features.register(
+                devplug_cluster::policy_check::Feature::Advertise,
+                move || {
+                    use std::sync::atomic::Ordering::Relaxed;
+                    crate::endpoints::FeatureStatus {
+                        writes: counters
+                            .applied
+                            .load(Relaxed)
+                            .saturating_add(counters.removed.load(Relaxed)),
+                        errors: counters.errors.load(Relaxed),
+                        last_success_unix: counters.last_success_unix.load(Relaxed),
+                        problem: crate::cluster_features::failing(
+                            counters.consecutive_failures.load(Relaxed),
+                        ),
+                        ..Default::default()
+                    }
+                },
+            );
+            cluster.advertiser = Some(advertiser);
         }
         if let Some(advertiser) = &cluster.advertiser {
             advertiser.set(resources);
@@ -507,7 +551,10 @@ impl Runner {
         }
         self.backends.extend(built);
         #[cfg(feature = "cluster")]
-        self.cluster.refused.apply(&config).await;
+        self.cluster
+            .refused
+            .apply(&config, &self.cluster.features)
+            .await;
         self.apply_node_labels(&config).await;
         for failure in &applied.failed {
             tracing::error!(resource = %failure.resource(), error = %failure, "cannot apply the new config for this resource; it keeps its previous config");

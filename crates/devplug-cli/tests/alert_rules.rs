@@ -153,7 +153,7 @@ async fn scrape_real_devplug() -> Option<String> {
     std::fs::write(
         &config,
         format!(
-            "resources:\n  - name: example.com/npu\n    virtual: {{ count: 2 }}\n  \
+            "node_labels: {{ mode: direct }}\nresources:\n  - name: example.com/npu\n    virtual: {{ count: 2 }}\n  \
              - name: example.com/cola\n    files: {{ dir: {} }}\n  \
              - name: example.com/dra-npu\n    virtual: {{ count: 2 }}\n    dra: {{ driver: {DRIVER} }}\n",
             colas.display()
@@ -198,6 +198,8 @@ async fn scrape_real_devplug() -> Option<String> {
         metrics = support::http_get(port, "/metrics").await.unwrap().1;
         if metrics.contains(&format!("devplug_dra_registered{{driver=\"{DRIVER}\"}} 1"))
             && metrics.contains("devplug_foreign_devices{resource=\"example.com/npu\"} 0")
+            && metrics.contains("devplug_cluster_policy_in_force{feature=\"node_labels\"}")
+            && metrics.contains("devplug_cluster_policy_in_force{feature=\"refused_pods\"}")
         {
             break;
         }

@@ -34,6 +34,10 @@ pub struct AdvertiseCounters {
     pub removed: std::sync::atomic::AtomicU64,
     /// API errors.
     pub errors: std::sync::atomic::AtomicU64,
+    /// Errors since the last pass that worked (0 when the last one did).
+    pub consecutive_failures: std::sync::atomic::AtomicU64,
+    /// When the Node was last seen right or made right (Unix seconds; 0: never).
+    pub last_success_unix: std::sync::atomic::AtomicU64,
 }
 
 /// Keeps resources advertised on one Node until dropped or stopped.
@@ -47,15 +51,26 @@ pub struct Advertiser {
 impl Advertiser {
     /// Starts advertising on `node` (empty set at first; see [`Advertiser::set`]).
     pub fn spawn(client: kube::Client, node: String, stop: CancellationToken) -> Advertiser {
+        Advertiser::spawn_gated(client, node, stop, None)
+    }
+
+    /// The same, writing nothing before `gate` is passed ([`crate::policy_check::Gate`]).
+    pub fn spawn_gated(
+        client: kube::Client,
+        node: String,
+        stop: CancellationToken,
+        gate: Option<crate::policy_check::Gate>,
+    ) -> Advertiser {
         let (desired, rx) = watch::channel(BTreeMap::new());
         let counters = Arc::new(AdvertiseCounters::default());
-        tokio::spawn(run(
-            Api::all(client),
-            node,
-            rx,
-            counters.clone(),
-            stop.clone(),
-        ));
+        let task_stop = stop.clone();
+        let task_counters = counters.clone();
+        tokio::spawn(async move {
+            let feature = crate::policy_check::Feature::Advertise;
+            if crate::policy_check::pass(gate.as_ref(), feature, &task_stop).await {
+                run(Api::all(client), node, rx, task_counters, task_stop).await;
+            }
+        });
         Advertiser {
             desired,
             counters,
@@ -77,6 +92,11 @@ impl Advertiser {
     pub fn counters(&self) -> &AdvertiseCounters {
         &self.counters
     }
+
+    /// The counters, to keep beside the advertiser (metrics).
+    pub fn shared_counters(&self) -> Arc<AdvertiseCounters> {
+        self.counters.clone()
+    }
 }
 
 impl Drop for Advertiser {
@@ -92,7 +112,10 @@ async fn run(
     counters: Arc<AdvertiseCounters>,
     stop: CancellationToken,
 ) {
-    let config = watcher::Config::default().fields(&format!("metadata.name={node}"));
+    // From the watch cache: no consistent read of etcd at every (re)start of the watch.
+    let config = watcher::Config::default()
+        .fields(&format!("metadata.name={node}"))
+        .any_semantic();
     let new_watch = || {
         watcher(api.clone(), config.clone())
             .default_backoff()
@@ -160,8 +183,19 @@ async fn run(
         let Some(current) = &last_seen else { continue };
         let wanted = desired.borrow().clone();
         match reconcile(&api, &node, current, &wanted, &mut advertised, &counters).await {
-            Ok(()) => delay = RETRY_FIRST,
+            Ok(()) => {
+                delay = RETRY_FIRST;
+                counters
+                    .consecutive_failures
+                    .store(0, std::sync::atomic::Ordering::Relaxed);
+                counters
+                    .last_success_unix
+                    .store(crate::unix_now(), std::sync::atomic::Ordering::Relaxed);
+            }
             Err(err) => {
+                counters
+                    .consecutive_failures
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tracing::warn!(%node, %err, retry_in = ?delay, "cannot advertise on our Node; retrying");
                 counters
                     .errors

@@ -31,6 +31,13 @@ use std::time::Duration;
 /// kube-rs's watcher has its own timeouts). A hung request must not stop a feature for good.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Seconds since the Unix epoch (0 if the clock is before it).
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 /// `request` within [`REQUEST_TIMEOUT`]; past it, a timeout error.
 pub(crate) async fn timed<T>(
     request: impl std::future::Future<Output = Result<T, kube::Error>>,

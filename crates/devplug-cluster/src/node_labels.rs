@@ -320,6 +320,17 @@ pub struct LabelCounters {
     pub skipped: std::sync::atomic::AtomicU64,
     /// When a label set was last written (Unix seconds; 0: never).
     pub last_success_unix: std::sync::atomic::AtomicU64,
+    /// Errors since the last write that worked (0 when the last one did).
+    pub consecutive_failures: std::sync::atomic::AtomicU64,
+}
+
+/// What a [`NodeLabeler`] is started with beside its client, node and mode.
+#[derive(Debug, Clone, Default)]
+pub struct LabelerOptions {
+    /// Where a fight over the labels is reported as a Warning event.
+    pub events: Option<crate::events::NodeEvents>,
+    /// Passed before the first write ([`crate::policy_check::Gate`]).
+    pub gate: Option<crate::policy_check::Gate>,
 }
 
 /// Keeps one Node's labels as the backends describe it, until dropped.
@@ -333,27 +344,36 @@ pub struct NodeLabeler {
 impl NodeLabeler {
     /// Starts writing labels for `node` as `mode` says (nothing until [`NodeLabeler::set`]).
     pub fn spawn(client: kube::Client, node: String, mode: Mode) -> NodeLabeler {
-        NodeLabeler::spawn_with_events(client, node, mode, None)
+        NodeLabeler::spawn_with(client, node, mode, LabelerOptions::default())
     }
 
-    /// The same, reporting a fight over the labels as a Warning event through `events`.
-    pub fn spawn_with_events(
+    /// The same, with `options`.
+    pub fn spawn_with(
         client: kube::Client,
         node: String,
         mode: Mode,
-        events: Option<crate::events::NodeEvents>,
+        options: LabelerOptions,
     ) -> NodeLabeler {
         let (desired, rx) = watch::channel(None);
         let counters = std::sync::Arc::new(LabelCounters::default());
         let stop = CancellationToken::new();
+        let feature = match mode {
+            Mode::Direct => crate::policy_check::Feature::NodeLabels,
+            Mode::NodeFeature { .. } => crate::policy_check::Feature::NodeFeatures,
+        };
         let task = Task {
             client,
             node,
             mode,
             counters: counters.clone(),
-            events,
+            events: options.events,
         };
-        tokio::spawn(task.run(rx, stop.clone()));
+        let (gate, task_stop) = (options.gate, stop.clone());
+        tokio::spawn(async move {
+            if crate::policy_check::pass(gate.as_ref(), feature, &task_stop).await {
+                task.run(rx, task_stop).await;
+            }
+        });
         NodeLabeler {
             desired,
             counters,
@@ -373,6 +393,11 @@ impl NodeLabeler {
     /// The counters.
     pub fn counters(&self) -> &LabelCounters {
         &self.counters
+    }
+
+    /// The counters, to keep beside the labeler (metrics).
+    pub fn shared_counters(&self) -> std::sync::Arc<LabelCounters> {
+        self.counters.clone()
     }
 }
 
@@ -525,13 +550,17 @@ impl Task {
                     tracing::info!(%node, labels = wanted.len(), "node labels written");
                     written = Some(wanted);
                     self.counters.applied.fetch_add(1, Relaxed);
-                    self.counters.last_success_unix.store(unix_now(), Relaxed);
+                    self.counters
+                        .last_success_unix
+                        .store(crate::unix_now(), Relaxed);
+                    self.counters.consecutive_failures.store(0, Relaxed);
                     retry.reset();
                 }
                 Err(err) => {
                     let delay = retry.next_delay();
                     tracing::warn!(%node, %err, retry_in = ?delay, "cannot write the node labels; retrying");
                     self.counters.errors.fetch_add(1, Relaxed);
+                    self.counters.consecutive_failures.fetch_add(1, Relaxed);
                     hold = Some(tokio::time::Instant::now() + delay);
                 }
             }
@@ -568,13 +597,6 @@ impl Task {
             });
         }
     }
-}
-
-/// Seconds since the Unix epoch (0 if the clock is before it).
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 #[cfg(test)]

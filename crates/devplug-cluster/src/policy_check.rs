@@ -15,6 +15,7 @@ use kube::api::{
     ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
 };
 use kube::Api;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The label key and capacity name the probes write: under a domain no one owns.
@@ -227,6 +228,67 @@ impl Probe {
         };
         let answer = tokio::time::timeout(PROBE_TIMEOUT, pods.delete(pod, &params)).await;
         state_of("deleting devplug's own running pod", answer)
+    }
+}
+
+/// The first wait between two probes of a policy not (yet) in force; doubling, jittered.
+pub const REPROBE_FIRST: Duration = Duration::from_secs(5);
+/// The longest wait between two probes.
+pub const REPROBE_MAX: Duration = Duration::from_secs(300);
+
+/// Told each state a probe finds (for the log, `/readyz`, metrics and events).
+pub type Report = Arc<dyn Fn(Feature, &PolicyState) + Send + Sync>;
+
+/// What a cluster feature passes before its first write.
+#[derive(Clone)]
+pub struct Gate {
+    /// The probe, with the feature's client.
+    pub probe: Probe,
+    /// Whether the feature may run only with its policy in force (the chart's installs); when
+    /// not, a policy not found in force is reported and the feature runs all the same.
+    pub required: bool,
+    /// Told each state found.
+    pub report: Report,
+}
+
+impl std::fmt::Debug for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gate")
+            .field("probe", &self.probe)
+            .field("required", &self.required)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Gate {
+    /// Returns once `feature` may write: its policy is in force, or it is not required. Where it
+    /// is required and not (yet) in force, probes again after a jittered wait growing from
+    /// [`REPROBE_FIRST`] to [`REPROBE_MAX`], for as long as it takes (the caller cancels).
+    pub async fn pass(&self, feature: Feature) {
+        let mut wait = devplug::host::backoff::Backoff::new(REPROBE_FIRST, REPROBE_MAX).jittered();
+        loop {
+            let state = self.probe.check(feature).await;
+            (self.report)(feature, &state);
+            if state.in_force() || !self.required {
+                return;
+            }
+            tokio::time::sleep(wait.next_delay()).await;
+        }
+    }
+}
+
+/// `gate`, if any, passed for `feature`; false when `stop` came first.
+pub async fn pass(
+    gate: Option<&Gate>,
+    feature: Feature,
+    stop: &tokio_util::sync::CancellationToken,
+) -> bool {
+    let Some(gate) = gate else {
+        return true;
+    };
+    tokio::select! {
+        () = stop.cancelled() => false,
+        () = gate.pass(feature) => true,
     }
 }
 

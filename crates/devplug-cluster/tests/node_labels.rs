@@ -281,3 +281,59 @@ async fn two_writers_of_one_field_manager_settle_instead_of_looping() {
     );
     assert_eq!(old.counters().errors.load(Relaxed), 0);
 }
+
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
+)]
+#[tokio::test]
+async fn a_labeler_whose_policy_is_not_in_force_writes_nothing_where_policies_are_required() {
+    use devplug_cluster::node_labels::LabelerOptions;
+    use devplug_cluster::policy_check::{Gate, PolicyState, Probe};
+    let Some(client) = admin("a_labeler_whose_policy_is_not_in_force_writes_nothing").await else {
+        return;
+    };
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node = new_node(&nodes, "ungated").await;
+    // The admin's token: nothing limits it, as a token whose policy binding was deleted.
+    let (tx, mut found) = tokio::sync::mpsc::unbounded_channel();
+    let gate = Gate {
+        probe: Probe {
+            client: client.clone(),
+            node: node.clone(),
+            namespace: "default".into(),
+            pod: None,
+        },
+        required: true,
+        report: std::sync::Arc::new(move |_, state: &PolicyState| {
+            let _ = tx.send(state.clone());
+        }),
+    };
+    let options = LabelerOptions {
+        events: None,
+        gate: Some(gate),
+    };
+    let labeler = NodeLabeler::spawn_with(client.clone(), node.clone(), Mode::Direct, options);
+    labeler.set(labels(&[("nvidia.com/gpu.count", "8")]));
+    // Probed twice, found missing twice: the labeler is still at its gate.
+    for _ in 0..2 {
+        let state = tokio::time::timeout(Duration::from_secs(30), found.recv())
+            .await
+            .expect("a probe within 30 s")
+            .expect("the gate reports");
+        assert!(matches!(state, PolicyState::Missing(_)), "{state:?}");
+    }
+    assert_eq!(
+        labeler
+            .counters()
+            .applied
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    assert!(
+        !node_labels_of(&nodes, &node)
+            .await
+            .contains_key("nvidia.com/gpu.count"),
+        "written without its policy"
+    );
+}

@@ -73,11 +73,18 @@ pub struct Counters {
     pub api_requests: AtomicU64,
     /// Requests that failed.
     pub failed: AtomicU64,
+    /// When a request last worked (Unix seconds; 0: never).
+    pub last_success_unix: AtomicU64,
 }
 
 impl Counters {
     fn request(&self) {
         self.api_requests.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn worked(&self) {
+        self.last_success_unix
+            .store(crate::unix_now(), Ordering::Relaxed);
     }
 }
 
@@ -99,6 +106,20 @@ impl RefusedPods {
         served: BTreeSet<String>,
         stop: CancellationToken,
     ) -> RefusedPods {
+        RefusedPods::spawn_gated(client, node, instance, policy, served, stop, None)
+    }
+
+    /// The same, deleting nothing before `gate` is passed ([`crate::policy_check::Gate`]; only
+    /// the deletes need a policy: reporting writes events only).
+    pub fn spawn_gated(
+        client: kube::Client,
+        node: String,
+        instance: String,
+        policy: Policy,
+        served: BTreeSet<String>,
+        stop: CancellationToken,
+        gate: Option<crate::policy_check::Gate>,
+    ) -> RefusedPods {
         let (tx, rx) = watch::channel(served);
         let counters = Arc::new(Counters::default());
         let ctx = Ctx {
@@ -114,7 +135,13 @@ impl RefusedPods {
             policy,
             counters: counters.clone(),
         };
-        tokio::spawn(run(ctx, rx, stop));
+        let gate = gate.filter(|_| policy == Policy::DeleteReplaced);
+        tokio::spawn(async move {
+            let feature = crate::policy_check::Feature::RefusedPods;
+            if crate::policy_check::pass(gate.as_ref(), feature, &stop).await {
+                run(ctx, rx, stop).await;
+            }
+        });
         RefusedPods {
             served: tx,
             counters,
@@ -129,6 +156,11 @@ impl RefusedPods {
     /// The counters.
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// The counters, to keep beside the watch (metrics).
+    pub fn shared_counters(&self) -> Arc<Counters> {
+        self.counters.clone()
     }
 }
 
@@ -181,6 +213,7 @@ async fn run(ctx: Ctx, mut served: watch::Receiver<BTreeSet<String>>, stop: Canc
             event = events.next() => match event {
                 Some(Ok(watcher::Event::Init)) => {
                     ctx.counters.request();
+                    ctx.counters.worked();
                     known.clear();
                 }
                 Some(Ok(watcher::Event::InitApply(pod) | watcher::Event::Apply(pod))) => {
@@ -304,14 +337,17 @@ async fn replaced(ctx: &Ctx, reported: &Reported) -> bool {
         .collect::<Vec<_>>()
         .join(",");
     let counters = ctx.counters.clone();
-    let stream = watcher(api, watcher::Config::default().labels(&selector))
-        .default_backoff()
-        .inspect_ok(move |event| {
-            if matches!(event, watcher::Event::Init) {
-                counters.request();
-            }
-        })
-        .applied_objects();
+    let stream = watcher(
+        api,
+        watcher::Config::default().labels(&selector).any_semantic(),
+    )
+    .default_backoff()
+    .inspect_ok(move |event| {
+        if matches!(event, watcher::Event::Init) {
+            counters.request();
+        }
+    })
+    .applied_objects();
     let found = tokio::time::timeout(REPLACEMENT_WAIT, async {
         let mut stream = std::pin::pin!(stream);
         loop {
@@ -352,6 +388,7 @@ async fn delete_pod(ctx: &Ctx, reported: &Reported) {
     ctx.counters.request();
     match timed(api.delete(&name, &params)).await {
         Ok(_) => {
+            ctx.counters.worked();
             let deleted = ctx.counters.deleted.fetch_add(1, Ordering::Relaxed) + 1;
             tracing::info!(
                 pod = %format!("{namespace}/{name}"),
