@@ -201,10 +201,8 @@ impl FeatureView for View {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .get(self.name)
-            .and_then(|state| match state {
-                PolicyState::InForce => Some(true),
-                PolicyState::Missing(_) | PolicyState::Unknown(_) => Some(false),
-            });
+            // Unknown counts as not in force: where policies are required the feature waits.
+            .map(PolicyState::in_force);
         status
     }
 }
