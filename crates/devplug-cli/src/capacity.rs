@@ -17,6 +17,14 @@ pub struct CapacityArgs {
     /// The kubeconfig to use (default: KUBECONFIG, ~/.kube/config, then the in-cluster account).
     #[arg(long, global = true)]
     kubeconfig: Option<PathBuf>,
+    /// Remove nothing before the admission policy that limits this token to removing is shown
+    /// in force (a server-side dry run of a write it must refuse; up to 60 s, for a policy just
+    /// made): the chart's uninstall Job passes it.
+    #[arg(long, global = true, env = "DEVPLUG_REQUIRE_POLICIES")]
+    require_policy: bool,
+    /// With --require-policy: how long to wait for the policy, in seconds.
+    #[arg(long, global = true, value_name = "SECS", default_value_t = 60)]
+    policy_wait_secs: u64,
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -97,7 +105,7 @@ async fn remove_one(
 /// Runs `devplug capacity`.
 pub async fn capacity(args: CapacityArgs) -> anyhow::Result<()> {
     let client = devplug_cluster::connect(args.kubeconfig.as_deref()).await?;
-    let nodes: Api<Node> = Api::all(client);
+    let nodes: Api<Node> = Api::all(client.clone());
     match args.action {
         Action::Set { resource, node } => {
             let (name, count) = resource
@@ -129,6 +137,14 @@ pub async fn capacity(args: CapacityArgs) -> anyhow::Result<()> {
                     .filter_map(|n| n.metadata.name)
                     .collect(),
             };
+            if let (true, Some(first)) = (args.require_policy, targets.first()) {
+                crate::cluster_features::uninstall_policy_in_force(
+                    &client,
+                    first,
+                    args.policy_wait_secs,
+                )
+                .await?;
+            }
             let options = after_device_plugin.then_some(CleanOptions {
                 wait_for_zero: std::time::Duration::from_secs(wait_secs),
                 recheck_after: std::time::Duration::from_secs(recheck_secs),

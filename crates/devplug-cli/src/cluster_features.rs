@@ -27,6 +27,7 @@ pub fn registry_name(feature: Feature) -> &'static str {
         Feature::Advertise => "advertise",
         Feature::NodeLabels | Feature::NodeFeatures => "node_labels",
         Feature::RefusedPods => "refused_pods",
+        Feature::Uninstall => "uninstall",
     }
 }
 
@@ -212,6 +213,37 @@ pub fn failing(consecutive: u64) -> Option<String> {
     (consecutive >= FAILURES_NOT_READY).then(|| {
         format!("its last {consecutive} requests to the API server failed (the log says why)")
     })
+}
+
+/// For the uninstall's commands (`capacity remove`, `labels remove` with `--require-policy`):
+/// waits until the uninstall's admission policy, made with the Job, is in force, or says which
+/// is missing, after `wait_secs`. `node` is any Node the probe may aim at.
+pub async fn uninstall_policy_in_force(
+    client: &kube::Client,
+    node: &str,
+    wait_secs: u64,
+) -> anyhow::Result<()> {
+    let probe = Probe {
+        client: client.clone(),
+        node: node.to_owned(),
+        namespace: crate::node_labels::namespace(),
+        pod: None,
+    };
+    match devplug_cluster::policy_check::wait_in_force(
+        &probe,
+        Feature::Uninstall,
+        std::time::Duration::from_secs(wait_secs),
+    )
+    .await
+    {
+        PolicyState::InForce => Ok(()),
+        PolicyState::Missing(why) | PolicyState::Unknown(why) => anyhow::bail!(
+            "--require-policy: no admission policy limits this token to removing ({why}); \
+             nothing was changed. Install {} (helm uninstall makes it with the Job), or leave \
+             out --require-policy",
+            Feature::Uninstall.fix()
+        ),
+    }
 }
 
 #[cfg(test)]

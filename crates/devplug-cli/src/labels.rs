@@ -15,6 +15,14 @@ pub struct LabelsArgs {
     /// The kubeconfig to use (default: KUBECONFIG, ~/.kube/config, then the in-cluster account).
     #[arg(long, global = true)]
     kubeconfig: Option<PathBuf>,
+    /// Remove nothing before the admission policy that limits this token to removing is shown
+    /// in force (a server-side dry run of a write it must refuse; up to 60 s, for a policy just
+    /// made): the chart's uninstall Job passes it.
+    #[arg(long, global = true, env = "DEVPLUG_REQUIRE_POLICIES")]
+    require_policy: bool,
+    /// With --require-policy: how long to wait for the policy, in seconds.
+    #[arg(long, global = true, value_name = "SECS", default_value_t = 60)]
+    policy_wait_secs: u64,
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -73,6 +81,14 @@ pub async fn labels(args: LabelsArgs) -> anyhow::Result<()> {
                     .filter_map(|n| n.metadata.name)
                     .collect(),
             };
+            if let (true, Some(first)) = (args.require_policy, targets.first()) {
+                crate::cluster_features::uninstall_policy_in_force(
+                    &client,
+                    first,
+                    args.policy_wait_secs,
+                )
+                .await?;
+            }
             for target in &targets {
                 let removed = node_labels::remove_direct(&nodes, target).await?;
                 if removed.is_empty() {

@@ -125,6 +125,30 @@ async fn capacity_set_list_remove() {
         out,
         "example.com/dongle on node cli-capacity: already gone\n"
     );
+    // The uninstall's way: nothing removed where no admission policy limits the token (here
+    // the admin's), and the message says which policy and how to do without.
+    run(vec![
+        "set",
+        "example.com/dongle=4",
+        "--node",
+        "cli-capacity",
+    ]);
+    let (ok, _, err) = run(vec![
+        "remove",
+        "example.com/dongle",
+        "--node",
+        "cli-capacity",
+        "--require-policy",
+        "--policy-wait-secs",
+        "1",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("-uninstall") && err.contains("nothing was changed"),
+        "{err}"
+    );
+    let (ok, out, _) = run(vec!["list", "--node", "cli-capacity"]);
+    assert!(ok && out.contains("example.com/dongle  4"), "{out}");
     let (ok, _, err) = run(vec!["set", "dongle=4", "--node", "cli-capacity"]);
     assert!(!ok);
     assert!(err.contains("not an extended resource name"), "{err}");

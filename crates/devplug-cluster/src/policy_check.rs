@@ -52,6 +52,8 @@ pub enum Feature {
     NodeFeatures,
     /// Deleting pods refused at admission (`refused_pods: delete-replaced`).
     RefusedPods,
+    /// The uninstall Job removing resources and labels from every Node.
+    Uninstall,
 }
 
 impl Feature {
@@ -62,6 +64,7 @@ impl Feature {
             Feature::NodeLabels => "node_labels",
             Feature::NodeFeatures => "node_labels (node-feature)",
             Feature::RefusedPods => "refused_pods",
+            Feature::Uninstall => "uninstall",
         }
     }
 
@@ -79,6 +82,9 @@ impl Feature {
             }
             Feature::RefusedPods => {
                 "the chart's ValidatingAdmissionPolicy and binding <release>-refused-pods"
+            }
+            Feature::Uninstall => {
+                "the chart's ValidatingAdmissionPolicy and binding <release>-uninstall (hooks)"
             }
         }
     }
@@ -152,7 +158,21 @@ impl Probe {
             Feature::NodeLabels => self.node_labels().await,
             Feature::NodeFeatures => self.node_features().await,
             Feature::RefusedPods => self.refused_pods().await,
+            Feature::Uninstall => self.uninstall().await,
         }
+    }
+
+    /// A label added to a Node through its status (the uninstall only ever removes; its role
+    /// always has `nodes/status`).
+    async fn uninstall(&self) -> PolicyState {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let patch = serde_json::json!({"metadata": {"labels": {"nvidia.com/devplug-policy-probe": "added"}}});
+        let answer = tokio::time::timeout(
+            PROBE_TIMEOUT,
+            nodes.patch_status(&self.node, &dry_run(), &Patch::Merge(&patch)),
+        )
+        .await;
+        state_of("a label added to a Node", answer)
     }
 
     /// A capacity devplug does not advertise, on its own Node's status.
@@ -274,6 +294,19 @@ impl Gate {
             }
             tokio::time::sleep(wait.next_delay()).await;
         }
+    }
+}
+
+/// Waits up to `timeout` for `feature`'s policy to be found in force (a policy just created is
+/// in force once the API server has loaded it, within a second or two); the last state found.
+pub async fn wait_in_force(probe: &Probe, feature: Feature, timeout: Duration) -> PolicyState {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let state = probe.check(feature).await;
+        if state.in_force() || tokio::time::Instant::now() >= deadline {
+            return state;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 

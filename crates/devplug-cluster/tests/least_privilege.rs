@@ -164,18 +164,13 @@ async fn each_token_writes_only_its_own_nodes_objects_and_fields() {
         in_force(&probe, feature).await;
     }
     let as_hook: Api<Node> = Api::all(hook.clone());
-    until("the uninstall policy in force", WAIT, || async {
-        let label = json!({"metadata": {"labels": {"nvidia.com/gpu.count": "8"}}});
-        let dry = PatchParams {
-            dry_run: true,
-            ..PatchParams::default()
-        };
-        match as_hook.patch(&node_b, &dry, &Patch::Merge(&label)).await {
-            Err(err) if refused_by_policy(&err) => Some(()),
-            _ => None,
-        }
-    })
-    .await;
+    let hook_probe = Probe {
+        client: hook.clone(),
+        node: node_b.clone(),
+        namespace: NAMESPACE.to_owned(),
+        pod: None,
+    };
+    in_force(&hook_probe, Feature::Uninstall).await;
 
     let as_a: Api<Node> = Api::all(a.clone());
     let mut t = Attempts::default();
