@@ -54,6 +54,15 @@ impl crate::endpoints::DriverView for devplug_dra::DraHealth {
     }
 }
 
+/// The `dra:` resources of `resources`, by name.
+fn wanted(resources: &[ResourceConfig]) -> BTreeMap<&str, &ResourceConfig> {
+    resources
+        .iter()
+        .filter(|r| r.dra.is_some())
+        .map(|r| (r.name.as_str(), r))
+        .collect()
+}
+
 /// The running drivers, by resource name.
 pub struct DraDrivers {
     setup: DraSetup,
@@ -85,11 +94,36 @@ impl DraDrivers {
         resources: &[ResourceConfig],
         shared: &BTreeMap<String, BuiltBackend>,
     ) -> Vec<(String, anyhow::Error)> {
-        let wanted: BTreeMap<&str, &ResourceConfig> = resources
-            .iter()
-            .filter(|r| r.dra.is_some())
-            .map(|r| (r.name.as_str(), r))
-            .collect();
+        self.stop_changed(resources).await;
+        let wanted = wanted(resources);
+        let mut failed = Vec::new();
+        for (name, resource) in wanted {
+            if self.running.contains_key(name) {
+                continue;
+            }
+            match self.start(resource, shared.get(name).cloned()).await {
+                Ok(Some(driver)) => {
+                    let health = driver.health();
+                    self.setup
+                        .drivers
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(health.driver.clone(), Box::new(health));
+                    self.running
+                        .insert(name.to_owned(), (resource.clone(), driver));
+                }
+                // Refused alone, and said in `/readyz`: the other resources go on.
+                Ok(None) => {}
+                Err(err) => failed.push((name.to_owned(), err)),
+            }
+        }
+        failed
+    }
+
+    /// Stops the drivers whose resource left `resources` or changed (before a changed
+    /// resource's new backend is built: one instance at a time).
+    pub async fn stop_changed(&mut self, resources: &[ResourceConfig]) {
+        let wanted = wanted(resources);
         let stale: Vec<String> = self
             .running
             .iter()
@@ -115,28 +149,6 @@ impl DraDrivers {
                 }
             }
         }
-        let mut failed = Vec::new();
-        for (name, resource) in wanted {
-            if self.running.contains_key(name) {
-                continue;
-            }
-            match self.start(resource, shared.get(name).cloned()).await {
-                Ok(Some(driver)) => {
-                    let health = driver.health();
-                    self.setup
-                        .drivers
-                        .write()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(health.driver.clone(), Box::new(health));
-                    self.running
-                        .insert(name.to_owned(), (resource.clone(), driver));
-                }
-                // Refused alone, and said in `/readyz`: the other resources go on.
-                Ok(None) => {}
-                Err(err) => failed.push((name.to_owned(), err)),
-            }
-        }
-        failed
     }
 
     /// Starts one driver. `Ok(None)`: this driver alone cannot start, for a reason in `/readyz`

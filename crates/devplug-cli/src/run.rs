@@ -332,7 +332,40 @@ fn settings_of(resource: &ResourceConfig) -> ResourceSettings {
 impl Runner {
     /// Starts every resource; any failure stops the program.
     async fn start(&mut self, config: &Config) -> anyhow::Result<()> {
-        self.advertise(advertised(&config.resources)).await?;
+        let converged = self.converge(config, true).await;
+        if let Some(failure) = converged.applied.failed.into_iter().next() {
+            return Err(failure.into());
+        }
+        match converged.failed.into_iter().next() {
+            None => Ok(()),
+            Some((_, err)) => Err(err),
+        }
+    }
+
+    /// Makes the running process serve `config`: the one sequence of start and reload.
+    ///
+    /// 1. `advertise:` resources on the Node;
+    /// 2. DRA drivers whose resource left or changed stopped, so that a changed resource's old
+    ///    backend is gone before its new one is built;
+    /// 3. the device plugin resources applied to the host, their backends built;
+    /// 4. DRA drivers started, a `device_plugin: true` resource's with the backend step 3
+    ///    built (one instance serves both);
+    /// 5. refused pods and node labels, which follow the started backends.
+    ///
+    /// `strict` (start): stop after a device plugin resource that cannot be served, which
+    /// stops the program. Failures of steps 1 and 4 come back by name.
+    async fn converge(&mut self, config: &Config, strict: bool) -> Converged {
+        let mut failed = Vec::new();
+        if let Err(err) = self.advertise(advertised(&config.resources)).await {
+            failed.push(("advertise".to_owned(), err));
+            if strict {
+                return Converged {
+                    applied: devplug::host::Applied::default(),
+                    failed,
+                };
+            }
+        }
+        self.stop_changed_dra(&config.resources).await;
         let mut built = BTreeMap::new();
         let applied = self
             .host
@@ -346,11 +379,20 @@ impl Runner {
                 },
             )
             .await;
-        if let Some(failure) = applied.failed.into_iter().next() {
-            return Err(failure.into());
+        if strict && !applied.failed.is_empty() {
+            return Converged { applied, failed };
         }
-        self.apply_dra(&config.resources, &built).await?;
-        self.backends.clone_from(&built);
+        for name in &applied.removed {
+            self.backends.remove(name);
+        }
+        self.backends.extend(built);
+        let backends = self.backends.clone();
+        if let Err(err) = self.apply_dra(&config.resources, &backends).await {
+            failed.push(("dra".to_owned(), err));
+            if strict {
+                return Converged { applied, failed };
+            }
+        }
         #[cfg(feature = "cluster")]
         self.cluster
             .refused
@@ -359,7 +401,7 @@ impl Runner {
         #[cfg(not(feature = "cluster"))]
         crate::refused::say_lite_cannot(config);
         self.apply_node_labels(config).await;
-        Ok(())
+        Converged { applied, failed }
     }
 
     /// Matches the node labels to `config` and the started backends.
@@ -396,6 +438,16 @@ impl Runner {
             Some((name, err)) => Err(err.context(format!("cannot serve {name} as a DRA driver"))),
         }
     }
+
+    /// Stops the DRA drivers whose resource left `resources` or changed.
+    #[cfg(feature = "cluster")]
+    async fn stop_changed_dra(&mut self, resources: &[ResourceConfig]) {
+        self.cluster.dra.stop_changed(resources).await;
+    }
+
+    /// The device-plugin-only build has no DRA drivers.
+    #[cfg(not(feature = "cluster"))]
+    async fn stop_changed_dra(&mut self, _: &[ResourceConfig]) {}
 
     /// The device-plugin-only build has no DRA: the config check refused `dra:` resources.
     #[cfg(not(feature = "cluster"))]
@@ -525,37 +577,11 @@ impl Runner {
         };
         self.text = text;
         let mut report = Report::default();
-        if let Err(err) = self.advertise(advertised(&config.resources)).await {
-            tracing::error!(error = %format!("{err:#}"), "cannot advertise the config's advertise: resources");
-            report.failed.push("advertise".to_owned());
+        let Converged { applied, failed } = self.converge(&config, false).await;
+        for (what, err) in failed {
+            tracing::error!(error = %format!("{err:#}"), "cannot apply the config's {what}: resources");
+            report.failed.push(what);
         }
-        if let Err(err) = self.apply_dra(&config.resources, &BTreeMap::new()).await {
-            tracing::error!(error = %format!("{err:#}"), "cannot apply the config's dra: resources");
-            report.failed.push("dra".to_owned());
-        }
-        let mut built = BTreeMap::new();
-        let applied = self
-            .host
-            .apply(
-                &mut self.current,
-                device_plugin_resources(&config.resources),
-                |name, resource| {
-                    let backend = build(resource)?;
-                    built.insert(name.to_owned(), backend.clone());
-                    Ok::<_, String>((backend as Arc<dyn devplug::Backend>, settings_of(resource)))
-                },
-            )
-            .await;
-        for name in &applied.removed {
-            self.backends.remove(name);
-        }
-        self.backends.extend(built);
-        #[cfg(feature = "cluster")]
-        self.cluster
-            .refused
-            .apply(&config, &self.cluster.features)
-            .await;
-        self.apply_node_labels(&config).await;
         for failure in &applied.failed {
             tracing::error!(resource = %failure.resource(), error = %failure, "cannot apply the new config for this resource; it keeps its previous config");
             report.failed.push(failure.resource().to_owned());
@@ -583,6 +609,12 @@ impl Runner {
             "config reloaded"
         );
     }
+}
+
+/// What [`Runner::converge`] did: the host's report, and the steps beside it that failed.
+struct Converged {
+    applied: devplug::host::Applied,
+    failed: Vec<(String, anyhow::Error)>,
 }
 
 #[derive(Default)]

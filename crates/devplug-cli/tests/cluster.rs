@@ -565,3 +565,123 @@ async fn a_dra_only_config_becomes_ready() {
     let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
     assert!(status.success(), "{log}");
 }
+
+/// Whether the kubelet has the GPU resource's 4 devices and its DRA driver registered, within
+/// 20 s.
+async fn served_both_ways(kubelet: &Kubelet) -> bool {
+    kubelet
+        .wait_for(Duration::from_secs(20), |node| {
+            (!node.dra_driver("gpu.reload.example.com").is_empty()
+                && node.capacity("nvidia.com/gpu").0 == 4)
+                .then_some(())
+        })
+        .await
+        .is_ok()
+}
+
+/// A `dra: {device_plugin: true}` resource changed by a reload is served by one backend
+/// instance, device plugin and DRA driver alike: NVML (the fake, which logs every `nvmlInit`)
+/// is opened once for the new config, not once for each side.
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
+)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reloaded_resource_served_both_ways_has_one_backend_instance() {
+    let Some((server, _, _)) = cluster_with_node(
+        "a_reloaded_resource_served_both_ways_has_one_backend_instance",
+        "cli-reload-dra",
+    )
+    .await
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = dir.path().join("device-plugins");
+    let sim = kubelet_sim::SimConfig {
+        watcher_reconcile: Duration::from_millis(50),
+        ..kubelet_sim::SimConfig::default()
+    }
+    .with_watcher_beside(&plugins);
+    let kubelet = Kubelet::start_with(&plugins, sim).await.unwrap();
+    // The fake NVML as a driver installs it, logging each nvmlInit.
+    let lib_dir = dir.path().join("driver/usr/lib64");
+    let dev = dir.path().join("dev");
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    std::fs::create_dir_all(&dev).unwrap();
+    std::fs::write(dev.join("nvidiactl"), "").unwrap();
+    let topology = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fake-nvml/topologies/pcie-4gpu.yaml");
+    let mut text = std::fs::read_to_string(topology).unwrap();
+    text.push_str("\ninit_log: inits.log\n");
+    std::fs::write(lib_dir.join("fake-nvml.yaml"), text).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let fake = exe.parent().unwrap().join("libfake_nvml.so");
+    std::fs::copy(&fake, lib_dir.join("libnvidia-ml.so.1")).unwrap();
+    let inits = || {
+        std::fs::read_to_string(lib_dir.join("inits.log"))
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    };
+    let cdi = dir.path().join("cdi");
+    let config_text = |extra: &str| {
+        format!(
+            "resources:\n  - name: nvidia.com/gpu\n    nvidia: {{ library: {}, dev_root: {}, sys_root: {}, cdi_dir: {}{extra} }}\n    dra: {{ driver: gpu.reload.example.com, device_plugin: true }}\n",
+            lib_dir.join("libnvidia-ml.so.1").display(),
+            dev.display(),
+            dir.path().join("sys").display(),
+            cdi.display(),
+        )
+    };
+    let config = dir.path().join("config.yaml");
+    std::fs::write(&config, config_text("")).unwrap();
+    let port = support::free_port();
+    let devplug = Devplug::run_with(
+        &config,
+        &plugins,
+        &[
+            "--node-name",
+            "cli-reload-dra",
+            "--kubeconfig",
+            server.kubeconfig.to_str().unwrap(),
+            "--cdi-dir",
+            cdi.to_str().unwrap(),
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+        ],
+    );
+    if !served_both_ways(&kubelet).await {
+        let (_, log) = devplug.terminate(Duration::from_secs(10)).await;
+        panic!("never served both ways: {log}");
+    }
+    assert_eq!(inits(), 1, "one backend at start, shared by both sides");
+    // A change of the backend's settings: a new instance for the new config, one only.
+    std::fs::write(&config, config_text(", retry_max_ms: 5000")).unwrap();
+    let mut metrics = String::new();
+    for _ in 0..200 {
+        metrics = support::http_get(port, "/metrics")
+            .await
+            .map(|(_, m)| m)
+            .unwrap_or_default();
+        if metrics.contains("devplug_config_reloads_total 1\n") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        metrics.contains("devplug_config_reloads_total 1\n")
+            && metrics.contains("devplug_config_reload_failures_total 0\n"),
+        "the reload applied:\n{metrics}"
+    );
+    assert!(served_both_ways(&kubelet).await);
+    // The driver started again, registered and published: ready.
+    let ready = readyz_until(port, |(status, _)| *status == 200).await;
+    assert_eq!(ready.0, 200, "{}", ready.1);
+    let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
+    assert!(status.success(), "{log}");
+    assert_eq!(
+        inits(),
+        2,
+        "the reload opened NVML more than once for one resource (two backend instances):\n{log}"
+    );
+}
