@@ -19,7 +19,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-/// Retry delay after an API error (doubling to 30 s).
+/// Retry delay after an API error (doubling to 30 s, jittered).
 const RETRY_FIRST: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(30);
 /// While the watch is failing, how often to ask the API server whether it answers again.
@@ -127,7 +127,7 @@ async fn run(
     let mut advertised: BTreeSet<String> = BTreeSet::new();
     let mut last_seen: Option<Node> = None;
     let mut retry_at: Option<tokio::time::Instant> = None;
-    let mut delay = RETRY_FIRST;
+    let mut retry = devplug::host::backoff::Backoff::new(RETRY_FIRST, RETRY_MAX).jittered();
     loop {
         let far = || tokio::time::Instant::now() + Duration::from_secs(86_400);
         let due = retry_at.unwrap_or_else(far);
@@ -144,8 +144,7 @@ async fn run(
                     Err(err) => {
                         tracing::warn!(%node, %err, "cannot read our Node; retrying");
                         counters.errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        retry_at = Some(tokio::time::Instant::now() + delay);
-                        delay = (delay * 2).min(RETRY_MAX);
+                        retry_at = Some(tokio::time::Instant::now() + retry.next_delay());
                         continue;
                     }
                 };
@@ -171,7 +170,7 @@ async fn run(
                         events = new_watch();
                         probe_at = None;
                         retry_at = None;
-                        delay = RETRY_FIRST;
+                        retry.reset();
                     }
                     _ => {
                         probe_at = Some(tokio::time::Instant::now() + RECOVERY_PROBE);
@@ -184,7 +183,7 @@ async fn run(
         let wanted = desired.borrow().clone();
         match reconcile(&api, &node, current, &wanted, &mut advertised, &counters).await {
             Ok(()) => {
-                delay = RETRY_FIRST;
+                retry.reset();
                 counters
                     .consecutive_failures
                     .store(0, std::sync::atomic::Ordering::Relaxed);
@@ -196,12 +195,12 @@ async fn run(
                 counters
                     .consecutive_failures
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let delay = retry.next_delay();
                 tracing::warn!(%node, %err, retry_in = ?delay, "cannot advertise on our Node; retrying");
                 counters
                     .errors
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 retry_at = Some(tokio::time::Instant::now() + delay);
-                delay = (delay * 2).min(RETRY_MAX);
             }
         }
     }

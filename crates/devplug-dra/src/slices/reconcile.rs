@@ -15,6 +15,7 @@
 use super::compare::{is_newer, normalized};
 use super::publisher::{selector, Published, SliceCounters};
 use super::spec::{pool_content, unhealthy_taint_key, PoolContent, Unhealthy};
+use devplug::host::backoff::jittered;
 use devplug::DeviceList;
 use futures_util::future::join_all;
 use futures_util::StreamExt;
@@ -52,16 +53,6 @@ const RECOVERY_PROBE: Duration = Duration::from_millis(500);
 /// The longest wait between two probes of an API server that does not answer.
 const RECOVERY_PROBE_MAX: Duration = Duration::from_secs(4);
 
-/// `wait` spread over 75–125 % of itself, differently in each driver and each time.
-fn jittered(wait: Duration) -> Duration {
-    use std::hash::{BuildHasher, Hasher};
-    // A fresh RandomState has keys of its own: an empty hash of it is a random number.
-    let random = std::collections::hash_map::RandomState::new()
-        .build_hasher()
-        .finish();
-    let spread = (random % 1000) as f64 / 2000.0;
-    wait.mul_f64(0.75 + spread)
-}
 /// Warnings remembered so each is logged once; past this the memory is cleared.
 const MAX_WARNED: usize = 10_000;
 
