@@ -275,6 +275,7 @@ async fn two_writers_of_one_field_manager_settle_instead_of_looping() {
     // With the backoff, whose waits double from 1 s, a few.
     tokio::time::sleep(Duration::from_secs(10)).await;
     let during = writes().saturating_sub(before);
+    eprintln!("two writers of one field manager: {during} label writes in 10 s");
     assert!(
         during <= 16,
         "{during} label writes in 10 s between two writers of one field manager"
