@@ -139,7 +139,7 @@ async fn run(
                     return;
                 }
                 // Fresh state: the cached object may be old.
-                last_seen = match api.get_status(&node).await {
+                last_seen = match crate::timed(api.get_status(&node)).await {
                     Ok(n) => Some(n),
                     Err(err) => {
                         tracing::warn!(%node, %err, "cannot read our Node; retrying");
@@ -160,7 +160,7 @@ async fn run(
             },
             _ = tokio::time::sleep_until(due), if retry_at.is_some() => {
                 retry_at = None;
-                last_seen = api.get_status(&node).await.ok().or(last_seen);
+                last_seen = crate::timed(api.get_status(&node)).await.ok().or(last_seen);
             }
             _ = tokio::time::sleep_until(probe_due), if probe_at.is_some() => {
                 match tokio::time::timeout(RECOVERY_PROBE, api.get_status(&node)).await {

@@ -113,7 +113,9 @@ pub async fn list(
     api: &Api<Node>,
     node: &str,
 ) -> Result<BTreeMap<String, NodeResource>, CapacityError> {
-    let found = api.get_status(node).await.map_err(api_error("get", node))?;
+    let found = crate::timed(api.get_status(node))
+        .await
+        .map_err(api_error("get", node))?;
     Ok(extended_resources(&found))
 }
 
@@ -125,7 +127,9 @@ pub async fn set(
     count: u64,
 ) -> Result<(), CapacityError> {
     check_name(resource)?;
-    let current = api.get_status(node).await.map_err(api_error("get", node))?;
+    let current = crate::timed(api.get_status(node))
+        .await
+        .map_err(api_error("get", node))?;
     let status = current.status.unwrap_or_default();
     let key = escape_pointer(resource);
     let value = serde_json::Value::String(count.to_string());
@@ -143,7 +147,7 @@ pub async fn set(
         ops.push(serde_json::json!({"op": "add", "path": format!("/status/{field}/{key}"), "value": value}));
     }
     let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(ops))?;
-    api.patch_status(node, &PatchParams::default(), &Patch::Json::<()>(patch))
+    crate::timed(api.patch_status(node, &PatchParams::default(), &Patch::Json::<()>(patch)))
         .await
         .map_err(api_error("patch status", node))?;
     Ok(())
@@ -156,7 +160,9 @@ pub async fn remove(api: &Api<Node>, node: &str, resource: &str) -> Result<Remov
     check_name(resource)?;
     let key = escape_pointer(resource);
     for _ in 0..3 {
-        let current = api.get_status(node).await.map_err(api_error("get", node))?;
+        let current = crate::timed(api.get_status(node))
+            .await
+            .map_err(api_error("get", node))?;
         let present = extended_resources(&current)
             .remove(resource)
             .unwrap_or_default();
@@ -175,9 +181,12 @@ pub async fn remove(api: &Api<Node>, node: &str, resource: &str) -> Result<Remov
             return Ok(Removed::AlreadyGone);
         }
         let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(ops))?;
-        match api
-            .patch_status(node, &PatchParams::default(), &Patch::Json::<()>(patch))
-            .await
+        match crate::timed(api.patch_status(
+            node,
+            &PatchParams::default(),
+            &Patch::Json::<()>(patch),
+        ))
+        .await
         {
             Ok(_) => return Ok(Removed::Removed),
             Err(kube::Error::Api(status)) if status.code == 422 => continue,

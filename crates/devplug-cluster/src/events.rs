@@ -214,7 +214,7 @@ async fn write(
             action: event.action.clone(),
             secondary: None,
         };
-        match recorder.publish(&ev, &regarding).await {
+        match crate::timed(recorder.publish(&ev, &regarding)).await {
             Ok(()) => {
                 counters.published.fetch_add(1, Ordering::Relaxed);
             }
