@@ -17,14 +17,8 @@ pub struct CapacityArgs {
     /// The kubeconfig to use (default: KUBECONFIG, ~/.kube/config, then the in-cluster account).
     #[arg(long, global = true)]
     kubeconfig: Option<PathBuf>,
-    /// Remove nothing before the admission policy that limits this token to removing is shown
-    /// in force (a server-side dry run of a write it must refuse; up to 60 s, for a policy just
-    /// made): the chart's uninstall Job passes it.
-    #[arg(long, global = true, env = "DEVPLUG_REQUIRE_POLICIES")]
-    require_policy: bool,
-    /// With --require-policy: how long to wait for the policy, in seconds.
-    #[arg(long, global = true, value_name = "SECS", default_value_t = 60)]
-    policy_wait_secs: u64,
+    #[command(flatten)]
+    policy: crate::cluster_features::UninstallPolicyArgs,
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -126,25 +120,13 @@ pub async fn capacity(args: CapacityArgs) -> anyhow::Result<()> {
             recheck_secs,
             attempts,
         } => {
-            let targets: Vec<String> = match node {
-                Some(node) if !all_nodes => vec![node],
-                _ => nodes
-                    .list(&Default::default())
-                    .await
-                    .context("cannot list the nodes")?
-                    .items
-                    .into_iter()
-                    .filter_map(|n| n.metadata.name)
-                    .collect(),
-            };
-            if let (true, Some(first)) = (args.require_policy, targets.first()) {
-                crate::cluster_features::uninstall_policy_in_force(
-                    &client,
-                    first,
-                    args.policy_wait_secs,
-                )
-                .await?;
-            }
+            let targets = crate::cluster_features::removal_targets(
+                &client,
+                node.as_deref(),
+                all_nodes,
+                &args.policy,
+            )
+            .await?;
             let options = after_device_plugin.then_some(CleanOptions {
                 wait_for_zero: std::time::Duration::from_secs(wait_secs),
                 recheck_after: std::time::Duration::from_secs(recheck_secs),

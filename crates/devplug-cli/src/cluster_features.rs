@@ -215,10 +215,49 @@ pub fn failing(consecutive: u64) -> Option<String> {
     })
 }
 
-/// For the uninstall's commands (`capacity remove`, `labels remove` with `--require-policy`):
-/// waits until the uninstall's admission policy, made with the Job, is in force, or says which
+/// The uninstall's flags of `capacity remove` and `labels remove`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UninstallPolicyArgs {
+    /// Remove nothing before the admission policy that limits this token to removing is shown
+    /// in force (a server-side dry run of a write it must refuse; a policy just made is in
+    /// force within a second or two): the chart's uninstall Job passes it.
+    #[arg(long, global = true, env = "DEVPLUG_REQUIRE_POLICIES")]
+    pub require_policy: bool,
+    /// With --require-policy: how long to wait for the policy, in seconds.
+    #[arg(long, global = true, value_name = "SECS", default_value_t = 60)]
+    pub policy_wait_secs: u64,
+}
+
+/// The Nodes a removal works on: `node`, or every Node with `all_nodes`; with
+/// `--require-policy`, only once the uninstall's admission policy is in force (else an error
+/// saying which is missing, nothing changed).
+pub async fn removal_targets(
+    client: &kube::Client,
+    node: Option<&str>,
+    all_nodes: bool,
+    policy: &UninstallPolicyArgs,
+) -> anyhow::Result<Vec<String>> {
+    use anyhow::Context;
+    let targets: Vec<String> = match node {
+        Some(node) if !all_nodes => vec![node.to_owned()],
+        _ => kube::Api::<k8s_openapi::api::core::v1::Node>::all(client.clone())
+            .list(&Default::default())
+            .await
+            .context("cannot list the nodes")?
+            .items
+            .into_iter()
+            .filter_map(|n| n.metadata.name)
+            .collect(),
+    };
+    if let (true, Some(first)) = (policy.require_policy, targets.first()) {
+        uninstall_policy_in_force(client, first, policy.policy_wait_secs).await?;
+    }
+    Ok(targets)
+}
+
+/// Waits until the uninstall's admission policy, made with the Job, is in force, or says which
 /// is missing, after `wait_secs`. `node` is any Node the probe may aim at.
-pub async fn uninstall_policy_in_force(
+async fn uninstall_policy_in_force(
     client: &kube::Client,
     node: &str,
     wait_secs: u64,

@@ -7,7 +7,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
-use devplug_cluster::policy_check::{refused_by_policy, Feature, PolicyState, Probe};
+mod support;
+
+use devplug_cluster::policy_check::{Feature, PolicyState, Probe};
 use devplug_testkit::api_server::{
     admin, client_for_token, new_node, node_token, until, ApiServer,
 };
@@ -16,10 +18,9 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::Api;
 use serde_json::{json, Value};
-use std::time::Duration;
+use support::{in_force, Attempts, WAIT};
 
 const NAMESPACE: &str = "kube-system";
-const WAIT: Duration = Duration::from_secs(30);
 
 /// What a node looks like before the attack: a label and annotation of someone else, an
 /// address, a Ready condition, the capacity of a device resource and of the advertised one.
@@ -69,45 +70,6 @@ async fn pod(pods: &Api<Pod>, name: &str, node: &str, phase: &str, reason: Optio
     )
     .await
     .unwrap();
-}
-
-/// The writes tried, and what went wrong with them.
-#[derive(Default)]
-struct Attempts {
-    tried: usize,
-    wrong: Vec<String>,
-}
-
-impl Attempts {
-    /// A write that must be refused by an admission policy.
-    fn refused<T>(&mut self, what: &str, result: Result<T, kube::Error>) {
-        self.tried += 1;
-        match result {
-            Ok(_) => self.wrong.push(format!("ACCEPTED: {what}")),
-            Err(err) if refused_by_policy(&err) => {}
-            Err(err) => self
-                .wrong
-                .push(format!("refused, but not by a policy: {what}: {err}")),
-        }
-    }
-
-    /// A write a feature needs.
-    fn allowed<T, E: std::fmt::Display>(&mut self, what: &str, result: Result<T, E>) {
-        self.tried += 1;
-        if let Err(err) = result {
-            self.wrong.push(format!("REFUSED: {what}: {err}"));
-        }
-    }
-}
-
-/// Waits until `probe` finds `feature`'s policy in force.
-async fn in_force(probe: &Probe, feature: Feature) {
-    until(
-        &format!("the {} policy in force", feature.name()),
-        WAIT,
-        || async { probe.check(feature).await.in_force().then_some(()) },
-    )
-    .await;
 }
 
 #[cfg_attr(
@@ -420,13 +382,7 @@ async fn each_token_writes_only_its_own_nodes_objects_and_fields() {
         devplug_cluster::node_labels::remove_direct(&as_hook, &node_a).await,
     );
 
-    assert!(
-        t.wrong.is_empty(),
-        "{} of {} writes went wrong:\n{}",
-        t.wrong.len(),
-        t.tried,
-        t.wrong.join("\n")
-    );
+    t.assert_all_right();
     // Nothing of node B changed but what the uninstall removed.
     let b = nodes.get(&node_b).await.unwrap();
     let labels = b.metadata.labels.clone().unwrap_or_default();

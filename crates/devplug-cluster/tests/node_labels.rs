@@ -7,14 +7,16 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
+mod support;
+
 use devplug::NodeLabels;
 use devplug_cluster::node_labels::{self, Mode, NodeLabeler, FIELD_MANAGER};
 use devplug_testkit::api_server::{admin, new_node, until};
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{DynamicObject, Patch, PatchParams};
 use kube::Api;
 use std::time::Duration;
+use support::install_node_feature_crd;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -148,31 +150,6 @@ async fn direct_mode_sets_updates_and_removes_only_its_labels() {
         node_labels::owned_keys(&nodes.get(&node).await.unwrap()).is_empty(),
         "{FIELD_MANAGER} owns no label: {managers:?}"
     );
-}
-
-/// Installs NFD's NodeFeature kind (once per API server) and waits until it is served.
-async fn install_node_feature_crd(client: &kube::Client) {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/node_labels/nodefeature-crd.yaml"
-    ))
-    .unwrap();
-    let crd: CustomResourceDefinition = serde_saphyr::from_str(&text).unwrap();
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    match crds.create(&PostParams::default(), &crd).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => panic!("cannot create the NodeFeature CRD: {e}"),
-    }
-    until("the NodeFeature CRD established", WAIT, || async {
-        let crd = crds.get("nodefeatures.nfd.k8s-sigs.io").await.ok()?;
-        crd.status?
-            .conditions?
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True")
-            .then_some(())
-    })
-    .await;
 }
 
 #[cfg_attr(

@@ -13,22 +13,22 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
+mod support;
+
 use devplug_cluster::node_labels::{
     self, Mode, NodeLabeler, FIELD_MANAGER, NFD_NODE_LABEL, OWNER, OWNER_LABEL,
 };
-use devplug_cluster::policy_check::{refused_by_policy, Feature, Probe};
+use devplug_cluster::policy_check::{Feature, Probe};
 use devplug_testkit::api_server::{
     admin, client_for_token, new_node, node_token, until, ApiServer,
 };
 use devplug_testkit::rendered;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::Api;
 use serde_json::{json, Value};
 use std::time::Duration;
-
-const WAIT: Duration = Duration::from_secs(30);
+use support::{in_force, install_node_feature_crd, Attempts};
 
 /// The rendered `release`'s service accounts and its documents named `name`, which must be one
 /// of each of `kinds`: one feature's permissions. Both tests of this binary create the same
@@ -176,32 +176,6 @@ async fn the_charts_node_label_permissions_are_scoped_to_the_nodes_gpu_labels() 
     );
 }
 
-/// Installs NFD's NodeFeature kind (once per API server; `tests/node_labels/nodefeature-crd.yaml`)
-/// and waits until it is served.
-async fn install_node_feature_crd(admin: &kube::Client) {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/node_labels/nodefeature-crd.yaml"
-    ))
-    .unwrap();
-    let crd: CustomResourceDefinition = serde_saphyr::from_str(&text).unwrap();
-    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
-    match crds.create(&PostParams::default(), &crd).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => panic!("cannot create the NodeFeature CRD: {e}"),
-    }
-    until("the NodeFeature CRD established", WAIT, || async {
-        let crd = crds.get("nodefeatures.nfd.k8s-sigs.io").await.ok()?;
-        crd.status?
-            .conditions?
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True")
-            .then_some(())
-    })
-    .await;
-}
-
 /// A NodeFeature object `name` for `node` (NFD's node label and devplug's owner label), in
 /// `namespace`, with `spec`.
 fn node_feature(namespace: &str, name: &str, node: &str, spec: Value) -> Value {
@@ -224,35 +198,6 @@ async fn delete_if_there(objects: &Api<DynamicObject>, name: &str) {
         Ok(_) => {}
         Err(kube::Error::Api(e)) if e.code == 404 => {}
         Err(e) => panic!("delete NodeFeature {name}: {e}"),
-    }
-}
-
-/// The writes tried, and what went wrong with them.
-#[derive(Default)]
-struct Attempts {
-    tried: usize,
-    wrong: Vec<String>,
-}
-
-impl Attempts {
-    /// A write that must be refused by the admission policy.
-    fn refused<T>(&mut self, what: &str, result: Result<T, kube::Error>) {
-        self.tried += 1;
-        match result {
-            Ok(_) => self.wrong.push(format!("ACCEPTED: {what}")),
-            Err(err) if refused_by_policy(&err) => {}
-            Err(err) => self
-                .wrong
-                .push(format!("refused, but not by a policy: {what}: {err}")),
-        }
-    }
-
-    /// A write devplug needs.
-    fn allowed<T, E: std::fmt::Display>(&mut self, what: &str, result: Result<T, E>) {
-        self.tried += 1;
-        if let Err(err) = result {
-            self.wrong.push(format!("REFUSED: {what}: {err}"));
-        }
     }
 }
 
@@ -308,14 +253,7 @@ async fn the_charts_node_feature_permissions_are_scoped_to_the_nodes_own_object(
         namespace: namespace.to_owned(),
         pod: None,
     };
-    until("the node-features policy in force", WAIT, || async {
-        probe
-            .check(Feature::NodeFeatures)
-            .await
-            .in_force()
-            .then_some(())
-    })
-    .await;
+    in_force(&probe, Feature::NodeFeatures).await;
 
     let name_a = node_labels::node_feature_name(&node_a);
     let name_b = node_labels::node_feature_name(&node_b);
@@ -445,13 +383,7 @@ async fn the_charts_node_feature_permissions_are_scoped_to_the_nodes_own_object(
     let removed = node_labels::remove_node_feature(&a, namespace, Some(&node_a)).await;
     t.allowed("node A deletes its own object", removed.as_ref());
 
-    assert!(
-        t.wrong.is_empty(),
-        "{} of {} writes went wrong:\n{}",
-        t.wrong.len(),
-        t.tried,
-        t.wrong.join("\n")
-    );
+    t.assert_all_right();
     // Node A's object held what it applied last, and is gone; node B's is as it was written.
     assert_eq!(
         own_before.data["spec"],
