@@ -330,7 +330,8 @@ async fn says_so(node: &'static Node, runtime: &str) -> Result<(), String> {
         "/readyz does not name the driver and the runtime: {readyz}"
     );
     figure(&format!("/readyz on {runtime}: 503 {}", readyz.trim()));
-    let log = support::devplug_log(node);
+    // The whole log: the ERROR comes at start, before the lines of every listener and driver.
+    let log = support::devplug_log_tail(node, 10_000);
     assert!(
         log.lines()
             .any(|l| l.contains("ERROR") && l.contains("cannot apply CDI specs")),

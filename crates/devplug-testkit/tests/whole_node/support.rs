@@ -594,6 +594,11 @@ pub async fn devplug_pods(client: &kube::Client) -> Result<Vec<Pod>, String> {
 
 /// The kubelet's and devplug's log tails, for a failure message.
 pub fn devplug_log(node: &Node) -> String {
+    devplug_log_tail(node, 15)
+}
+
+/// The last `lines` lines of each devplug container's log on the node.
+pub fn devplug_log_tail(node: &Node, lines: usize) -> String {
     let dir = node.layout.pod_logs();
     let mut out = String::new();
     for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
@@ -604,7 +609,7 @@ pub fn devplug_log(node: &Node) -> String {
                 name.split('_').nth(1).unwrap_or_default(),
                 "devplug",
             ) {
-                let tail: Vec<&str> = text.lines().rev().take(15).collect();
+                let tail: Vec<&str> = text.lines().rev().take(lines).collect();
                 out.push_str(&format!(
                     "--- {name}:\n{}\n",
                     tail.into_iter().rev().collect::<Vec<_>>().join("\n")
