@@ -49,6 +49,21 @@ fn run_on_node(
     (devplug, port)
 }
 
+/// A kubelet simulator in `dir` that also follows its plugin watcher's folder (for DRA
+/// drivers), and its device-plugins folder.
+async fn watcher_kubelet(dir: &std::path::Path) -> (Kubelet, std::path::PathBuf) {
+    let plugins = dir.join("device-plugins");
+    let config = kubelet_sim::SimConfig {
+        watcher_reconcile: Duration::from_millis(50),
+        ..kubelet_sim::SimConfig::default()
+    }
+    .with_watcher_beside(&plugins);
+    (
+        Kubelet::start_with(&plugins, config).await.unwrap(),
+        plugins,
+    )
+}
+
 /// `/readyz` on `port` until `done` says so (10 s at most); the last answer.
 async fn readyz_until(port: u16, done: impl Fn(&(u16, String)) -> bool) -> (u16, String) {
     let mut last = (0, String::new());
@@ -273,13 +288,7 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let plugins = dir.path().join("device-plugins");
-    let config = kubelet_sim::SimConfig {
-        watcher_reconcile: Duration::from_millis(50),
-        ..kubelet_sim::SimConfig::default()
-    }
-    .with_watcher_beside(&plugins);
-    let kubelet = Kubelet::start_with(&plugins, config).await.unwrap();
+    let (kubelet, plugins) = watcher_kubelet(dir.path()).await;
     let config = dir.path().join("config.yaml");
     // One resource as DRA only, one as a device plugin.
     std::fs::write(
@@ -510,13 +519,7 @@ async fn a_dra_only_config_becomes_ready() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let plugins = dir.path().join("device-plugins");
-    let config = kubelet_sim::SimConfig {
-        watcher_reconcile: Duration::from_millis(50),
-        ..kubelet_sim::SimConfig::default()
-    }
-    .with_watcher_beside(&plugins);
-    let kubelet = Kubelet::start_with(&plugins, config).await.unwrap();
+    let (kubelet, plugins) = watcher_kubelet(dir.path()).await;
     let (devplug, port) = run_on_node(
         server,
         dir.path(),
@@ -597,13 +600,7 @@ async fn a_reloaded_resource_served_both_ways_has_one_backend_instance() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let plugins = dir.path().join("device-plugins");
-    let sim = kubelet_sim::SimConfig {
-        watcher_reconcile: Duration::from_millis(50),
-        ..kubelet_sim::SimConfig::default()
-    }
-    .with_watcher_beside(&plugins);
-    let kubelet = Kubelet::start_with(&plugins, sim).await.unwrap();
+    let (kubelet, plugins) = watcher_kubelet(dir.path()).await;
     // The fake NVML as a driver installs it, logging each nvmlInit.
     let lib_dir = dir.path().join("driver/usr/lib64");
     let dev = dir.path().join("dev");
@@ -633,23 +630,14 @@ async fn a_reloaded_resource_served_both_ways_has_one_backend_instance() {
             cdi.display(),
         )
     };
-    let config = dir.path().join("config.yaml");
-    std::fs::write(&config, config_text("")).unwrap();
-    let port = support::free_port();
-    let devplug = Devplug::run_with(
-        &config,
+    let (devplug, port) = run_on_node(
+        server,
+        dir.path(),
         &plugins,
-        &[
-            "--node-name",
-            "cli-reload-dra",
-            "--kubeconfig",
-            server.kubeconfig.to_str().unwrap(),
-            "--cdi-dir",
-            cdi.to_str().unwrap(),
-            "--metrics-addr",
-            &format!("127.0.0.1:{port}"),
-        ],
+        "cli-reload-dra",
+        &config_text(""),
     );
+    let config = dir.path().join("config.yaml");
     if !served_both_ways(&kubelet).await {
         let (_, log) = devplug.terminate(Duration::from_secs(10)).await;
         panic!("never served both ways: {log}");
