@@ -2,7 +2,7 @@
 //! them to a container: nothing is made at prepare, nothing removed at unprepare, no shares.
 //! (`virtual` and `nvidia` implement [`ClaimBackend`] beside their code: shares, partitions.)
 
-use devplug_dra::ClaimBackend;
+use devplug::dra::ClaimBackend;
 
 impl ClaimBackend for crate::FilesBackend {}
 impl ClaimBackend for crate::HostdevBackend {}

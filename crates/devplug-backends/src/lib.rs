@@ -25,8 +25,8 @@
 //! allocation, CDI and events shared by `vfio`, `qat`, `ascend` and `fpga`). The fake sysfs and
 //! /dev trees their tests run on are in the test kit (`devplug-testkit`), not here.
 //!
-//! With the `dra` feature (on by default), every backend is also a
-//! [`devplug_dra::ClaimBackend`], so any of them can be served as a DRA driver: `virtual` and
+//! Every backend is also a [`devplug::dra::ClaimBackend`] (a core trait: no Kubernetes API
+//! client here), so any of them can be served as a DRA driver by `devplug-dra`: `virtual` and
 //! `nvidia` with shares and partitions, the others handing devices to claims whole
 //! (`claims.rs`).
 //!
@@ -35,7 +35,6 @@
 
 pub mod amdgpu;
 pub mod ascend;
-#[cfg(feature = "dra")]
 mod claims;
 pub mod dra_attributes;
 pub mod files;
@@ -44,6 +43,7 @@ pub mod hostdev;
 mod inotify_batch;
 pub mod intel_gpu;
 pub mod node_backend;
+pub mod node_labels;
 pub mod nvidia;
 pub mod placement;
 pub mod replicas;
@@ -60,6 +60,7 @@ pub use fpga::FpgaSettings;
 pub use hostdev::{HostdevBackend, HostdevSettings};
 pub use intel_gpu::{IntelGpuBackend, IntelGpuSettings};
 pub use node_backend::NodeBackend;
+pub use node_labels::{NodeLabelSource, NodeLabels};
 pub use nvidia::{NvidiaBackend, NvidiaSettings};
 pub use settings::SettingsError;
 pub use vfio::{QatSettings, VfioSettings};

@@ -132,7 +132,7 @@ pub(crate) fn scan_result(
         spec,
         absent,
         present,
-        labels: devplug::NodeLabels::new(),
+        labels: crate::NodeLabels::new(),
     }
 }
 

@@ -57,7 +57,7 @@ pub(crate) struct Scan<T> {
     /// vanished were reconfigured away, not lost, so they are dropped rather than kept.
     pub(crate) present: BTreeSet<String>,
     /// The node labels these devices describe the node with (none for most backends).
-    pub(crate) labels: devplug::NodeLabels,
+    pub(crate) labels: crate::NodeLabels,
 }
 
 /// A scan function.
@@ -67,7 +67,7 @@ pub(crate) type ScanFn<T> = Arc<dyn Fn() -> Scan<T> + Send + Sync>;
 pub(crate) struct Watched<T> {
     state: Arc<RwLock<T>>,
     devices: Arc<watch::Sender<DeviceList>>,
-    labels: Arc<watch::Sender<devplug::NodeLabels>>,
+    labels: Arc<watch::Sender<crate::NodeLabels>>,
     cdi_ready: Arc<AtomicBool>,
     _stop: DropGuard,
 }
@@ -206,7 +206,7 @@ impl<T: Send + Sync + 'static> Watched<T> {
     }
 
     /// A new receiver of the node labels of the latest scan.
-    pub(crate) fn labels(&self) -> watch::Receiver<devplug::NodeLabels> {
+    pub(crate) fn labels(&self) -> watch::Receiver<crate::NodeLabels> {
         self.labels.subscribe()
     }
 
@@ -252,7 +252,7 @@ struct Follower<T> {
     scan: ScanFn<T>,
     state: Arc<RwLock<T>>,
     devices: Arc<watch::Sender<DeviceList>>,
-    labels: Arc<watch::Sender<devplug::NodeLabels>>,
+    labels: Arc<watch::Sender<crate::NodeLabels>>,
     cdi: Option<CdiWriter>,
     cdi_ready: Arc<AtomicBool>,
     memory: Memory,
@@ -362,7 +362,7 @@ mod tests {
                 .map(|(a, b)| (a.to_string(), b.to_string()))
                 .collect(),
             present: present.iter().map(|p| p.to_string()).collect(),
-            labels: devplug::NodeLabels::new(),
+            labels: crate::NodeLabels::new(),
         }
     }
 

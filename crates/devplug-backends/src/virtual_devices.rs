@@ -347,8 +347,7 @@ impl Backend for VirtualBackend {
 
 /// Devices handed to claims whole as [`Backend::allocate`] gives them, and shares of devices
 /// shared by capacity (`share:`).
-#[cfg(feature = "dra")]
-impl devplug_dra::ClaimBackend for VirtualBackend {
+impl devplug::dra::ClaimBackend for VirtualBackend {
     /// The device in `<env>`, and what the share got of each capacity in `<env>_<NAME>`.
     fn prepare_share(
         &self,
@@ -500,7 +499,6 @@ mod tests {
     }
 
     #[test]
-    #[cfg(feature = "dra")]
     fn shared_devices_publish_their_capacities_and_give_each_share_its_limits() {
         let settings = VirtualSettings {
             share: Some(VirtualShare {
@@ -524,7 +522,7 @@ mod tests {
             ("memory".to_owned(), 4 << 30),
         ]);
         let edits =
-            devplug_dra::ClaimBackend::prepare_share(&backend, "virtual-1", &consumed).unwrap();
+            devplug::dra::ClaimBackend::prepare_share(&backend, "virtual-1", &consumed).unwrap();
         assert_eq!(edits.envs["VIRTUAL_DEVICES"], "virtual-1");
         assert_eq!(edits.envs["VIRTUAL_DEVICES_CORES"], "40");
         assert_eq!(
@@ -533,7 +531,7 @@ mod tests {
         );
         let whole = VirtualBackend::new(&VirtualSettings::new(1)).unwrap();
         let err =
-            devplug_dra::ClaimBackend::prepare_share(&whole, "virtual-0", &consumed).unwrap_err();
+            devplug::dra::ClaimBackend::prepare_share(&whole, "virtual-0", &consumed).unwrap_err();
         assert!(err.to_string().contains("not shared by capacity"), "{err}");
     }
 

@@ -13,9 +13,9 @@
 
 use devplug_testkit::dra_node as common;
 
+use devplug::dra::ClaimBackend;
 use devplug::Backend;
 use devplug_backends::nvidia::{sysfs_bus_id, MigStrategy, NvidiaBackend, NvidiaSettings};
-use devplug_dra::ClaimBackend;
 use devplug_testkit::api_server::until;
 use devplug_testkit::fake_sysfs::{scratch_dir, FakeSysfs, PciSpec};
 use k8s_openapi::api::resource::v1::ResourceClaim;

@@ -12,10 +12,10 @@
 
 use devplug_testkit::dra_node as common;
 
+use devplug::dra::ClaimBackend;
 use devplug_backends::virtual_devices::{
     VirtualBackend, VirtualPartitions, VirtualSettings, VirtualShare,
 };
-use devplug_dra::ClaimBackend;
 use devplug_testkit::api_server::until;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim, ResourceSlice};

@@ -6,6 +6,7 @@
 use devplug::{Backend, Host};
 use devplug_backends::hostdev::ReplicaPolicy;
 use devplug_backends::intel_gpu::IntelDriver;
+use devplug_backends::NodeLabelSource;
 use devplug_backends::{IntelGpuBackend, IntelGpuSettings};
 use devplug_testkit::fake_sysfs::{intel_pair, scratch_dir, FakeSysfs, IntelGpu};
 use kubelet_sim::Kubelet;
@@ -320,8 +321,8 @@ async fn node_labels_are_intels_and_follow_the_gpus() {
             .unwrap();
     }
     let backend = IntelGpuBackend::start(&settings(&tree, IntelDriver::Xe)).unwrap();
-    let mut labels = backend.node_labels().expect("intel_gpu labels the node");
-    let want: devplug::NodeLabels = [
+    let mut labels = backend.node_labels();
+    let want: devplug_backends::NodeLabels = [
         ("cards", "card1"),
         ("gpu-numbers", "1"),
         ("memory.max", "34359738368"),

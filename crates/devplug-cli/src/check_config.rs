@@ -9,10 +9,9 @@
 //! Discovery leaves the node as it was: each backend starts with settings that write nothing
 //! outside a private scratch folder, removed before the command ends ([`dry_run`]).
 
-use crate::config::{BackendConfig, Config, ConfigError, ResourceConfig};
+use crate::config::{Config, ConfigError, ResourceConfig, ResourceKind};
 use crate::logging::Warnings;
 use devplug::{ContainerEdits, DeviceList};
-use devplug_backends::files::MissingFolder;
 use serde_json::{json, Value};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -207,7 +206,8 @@ async fn discover(
 ) -> anyhow::Result<Started> {
     let backend = dry_run(resource, scratch)
         .build()
-        .map_err(|(key, err)| anyhow::anyhow!("resource {}: {key}: {err}", resource.name))?;
+        .map_err(|(key, err)| anyhow::anyhow!("resource {}: {key}: {err}", resource.name))?
+        .backend;
     let finished = tokio::time::timeout(wait, backend.discovered())
         .await
         .is_ok();
@@ -264,17 +264,8 @@ impl Scratch {
 /// and the CDI device names a container gets do not depend on the folder.
 fn dry_run(resource: &ResourceConfig, scratch: &Scratch) -> ResourceConfig {
     let mut resource = resource.clone();
-    let cdi = scratch.0.clone();
-    match &mut resource.backend {
-        BackendConfig::Files(s) => s.missing = MissingFolder::Wait,
-        BackendConfig::Amdgpu(s) => s.cdi_dir = cdi,
-        BackendConfig::IntelGpu(s) => s.cdi_dir = cdi,
-        BackendConfig::Nvidia(s) => s.cdi_dir = cdi,
-        BackendConfig::Vfio(s) => s.cdi_dir = cdi,
-        BackendConfig::Qat(s) => s.cdi_dir = cdi,
-        BackendConfig::Ascend(s) => s.cdi_dir = cdi,
-        BackendConfig::Fpga(s) => s.cdi_dir = cdi,
-        BackendConfig::Virtual(_) | BackendConfig::Hostdev(_) | BackendConfig::Advertise(_) => {}
+    if let ResourceKind::Devices(backend) = &mut resource.kind {
+        backend.dry_run(scratch.0.clone());
     }
     resource
 }
@@ -293,7 +284,7 @@ fn json_report(
         .map(|(i, r)| {
             let mut object = json!({
                 "name": r.name,
-                "backend": r.backend.key(),
+                "backend": r.kind.key(),
                 "device_plugin": r.serves_device_plugin(),
                 "dra": r.dra.is_some(),
                 "discovered": false,

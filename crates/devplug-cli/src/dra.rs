@@ -168,9 +168,12 @@ impl DraDrivers {
         )?;
         let backend = match backend {
             Some(backend) => backend,
-            None => resource
-                .build()
-                .map_err(|(key, err)| anyhow::anyhow!("{}: {key}.{err}", resource.name))?,
+            None => {
+                resource
+                    .build()
+                    .map_err(|(key, err)| anyhow::anyhow!("{}: {key}.{err}", resource.name))?
+                    .backend
+            }
         };
         // A problem from an earlier attempt is said again below if it still holds.
         self.setup

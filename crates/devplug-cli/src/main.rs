@@ -384,7 +384,7 @@ fn fatal(format: LogFormat, text: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::BackendConfig;
+    use crate::config::ResourceKind;
     #[cfg(not(feature = "tools"))]
     use clap::CommandFactory as _;
     use std::collections::BTreeSet;
@@ -446,7 +446,7 @@ mod tests {
         ];
         for (what, text) in &texts {
             let found = words(text);
-            let missing: Vec<&str> = BackendConfig::KEYS
+            let missing: Vec<&str> = ResourceKind::KEYS
                 .into_iter()
                 .filter(|key| !found.contains(key))
                 .collect();

@@ -1,5 +1,5 @@
 //! `node_labels:` in `devplug run`: the labels the backends describe the node with
-//! ([`devplug::Backend::node_labels`]), merged over the config's resources (in name order; the
+//! ([`devplug_backends::NodeLabelSource`]), merged over the config's resources (in name order; the
 //! first resource to give a key keeps it) and written by `devplug_cluster::node_labels` on our
 //! Node (`direct`) or in a NodeFeature object (`node-feature`, in `POD_NAMESPACE`). A change of
 //! any backend's labels is written at once. `off` (or a mode change) removes what the previous
@@ -7,8 +7,13 @@
 //! uninstall does it (`devplug labels remove`). It needs the API server and this node's name: the
 //! full build only; devplug-lite says once in its log that it cannot.
 
-use crate::config::{BuiltBackend, Config, NodeLabelsMode};
+use crate::config::{Config, NodeLabelsMode};
+use devplug_backends::NodeLabels;
 use std::collections::BTreeMap;
+use tokio::sync::watch;
+
+/// The started resources' node labels, by resource name (only the backends that have any).
+pub type LabelSources = BTreeMap<String, watch::Receiver<NodeLabels>>;
 
 /// The namespace of the NodeFeature object: devplug's own (`POD_NAMESPACE`), else `default`.
 #[cfg(feature = "cluster")]
@@ -49,12 +54,12 @@ impl NodeLabelsWriter {
         }
     }
 
-    /// Matches the writer to `config`, following the labels of `backends` (the config's
-    /// started resources, by name).
+    /// Matches the writer to `config`, following the labels of `sources` (the config's
+    /// started resources', by name).
     pub async fn apply(
         &mut self,
         config: &Config,
-        backends: &BTreeMap<String, BuiltBackend>,
+        sources: &LabelSources,
         features: &crate::cluster_features::ClusterFeatures,
     ) {
         use devplug_cluster::node_labels::{LabelerOptions, Mode, NodeLabeler};
@@ -63,7 +68,7 @@ impl NodeLabelsWriter {
         if let Some(running) = &mut self.running {
             if running.mode == mode {
                 running.follow.cancel();
-                running.follow = follow(backends, running.labeler.clone());
+                running.follow = follow(sources, running.labeler.clone());
                 return;
             }
         }
@@ -124,7 +129,7 @@ impl NodeLabelsWriter {
         self.running = Some(Running {
             mode,
             client,
-            follow: follow(backends, labeler.clone()),
+            follow: follow(sources, labeler.clone()),
             labeler,
         });
     }
@@ -151,12 +156,10 @@ async fn remove(client: kube::Client, mode: NodeLabelsMode, node: String) {
     }
 }
 
-/// The labels of `backends` merged: in name order, the first to give a key keeps it.
+/// The labels of `receivers` merged: in name order, the first to give a key keeps it.
 #[cfg(feature = "cluster")]
-pub fn merged(
-    receivers: &[(String, tokio::sync::watch::Receiver<devplug::NodeLabels>)],
-) -> devplug::NodeLabels {
-    let mut out = devplug::NodeLabels::new();
+pub fn merged(receivers: &[(String, watch::Receiver<NodeLabels>)]) -> NodeLabels {
+    let mut out = NodeLabels::new();
     for (name, rx) in receivers {
         for (key, value) in rx.borrow().iter() {
             match out.get(key) {
@@ -173,16 +176,16 @@ pub fn merged(
     out
 }
 
-/// Follows the labels of `backends` into `labeler` until the token is cancelled.
+/// Follows the labels of `sources` into `labeler` until the token is cancelled.
 #[cfg(feature = "cluster")]
 fn follow(
-    backends: &BTreeMap<String, BuiltBackend>,
+    sources: &LabelSources,
     labeler: std::sync::Arc<devplug_cluster::node_labels::NodeLabeler>,
 ) -> tokio_util::sync::CancellationToken {
     let stop = tokio_util::sync::CancellationToken::new();
-    let receivers: Vec<(String, tokio::sync::watch::Receiver<devplug::NodeLabels>)> = backends
+    let receivers: Vec<(String, watch::Receiver<NodeLabels>)> = sources
         .iter()
-        .filter_map(|(name, b)| Some((name.clone(), b.node_labels()?)))
+        .map(|(name, rx)| (name.clone(), rx.clone()))
         .collect();
     let changed = std::sync::Arc::new(tokio::sync::Notify::new());
     for (_, rx) in &receivers {
@@ -212,7 +215,7 @@ fn follow(
 
 /// devplug-lite has no API client: it says so once when the config asks for labels.
 #[cfg(not(feature = "cluster"))]
-pub fn say_lite_cannot(config: &Config, _: &BTreeMap<String, BuiltBackend>) {
+pub fn say_lite_cannot(config: &Config, _: &LabelSources) {
     if config.node_labels.mode != NodeLabelsMode::Off {
         tracing::warn!(
             "devplug-lite cannot write node labels (node_labels: {:?}; it has no API client): \
@@ -229,7 +232,7 @@ mod tests {
 
     #[test]
     fn the_first_resource_to_give_a_key_keeps_it() {
-        let labels = |pairs: &[(&str, &str)]| -> devplug::NodeLabels {
+        let labels = |pairs: &[(&str, &str)]| -> NodeLabels {
             pairs
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))

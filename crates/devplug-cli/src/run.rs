@@ -7,7 +7,7 @@
 //! `advertise:` resources and `--node-events` use the API server (kube-rs), only in the full
 //! build (cargo feature `cluster`); devplug-lite refuses them at start, naming the field or flag.
 
-use crate::config::{BackendConfig, BuiltBackend, Config, ResourceConfig};
+use crate::config::{Built, BuiltBackend, Config, ResourceConfig};
 use crate::endpoints::{self, Endpoints, ReloadCounters};
 use crate::reload::ConfigWatch;
 use anyhow::Context;
@@ -105,6 +105,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         host: Arc::new(Host::new(&args.kubelet_dir)?.with_watcher_dirs(watcher_dirs(&args))),
         current: BTreeMap::new(),
         backends: BTreeMap::new(),
+        labels: BTreeMap::new(),
         text,
         reloads: Arc::default(),
         problems: problems.clone(),
@@ -258,8 +259,11 @@ fn kubelet_root_given(dir: &std::path::Path) -> Option<PathBuf> {
 struct Runner {
     host: Arc<Host>,
     current: BTreeMap<String, ResourceConfig>,
-    /// The started device plugin resources' backends, by name, for their node labels.
+    /// The started device plugin resources' backends, by name, for their DRA drivers
+    /// (`device_plugin: true`: one instance serves both).
     backends: BTreeMap<String, BuiltBackend>,
+    /// Their node labels, where they have any.
+    labels: crate::node_labels::LabelSources,
     text: String,
     reloads: Arc<ReloadCounters>,
     /// What `/readyz` reports beside the resources.
@@ -293,10 +297,7 @@ struct Cluster {
 fn advertised(resources: &[ResourceConfig]) -> BTreeMap<String, u64> {
     resources
         .iter()
-        .filter_map(|r| match &r.backend {
-            BackendConfig::Advertise(a) => Some((r.name.clone(), a.count)),
-            _ => None,
-        })
+        .filter_map(|r| Some((r.name.clone(), r.kind.advertised()?)))
         .collect()
 }
 
@@ -310,7 +311,7 @@ fn device_plugin_resources(resources: &[ResourceConfig]) -> BTreeMap<String, Res
 }
 
 /// A resource's backend, or what is wrong with its config (`<key>.<problem>`).
-fn build(resource: &ResourceConfig) -> Result<BuiltBackend, String> {
+fn build(resource: &ResourceConfig) -> Result<Built, String> {
     resource
         .build()
         .map_err(|(key, err)| format!("{key}.{err}"))
@@ -373,8 +374,9 @@ impl Runner {
                 &mut self.current,
                 device_plugin_resources(&config.resources),
                 |name, resource| {
-                    let backend = build(resource)?;
-                    built.insert(name.to_owned(), backend.clone());
+                    let resource_built = build(resource)?;
+                    let backend = resource_built.backend.clone();
+                    built.insert(name.to_owned(), resource_built);
                     Ok::<_, String>((backend as Arc<dyn devplug::Backend>, settings_of(resource)))
                 },
             )
@@ -384,8 +386,15 @@ impl Runner {
         }
         for name in &applied.removed {
             self.backends.remove(name);
+            self.labels.remove(name);
         }
-        self.backends.extend(built);
+        for (name, Built { backend, labels }) in built {
+            self.backends.insert(name.clone(), backend);
+            match labels {
+                Some(labels) => self.labels.insert(name, labels),
+                None => self.labels.remove(&name),
+            };
+        }
         let backends = self.backends.clone();
         if let Err(err) = self.apply_dra(&config.resources, &backends).await {
             failed.push(("dra".to_owned(), err));
@@ -409,10 +418,10 @@ impl Runner {
         #[cfg(feature = "cluster")]
         self.cluster
             .labels
-            .apply(config, &self.backends, &self.cluster.features)
+            .apply(config, &self.labels, &self.cluster.features)
             .await;
         #[cfg(not(feature = "cluster"))]
-        crate::node_labels::say_lite_cannot(config, &self.backends);
+        crate::node_labels::say_lite_cannot(config, &self.labels);
     }
 
     /// Starts, restarts and stops the `dra:` resources' drivers to match `resources`.

@@ -23,7 +23,6 @@
 //! put-backs in a row devplug says so once, in its log and in a Warning event on the Node.
 
 use crate::timed;
-use devplug::NodeLabels;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{
@@ -35,6 +34,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+
+/// Node labels, key → value, in key order (what a backend's labels source sends).
+pub type NodeLabels = std::collections::BTreeMap<String, String>;
 
 /// The field manager of the labels devplug applies on a Node (direct mode).
 pub const FIELD_MANAGER: &str = "devplug-node-labels";

@@ -9,7 +9,7 @@
 
 mod support;
 
-use devplug::NodeLabels;
+use devplug_cluster::node_labels::NodeLabels;
 use devplug_cluster::node_labels::{self, Mode, NodeLabeler, FIELD_MANAGER};
 use devplug_testkit::api_server::{admin, new_node, until};
 use k8s_openapi::api::core::v1::Node;

@@ -137,7 +137,7 @@ async fn the_charts_node_label_permissions_are_scoped_to_the_nodes_gpu_labels() 
 
     // Node A's devplug does its whole job with these permissions: write, update, put back.
     let labeler = NodeLabeler::spawn(a, node_a.clone(), Mode::Direct);
-    let labels = |count: &str| -> devplug::NodeLabels {
+    let labels = |count: &str| -> devplug_cluster::node_labels::NodeLabels {
         [
             ("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3"),
             ("nvidia.com/gpu.count", count),
@@ -341,7 +341,7 @@ async fn the_charts_node_feature_permissions_are_scoped_to_the_nodes_own_object(
     );
 
     // --- node A's own object ---
-    let labels = |product: &str| -> devplug::NodeLabels {
+    let labels = |product: &str| -> devplug_cluster::node_labels::NodeLabels {
         [("nvidia.com/gpu.product".to_owned(), product.to_owned())]
             .into_iter()
             .collect()

@@ -6,7 +6,7 @@ use super::claims::KubeClaims;
 use super::kubelet::{KubeletDirs, KubeletSide, Registered};
 use super::prepare::{PrepareFiles, Preparer};
 use super::slices::{SliceError, SliceOptions, SlicePublisher};
-use crate::claim_backend::ClaimBackend;
+use devplug::dra::ClaimBackend;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,9 +1,9 @@
 //! Dynamic Resource Allocation: one backend served as a DRA driver, beside or
 //! instead of its device plugin.
 //!
-//! - [`claim_backend`]: [`ClaimBackend`], what a backend does for claims beyond
-//!   [`devplug::Backend`] (shares, what prepare makes and unprepare removes, restore after a
-//!   restart).
+//! - [`ClaimBackend`] (defined in `devplug::dra`, which needs no Kubernetes API, and re-exported
+//!   here): what a backend does for claims beyond [`devplug::Backend`] (shares, what prepare
+//!   makes and unprepare removes, restore after a restart).
 //! - [`hold`]: how a claim holds a device (whole, a share, admin access).
 //! - [`names`]: device names in a ResourceSlice (DNS labels) from backend ids, a pure function
 //!   so every part agrees.
@@ -22,7 +22,6 @@
 //! - [`health`]: a running driver's readiness and counters, for probes and metrics.
 
 pub mod checkpoint;
-pub mod claim_backend;
 pub mod claim_metrics;
 pub mod claims;
 pub mod device_health;
@@ -36,7 +35,7 @@ pub mod runtime;
 mod service;
 pub mod slices;
 
-pub use claim_backend::{ClaimBackend, ReleaseError};
+pub use devplug::dra::{ClaimBackend, ReleaseError};
 pub use driver::{DraDriver, DraDriverSettings, DraStartError};
 pub use health::DraHealth;
 pub use hold::Hold;

@@ -65,18 +65,7 @@ pub trait Backend: Send + Sync + 'static {
     fn warnings(&self) -> Vec<BackendWarning> {
         Vec::new()
     }
-
-    /// The node labels this backend would write for its hardware, under its vendor's prefix
-    /// (`nvidia.com/gpu.product`, …), as the vendor's own labeller names them; a new value on
-    /// every change (a GPU lost, a MIG layout, a driver version). `None` for a backend that
-    /// describes no hardware. Writing them is the caller's (the cluster side of `devplug run`).
-    fn node_labels(&self) -> Option<watch::Receiver<NodeLabels>> {
-        None
-    }
 }
-
-/// Node labels, key → value, in key order.
-pub type NodeLabels = std::collections::BTreeMap<String, String>;
 
 /// A problem a backend reports without stopping (see [`Backend::warnings`]).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! The device model: a device's id, health, NUMA nodes and (for DRA) attributes, and the list a
 //! backend publishes.
 
-use crate::attributes::{
+use crate::dra::{
     AttributeValue, CapacityRequestPolicy, CounterConsumption, CounterSet, DeviceAttributes,
 };
 use devplug_proto::constants::{HEALTHY, MAX_RECV_MESSAGE_BYTES, UNHEALTHY};

@@ -11,8 +11,8 @@
 //!
 //! - [`device`]: devices, health and the published list (id rules, the kubelet's size limit).
 //! - [`dra`]: what a device says about itself for DRA (attributes, capacities shared by
-//!   claims, counters of partitions) and Kubernetes quantities; the DRA driver itself is the
-//!   `devplug-dra` crate.
+//!   claims, counters of partitions), Kubernetes quantities, and [`dra::ClaimBackend`], what a
+//!   backend does for claims; the DRA driver itself is the `devplug-dra` crate.
 //! - [`edits`]: what an allocation does to a container.
 //! - [`cdi`]: the same edits as CDI spec files, written atomically.
 //! - [`backend`]: the trait a vendor implements.
@@ -21,7 +21,6 @@
 //!   status, events, applying a new set of resources, the registration sockets).
 //! - [`podresources`]: a client of the kubelet's pod resources API (who holds which device).
 
-mod attributes;
 pub mod backend;
 pub mod cdi;
 pub mod device;
@@ -30,12 +29,10 @@ pub mod edits;
 pub mod health;
 pub mod host;
 pub mod podresources;
-mod quantity;
 mod signal;
 
 pub use backend::{
-    AllocateError, Backend, BackendWarning, BoxFuture, NodeLabels, Options, PreStartError,
-    PreferenceRequest,
+    AllocateError, Backend, BackendWarning, BoxFuture, Options, PreStartError, PreferenceRequest,
 };
 pub use device::{Device, DeviceList, Health};
 pub use edits::{ContainerEdits, DeviceNode, Mount};

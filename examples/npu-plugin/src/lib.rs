@@ -34,5 +34,5 @@ impl Backend for Npus {
 
 // region: claim-backend
 /// Claims get whole NPUs, with the edits `allocate` gives a device plugin's container.
-impl devplug_dra::ClaimBackend for Npus {}
+impl devplug::dra::ClaimBackend for Npus {}
 // endregion: claim-backend

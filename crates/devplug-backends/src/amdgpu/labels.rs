@@ -4,7 +4,7 @@
 //! `amd.com/gpu.<property>.<value>=<count of GPUs>`. Read from sysfs and KFD's topology at each
 //! scan, so a GPU that goes, a repartition or a driver update changes them.
 
-use devplug::NodeLabels;
+use crate::NodeLabels;
 use std::collections::BTreeMap;
 
 /// The prefix of every label this backend writes.

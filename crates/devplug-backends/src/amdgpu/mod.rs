@@ -119,8 +119,10 @@ impl Backend for AmdgpuBackend {
             pre_start_required: false,
         }
     }
+}
 
-    fn node_labels(&self) -> Option<watch::Receiver<devplug::NodeLabels>> {
-        Some(self.watched.labels())
+impl crate::NodeLabelSource for AmdgpuBackend {
+    fn node_labels(&self) -> watch::Receiver<crate::NodeLabels> {
+        self.watched.labels()
     }
 }

@@ -4,7 +4,7 @@
 //! tiles, the local memory, 1000 millicores per GPU and the NUMA map (`0-0.1_1-2.3`). Read from
 //! sysfs at each scan, so a GPU that goes changes them.
 
-use devplug::NodeLabels;
+use crate::NodeLabels;
 use std::collections::BTreeMap;
 
 /// The prefix of every label this backend writes.

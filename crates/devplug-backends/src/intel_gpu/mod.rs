@@ -101,8 +101,10 @@ impl Backend for IntelGpuBackend {
             pre_start_required: false,
         }
     }
+}
 
-    fn node_labels(&self) -> Option<watch::Receiver<devplug::NodeLabels>> {
-        Some(self.watched.labels())
+impl crate::NodeLabelSource for IntelGpuBackend {
+    fn node_labels(&self) -> watch::Receiver<crate::NodeLabels> {
+        self.watched.labels()
     }
 }

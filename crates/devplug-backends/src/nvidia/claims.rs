@@ -3,8 +3,8 @@
 //! (`mig_strategy: dynamic`), and GPUs shared by capacity through an MPS daemon per GPU.
 
 use super::{partitions, view, MigStrategy, NvidiaBackend};
+use devplug::dra::{ClaimBackend, ReleaseError};
 use devplug::{AllocateError, ContainerEdits};
-use devplug_dra::{ClaimBackend, ReleaseError};
 use std::collections::BTreeMap;
 
 impl ClaimBackend for NvidiaBackend {

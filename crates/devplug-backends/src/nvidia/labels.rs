@@ -11,7 +11,8 @@
 use super::seam::GpuInfo;
 use super::settings::{MigStrategy, NvidiaSettings};
 use super::view::{UnitKind, View};
-use devplug::{Health, NodeLabels};
+use crate::NodeLabels;
+use devplug::Health;
 use std::collections::BTreeMap;
 use std::path::Path;
 

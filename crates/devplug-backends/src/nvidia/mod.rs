@@ -29,11 +29,6 @@
 //! [`crate::replicas`] (`spread`/`pack`) over replicas. NVML missing or failing never ends the
 //! process: the resource serves nothing (or Unhealthy devices) and retries.
 
-// Without the `dra` feature (devplug-lite), what only DRA claims use (MIG partitions made per
-// claim, MPS daemons for shares) is compiled but never called.
-#![cfg_attr(not(feature = "dra"), allow(dead_code))]
-
-#[cfg(feature = "dra")]
 mod claims;
 mod driver_files;
 mod edits;
@@ -189,7 +184,7 @@ impl NvidiaBackend {
             stop: AtomicBool::new(false),
             cdi: Mutex::new(cdi),
             discovered: watch::Sender::new(false),
-            labels: watch::Sender::new(devplug::NodeLabels::new()),
+            labels: watch::Sender::new(crate::NodeLabels::new()),
             settings: settings.clone(),
         })
     }
@@ -419,11 +414,6 @@ impl Backend for NvidiaBackend {
         }
     }
 
-    /// GPU Feature Discovery's labels for what this resource serves ([`labels`]).
-    fn node_labels(&self) -> Option<watch::Receiver<devplug::NodeLabels>> {
-        Some(self.shared.labels.subscribe())
-    }
-
     /// Why the resource cannot serve GPUs now (NVML not loaded, driver not ready), if so.
     fn not_ready(&self) -> Option<String> {
         self.shared
@@ -431,5 +421,12 @@ impl Backend for NvidiaBackend {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+}
+
+impl crate::NodeLabelSource for NvidiaBackend {
+    /// GPU Feature Discovery's labels for what this resource serves ([`labels`]).
+    fn node_labels(&self) -> watch::Receiver<crate::NodeLabels> {
+        self.shared.labels.subscribe()
     }
 }

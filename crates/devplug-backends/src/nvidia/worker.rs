@@ -46,7 +46,7 @@ pub(crate) struct Shared {
     /// Set once the first attempt to load NVML and discover has ended, either way.
     pub(crate) discovered: watch::Sender<bool>,
     /// The node labels of the published devices ([`super::labels`]).
-    pub(crate) labels: watch::Sender<devplug::NodeLabels>,
+    pub(crate) labels: watch::Sender<crate::NodeLabels>,
     /// The resource's settings, for the labels.
     pub(crate) settings: Arc<NvidiaSettings>,
 }

@@ -1,18 +1,18 @@
 //! A resource's one backend: [`BackendConfig`], with its YAML key, its settings check, the
-//! settings only a DRA driver can serve, what needs the API client, and how it starts
-//! ([`ResourceConfig::build`]). Each of these is one exhaustive `match`: a new backend is a
+//! settings only a DRA driver can serve, its dry run for `check-config --discover`, and how it
+//! starts ([`BackendConfig::build`]; [`ResourceConfig::build`] for a resource). Each of these is one exhaustive `match`: a new backend is a
 //! variant here and a field in [`super::raw::RawResource`], and the compiler finds the rest.
 
-use super::ResourceConfig;
-#[cfg(not(feature = "cluster"))]
-use devplug::Backend;
+use super::{ResourceConfig, ResourceKind};
+use devplug::dra::ClaimBackend;
+use devplug_backends::files::MissingFolder;
 use devplug_backends::{
     ascend, fpga, nvidia::MigStrategy, vfio, AmdgpuBackend, AmdgpuSettings, AscendSettings,
     FilesBackend, FilesSettings, FpgaSettings, HostdevBackend, HostdevSettings, IntelGpuBackend,
-    IntelGpuSettings, NvidiaBackend, NvidiaSettings, QatSettings, SettingsError, VfioSettings,
-    VirtualBackend, VirtualSettings,
+    IntelGpuSettings, NodeLabelSource, NodeLabels, NvidiaBackend, NvidiaSettings, QatSettings,
+    SettingsError, VfioSettings, VirtualBackend, VirtualSettings,
 };
-use serde::Deserialize;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 /// The backend of a resource: which kind of devices it serves, with that kind's settings.
@@ -42,28 +42,9 @@ pub enum BackendConfig {
     Ascend(AscendSettings),
     /// `fpga`: Intel FPGA ports under the DFL driver, by the AFU they carry.
     Fpga(FpgaSettings),
-    /// `advertise`: no device and no socket; `run` keeps `count` of this extended resource on
-    /// its own Node's status, through the API server.
-    Advertise(AdvertiseSettings),
 }
 
 impl BackendConfig {
-    /// Every backend key, in the order the messages list them (the order of
-    /// [`super::raw::RawResource`]'s fields).
-    pub const KEYS: [&'static str; 11] = [
-        "virtual",
-        "files",
-        "hostdev",
-        "amdgpu",
-        "intel_gpu",
-        "nvidia",
-        "vfio",
-        "qat",
-        "ascend",
-        "fpga",
-        "advertise",
-    ];
-
     /// The key this backend has in the config file; messages name its fields under it
     /// (`virtual.count`).
     pub fn key(&self) -> &'static str {
@@ -78,7 +59,6 @@ impl BackendConfig {
             BackendConfig::Qat(_) => "qat",
             BackendConfig::Ascend(_) => "ascend",
             BackendConfig::Fpga(_) => "fpga",
-            BackendConfig::Advertise(_) => "advertise",
         }
     }
 
@@ -96,42 +76,6 @@ impl BackendConfig {
             BackendConfig::Qat(settings) => settings.validate(),
             BackendConfig::Ascend(settings) => settings.validate(),
             BackendConfig::Fpga(settings) => settings.validate(),
-            BackendConfig::Advertise(settings) => settings.validate(),
-        }
-    }
-
-    /// False for a backend with no device to serve, neither to the kubelet nor as a DRA driver.
-    pub fn has_devices(&self) -> bool {
-        match self {
-            BackendConfig::Virtual(_)
-            | BackendConfig::Files(_)
-            | BackendConfig::Hostdev(_)
-            | BackendConfig::Amdgpu(_)
-            | BackendConfig::IntelGpu(_)
-            | BackendConfig::Nvidia(_)
-            | BackendConfig::Vfio(_)
-            | BackendConfig::Qat(_)
-            | BackendConfig::Ascend(_)
-            | BackendConfig::Fpga(_) => true,
-            BackendConfig::Advertise(_) => false,
-        }
-    }
-
-    /// True for a backend that works through the Kubernetes API client, which only the full
-    /// build has ([`super::needs_cluster`]).
-    pub fn needs_cluster(&self) -> bool {
-        match self {
-            BackendConfig::Virtual(_)
-            | BackendConfig::Files(_)
-            | BackendConfig::Hostdev(_)
-            | BackendConfig::Amdgpu(_)
-            | BackendConfig::IntelGpu(_)
-            | BackendConfig::Nvidia(_)
-            | BackendConfig::Vfio(_)
-            | BackendConfig::Qat(_)
-            | BackendConfig::Ascend(_)
-            | BackendConfig::Fpga(_) => false,
-            BackendConfig::Advertise(_) => true,
         }
     }
 
@@ -165,90 +109,96 @@ impl BackendConfig {
             | BackendConfig::Vfio(_)
             | BackendConfig::Qat(_)
             | BackendConfig::Ascend(_)
-            | BackendConfig::Fpga(_)
-            | BackendConfig::Advertise(_) => None,
+            | BackendConfig::Fpga(_) => None,
         }
     }
-}
 
-/// An extended resource advertised on the Node, with no device plugin behind it.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AdvertiseSettings {
-    /// How many to advertise (capacity and allocatable).
-    pub count: u64,
-}
-
-/// The most an `advertise` count may be.
-const ADVERTISE_MAX: u64 = 1_000_000_000;
-
-impl AdvertiseSettings {
-    /// Checks the count is one the Node can carry.
-    fn validate(&self) -> Result<(), SettingsError> {
-        if (1..=ADVERTISE_MAX).contains(&self.count) {
-            return Ok(());
+    /// These settings as `check-config --discover` starts them: the same discovery, with
+    /// nothing written on the node. A `files:` folder that is missing is waited for, not
+    /// created; CDI specs go to `cdi_dir` (a scratch folder) rather than the CDI folder, where a
+    /// running devplug's own spec of the same name would otherwise be overwritten, then removed
+    /// when the backend stops. The spec's file name and the CDI device names a container gets
+    /// do not depend on the folder.
+    pub fn dry_run(&mut self, cdi_dir: PathBuf) {
+        match self {
+            BackendConfig::Files(s) => s.missing = MissingFolder::Wait,
+            BackendConfig::Amdgpu(s) => s.cdi_dir = cdi_dir,
+            BackendConfig::IntelGpu(s) => s.cdi_dir = cdi_dir,
+            BackendConfig::Nvidia(s) => s.cdi_dir = cdi_dir,
+            BackendConfig::Vfio(s) => s.cdi_dir = cdi_dir,
+            BackendConfig::Qat(s) => s.cdi_dir = cdi_dir,
+            BackendConfig::Ascend(s) => s.cdi_dir = cdi_dir,
+            BackendConfig::Fpga(s) => s.cdi_dir = cdi_dir,
+            BackendConfig::Virtual(_) | BackendConfig::Hostdev(_) => {}
         }
-        Err(SettingsError::new(
-            "count",
-            format!(
-                "must be between 1 and {ADVERTISE_MAX} (to take a resource away, remove it from \
-                 the config)"
-            ),
-        ))
     }
-}
 
-impl ResourceConfig {
-    /// Starts the configured backend (watchers included; needs a tokio runtime). Errors name the
-    /// backend key and the field.
-    pub fn build(&self) -> Result<BuiltBackend, (&'static str, SettingsError)> {
-        // What the backends log while starting (and, where they spawn in this span, after)
-        // names the resource. At ERROR level so that no log filter disables the span itself.
-        let _span = tracing::error_span!("resource", resource = %self.name).entered();
-        let name = self.name.as_str();
-        let built: Result<BuiltBackend, SettingsError> = match &self.backend {
+    /// Starts the backend (watchers included; needs a tokio runtime) for resource `name`, with
+    /// its node labels where it has them. Errors name the field, relative to
+    /// [`BackendConfig::key`].
+    pub fn build(&self, name: &str) -> Result<Built, SettingsError> {
+        match self {
             BackendConfig::Virtual(settings) => VirtualBackend::new(settings).map(shared),
             BackendConfig::Files(settings) => FilesBackend::start(settings).map(shared),
             BackendConfig::Hostdev(settings) => HostdevBackend::start(settings).map(shared),
-            BackendConfig::Amdgpu(settings) => AmdgpuBackend::start(settings).map(shared),
-            BackendConfig::IntelGpu(settings) => IntelGpuBackend::start(settings).map(shared),
-            BackendConfig::Nvidia(settings) => NvidiaBackend::start(name, settings).map(shared),
+            BackendConfig::Amdgpu(settings) => AmdgpuBackend::start(settings).map(labelled),
+            BackendConfig::IntelGpu(settings) => IntelGpuBackend::start(settings).map(labelled),
+            BackendConfig::Nvidia(settings) => NvidiaBackend::start(name, settings).map(labelled),
             BackendConfig::Vfio(settings) => vfio::start(name, settings).map(shared),
             BackendConfig::Qat(settings) => vfio::start_qat(name, settings).map(shared),
             BackendConfig::Ascend(settings) => ascend::start(name, settings).map(shared),
             BackendConfig::Fpga(settings) => fpga::start(name, settings).map(shared),
-            // No device to serve: the callers build only resources that serve devices
-            // (`serves_device_plugin`, and validation refuses `dra:` on an advertise: resource).
-            BackendConfig::Advertise(_) => {
-                return Err((
-                    "backend",
-                    SettingsError::new("", "no backend configured for this resource"),
-                ))
-            }
-        };
-        built.map_err(|e| (self.backend.key(), e))
+        }
     }
 }
 
-/// A started backend: in the full build a [`devplug_dra::ClaimBackend`], which serves a
-/// resource's device plugin (as a [`devplug::Backend`]) and its DRA driver from one instance;
-/// in devplug-lite a [`devplug::Backend`].
-#[cfg(feature = "cluster")]
-pub type BuiltBackend = Arc<dyn devplug_dra::ClaimBackend>;
-/// A started backend (devplug-lite: the device plugin only).
-#[cfg(not(feature = "cluster"))]
-pub type BuiltBackend = Arc<dyn Backend>;
-
-/// A started backend, as the callers hold it.
-#[cfg(feature = "cluster")]
-fn shared(backend: impl devplug_dra::ClaimBackend) -> BuiltBackend {
-    Arc::new(backend)
+impl ResourceConfig {
+    /// Starts the resource's backend (see [`BackendConfig::build`]). Errors name the backend
+    /// key and the field. Only a resource of devices has one: the callers build only those
+    /// (`serves_device_plugin`, and validation refuses `dra:` on an `advertise:` resource).
+    pub fn build(&self) -> Result<Built, (&'static str, SettingsError)> {
+        // What the backends log while starting (and, where they spawn in this span, after)
+        // names the resource. At ERROR level so that no log filter disables the span itself.
+        let _span = tracing::error_span!("resource", resource = %self.name).entered();
+        match &self.kind {
+            ResourceKind::Devices(backend) => {
+                backend.build(&self.name).map_err(|e| (backend.key(), e))
+            }
+            ResourceKind::Advertise(_) => Err((
+                "advertise",
+                SettingsError::new("", "an advertise: resource has no backend to start"),
+            )),
+        }
+    }
 }
 
-/// A started backend, as the callers hold it.
-#[cfg(not(feature = "cluster"))]
-fn shared(backend: impl Backend) -> BuiltBackend {
-    Arc::new(backend)
+/// A started backend: a [`ClaimBackend`], which serves a resource's device plugin (as a
+/// [`devplug::Backend`]) and, in the full build, its DRA driver, from one instance.
+pub type BuiltBackend = Arc<dyn ClaimBackend>;
+
+/// A resource's started backend, and its node labels where it describes its hardware with
+/// them ([`NodeLabelSource`]): the two are composed here, where the config builds a resource.
+pub struct Built {
+    /// The backend.
+    pub backend: BuiltBackend,
+    /// Its node labels, for `node_labels:`.
+    pub labels: Option<tokio::sync::watch::Receiver<NodeLabels>>,
+}
+
+/// A started backend with no node labels.
+fn shared(backend: impl ClaimBackend) -> Built {
+    Built {
+        backend: Arc::new(backend),
+        labels: None,
+    }
+}
+
+/// A started backend that describes its hardware with node labels.
+fn labelled(backend: impl ClaimBackend + NodeLabelSource) -> Built {
+    Built {
+        labels: Some(backend.node_labels()),
+        backend: Arc::new(backend),
+    }
 }
 
 #[cfg(test)]
@@ -260,8 +210,8 @@ mod tests {
     /// The resource's backend settings of one kind, or a panic naming the backend it has.
     macro_rules! settings {
         ($resource:expr, $variant:ident) => {
-            match &$resource.backend {
-                BackendConfig::$variant(settings) => settings,
+            match &$resource.kind {
+                ResourceKind::Devices(BackendConfig::$variant(settings)) => settings,
                 other => panic!("expected {}, got {other:?}", stringify!($variant)),
             }
         };
@@ -289,20 +239,20 @@ mod tests {
         assert!(
             err.ends_with(&format!(
                 "resources[0] (a.com/x): 11 backends ({}): a resource has exactly one",
-                BackendConfig::KEYS.join(", ")
+                ResourceKind::KEYS.join(", ")
             )),
             "{err}"
         );
-        let mut keys = BackendConfig::KEYS.to_vec();
+        let mut keys = ResourceKind::KEYS.to_vec();
         keys.sort_unstable();
         keys.dedup();
         assert_eq!(
             keys.len(),
-            BackendConfig::KEYS.len(),
+            ResourceKind::KEYS.len(),
             "a key is listed twice"
         );
-        // Each key alone resolves to a backend whose key() is that key.
-        for key in BackendConfig::KEYS {
+        // Each key alone resolves to a kind whose key() is that key.
+        for key in ResourceKind::KEYS {
             let line = every
                 .lines()
                 .find(|l| l.trim_start().starts_with(&format!("{key}:")))
@@ -310,7 +260,7 @@ mod tests {
             let text = format!("resources:\n  - name: a.com/x\n{line}\n");
             let raw: crate::config::raw::RawConfig = serde_saphyr::from_str(&text).unwrap();
             let resolved = raw.resources.into_iter().next().unwrap().resolve().unwrap();
-            assert_eq!(resolved.backend.key(), key);
+            assert_eq!(resolved.kind.key(), key);
         }
     }
 
@@ -360,7 +310,7 @@ mod tests {
 ",
         )
         .unwrap();
-        let keys: Vec<&str> = config.resources.iter().map(|r| r.backend.key()).collect();
+        let keys: Vec<&str> = config.resources.iter().map(|r| r.kind.key()).collect();
         assert_eq!(keys, ["vfio", "qat", "ascend", "fpga"]);
         let vfio = settings!(config.resources[0], Vfio);
         assert_eq!(vfio.env, devplug_backends::vfio::VfioEnv::PciResource);
@@ -394,7 +344,7 @@ mod tests {
         assert_eq!(intel.policy, devplug_backends::hostdev::ReplicaPolicy::Pack);
         assert!(!intel.by_path);
         assert_eq!(
-            config.resources[2].backend.key(),
+            config.resources[2].kind.key(),
             "intel_gpu",
             "the YAML key is intel_gpu"
         );
@@ -460,8 +410,8 @@ mod tests {
         }
         let config = parse(text).unwrap();
         assert_eq!(
-            config.resources[0].backend,
-            BackendConfig::Advertise(AdvertiseSettings { count: 4 })
+            config.resources[0].kind,
+            ResourceKind::Advertise(crate::config::AdvertiseSettings { count: 4 })
         );
     }
 }

@@ -1,7 +1,7 @@
 //! Random and mutated config texts through the parser and the health gate they configure:
 //! neither may panic, whatever the file says.
 
-use super::{BackendConfig, Config, ResourceConfig};
+use super::{BackendConfig, Config, ResourceConfig, ResourceKind};
 use devplug::health::HealthGate;
 use devplug::{Device, DeviceList, Health};
 use std::path::Path;
@@ -145,7 +145,7 @@ fn no_config_text_panics_the_parser_or_the_timing_it_configures() {
             for resource in &config.resources {
                 drive_health_gate(resource);
                 // Large lists are checked by the backend's own tests; keep runs quick.
-                if let BackendConfig::Virtual(settings) = &resource.backend {
+                if let ResourceKind::Devices(BackendConfig::Virtual(settings)) = &resource.kind {
                     if settings.count > 2000 {
                         continue;
                     }

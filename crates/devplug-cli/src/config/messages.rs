@@ -2,7 +2,7 @@
 //! plain words, naming the file and where in it, with a hint for a file of the wrong shape; and
 //! what devplug-lite says of a setting it cannot serve.
 
-use super::BackendConfig;
+use super::ResourceKind;
 use std::path::Path;
 
 /// The message for a file the parser refused: `error` as the parser said it, `at` the path in
@@ -58,7 +58,7 @@ fn shape_hint(text: &str) -> Option<&'static str> {
     let value: serde_json::Value = serde_saphyr::from_str(text).ok()?;
     let looks_like_resource = |v: &serde_json::Value| {
         v.as_object().is_some_and(|o| {
-            o.contains_key("name") || BackendConfig::KEYS.iter().any(|k| o.contains_key(*k))
+            o.contains_key("name") || ResourceKind::KEYS.iter().any(|k| o.contains_key(*k))
         })
     };
     match &value {

@@ -17,18 +17,21 @@
 //! (`devplug-lite`) refuses such a file with [`ConfigError::NeedsCluster`].
 //!
 //! The file is read in its raw shape (`raw`: each backend key an optional field), then resolved
-//! at once into [`Config`], where each resource holds its one [`BackendConfig`]
-//! (`backend`: the key, settings check and start of each backend, one `match` each); `validate`
+//! at once into [`Config`], where each resource holds its one [`ResourceKind`] (`kind`: devices
+//! from one [`BackendConfig`], or advertised capacity) and `backend` has the key, settings check,
+//! dry run and start of each backend, one `match` each; `validate`
 //! has the checks across resources and the DRA rules, `messages` the wording of parse errors.
 
 mod backend;
 #[cfg(test)]
 mod fuzz;
+mod kind;
 mod messages;
 mod raw;
 mod validate;
 
-pub use backend::{AdvertiseSettings, BackendConfig, BuiltBackend};
+pub use backend::{BackendConfig, Built, BuiltBackend};
+pub use kind::{AdvertiseSettings, ResourceKind};
 pub use messages::not_in_this_build;
 pub use validate::needs_cluster;
 
@@ -118,8 +121,9 @@ impl From<RegistrationRoute> for devplug::Registration {
 pub struct ResourceConfig {
     /// Extended resource name, e.g. `example.com/npu`.
     pub name: String,
-    /// Which devices it serves, and how (the file's one backend key).
-    pub backend: BackendConfig,
+    /// What it is: devices from one backend, or advertised capacity (the file's one key
+    /// beside the name and options).
+    pub kind: ResourceKind,
     /// How long a recovered device must stay healthy before the kubelet is told (e.g. `5s`;
     /// default 5s; at most [`MAX_HEALTH_HOLD_DOWN`]).
     pub health_hold_down: Option<std::time::Duration>,
@@ -153,7 +157,7 @@ pub struct DraSettings {
 impl ResourceConfig {
     /// True when the resource is served through the kubelet's device plugin API.
     pub fn serves_device_plugin(&self) -> bool {
-        self.backend.has_devices() && self.dra.as_ref().is_none_or(|d| d.device_plugin)
+        self.kind.backend().is_some() && self.dra.as_ref().is_none_or(|d| d.device_plugin)
     }
 }
 

@@ -4,7 +4,7 @@
 
 use super::{
     AdvertiseSettings, BackendConfig, DraSettings, NodeLabelsSettings, RefusedPodsPolicy,
-    RegistrationRoute, ResourceConfig,
+    RegistrationRoute, ResourceConfig, ResourceKind,
 };
 use devplug_backends::{
     AmdgpuSettings, AscendSettings, FilesSettings, FpgaSettings, HostdevSettings, IntelGpuSettings,
@@ -92,8 +92,8 @@ impl RawResource {
             advertise,
             dra,
         } = self;
-        // In the order of BackendConfig::KEYS, which the messages list them in.
-        let mut backends: Vec<BackendConfig> = [
+        // In the order of ResourceKind::KEYS, which the messages list them in.
+        let mut kinds: Vec<ResourceKind> = [
             virtual_devices.map(BackendConfig::Virtual),
             files.map(BackendConfig::Files),
             hostdev.map(BackendConfig::Hostdev),
@@ -104,28 +104,29 @@ impl RawResource {
             qat.map(BackendConfig::Qat),
             ascend.map(BackendConfig::Ascend),
             fpga.map(BackendConfig::Fpga),
-            advertise.map(BackendConfig::Advertise),
         ]
         .into_iter()
         .flatten()
+        .map(ResourceKind::Devices)
+        .chain(advertise.map(ResourceKind::Advertise))
         .collect();
-        if backends.len() > 1 {
-            let keys: Vec<&str> = backends.iter().map(BackendConfig::key).collect();
+        if kinds.len() > 1 {
+            let keys: Vec<&str> = kinds.iter().map(ResourceKind::key).collect();
             return Err(format!(
                 "{} backends ({}): a resource has exactly one",
                 keys.len(),
                 keys.join(", ")
             ));
         }
-        let backend = backends.pop().ok_or_else(|| {
+        let kind = kinds.pop().ok_or_else(|| {
             format!(
                 "no backend: add exactly one of {}",
-                BackendConfig::KEYS.join(", ")
+                ResourceKind::KEYS.join(", ")
             )
         })?;
         Ok(ResourceConfig {
             name,
-            backend,
+            kind,
             health_hold_down,
             registration,
             dra,

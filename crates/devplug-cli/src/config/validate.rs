@@ -77,9 +77,9 @@ fn resolve_resource(
     }
     let resource = raw.resolve()?;
     resource
-        .backend
+        .kind
         .validate()
-        .map_err(|e| format!("{}.{e}", resource.backend.key()))?;
+        .map_err(|e| format!("{}.{e}", resource.kind.key()))?;
     dra_problem(&resource, index, drivers)?;
     Ok(resource)
 }
@@ -91,7 +91,10 @@ fn dra_problem(
     index: usize,
     drivers: &mut HashMap<String, usize>,
 ) -> Result<(), String> {
-    let dra_only = resource.backend.dra_only_setting();
+    let dra_only = resource
+        .kind
+        .backend()
+        .and_then(super::BackendConfig::dra_only_setting);
     if let Some(field) = dra_only.filter(|_| resource.serves_device_plugin()) {
         return Err(format!(
             "{field}: devices shared by capacity or split into partitions are served by DRA \
@@ -102,10 +105,10 @@ fn dra_problem(
     let Some(dra) = &resource.dra else {
         return Ok(());
     };
-    if !resource.backend.has_devices() {
+    if resource.kind.backend().is_none() {
         return Err(format!(
             "dra: an {}: resource has no devices to serve as a DRA driver; remove one of the two",
-            resource.backend.key()
+            resource.kind.key()
         ));
     }
     devplug::dra::check_dns_subdomain(&dra.driver).map_err(|e| format!("dra.driver: {e}"))?;
@@ -132,13 +135,13 @@ fn dra_problem(
 /// (`resources[2].advertise`), or `None` if the device-plugin-only build can serve it all.
 ///
 /// The one rule for which config settings need the `cluster` feature (the backends that do
-/// say so in [`super::BackendConfig::needs_cluster`]): a new one is added there or here, and
+/// say so in [`super::ResourceKind::needs_cluster`]): a new one is added there or here, and
 /// the lean build then refuses it in `check-config`, `run` and reloads, and the deploy
 /// manifests' choice of binary must follow (crates/deploy-check).
 pub fn needs_cluster(config: &Config) -> Option<String> {
     config.resources.iter().enumerate().find_map(|(index, r)| {
-        if r.backend.needs_cluster() {
-            Some(format!("resources[{index}].{}", r.backend.key()))
+        if r.kind.needs_cluster() {
+            Some(format!("resources[{index}].{}", r.kind.key()))
         } else if r.dra.is_some() {
             Some(format!("resources[{index}].dra"))
         } else {

@@ -1,7 +1,7 @@
 //! Why a claim could not be prepared or unprepared: the kubelet puts the message in the pod's
 //! events and retries, so each says what is wrong and, where there is one, what to do.
 
-use crate::claim_backend::ReleaseError;
+use devplug::dra::ReleaseError;
 use devplug::AllocateError;
 use std::path::PathBuf;
 use std::sync::Arc;

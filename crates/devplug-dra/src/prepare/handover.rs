@@ -9,7 +9,7 @@
 
 use super::error::PrepareError;
 use super::plan::RequestDevices;
-use crate::claim_backend::ClaimBackend;
+use devplug::dra::ClaimBackend;
 use devplug::ContainerEdits;
 use std::sync::Arc;
 

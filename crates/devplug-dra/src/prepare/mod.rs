@@ -32,9 +32,9 @@ pub(crate) use handover::restore_shares;
 
 use super::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, PreparedDevice};
 use super::claims::{AllocatedDevice, ClaimRef, ClaimSource};
-use crate::claim_backend::ClaimBackend;
 use crate::claim_metrics::ClaimMetrics;
 use conflicts::{holders_of, refuse_taken_devices, whole_ids};
+use devplug::dra::ClaimBackend;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;

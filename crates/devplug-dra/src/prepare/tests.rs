@@ -1,10 +1,10 @@
 //! The preparer as a whole: claims, backend, CDI specs and checkpoint together.
 
 use super::*;
-use crate::claim_backend::ReleaseError;
 use crate::hold::Hold;
 use crate::names::device_name;
 use devplug::backend::BoxFuture;
+use devplug::dra::ReleaseError;
 use devplug::Backend;
 use devplug::{AllocateError, ContainerEdits, Device, DeviceList, Health};
 use std::collections::HashMap;

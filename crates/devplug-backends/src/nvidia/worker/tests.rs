@@ -89,7 +89,7 @@ fn start(driver: Scripted) -> (Arc<Shared>, std::sync::mpsc::Sender<()>) {
         stop: AtomicBool::new(false),
         cdi: Mutex::new(None),
         discovered: watch::Sender::new(false),
-        labels: watch::Sender::new(devplug::NodeLabels::new()),
+        labels: watch::Sender::new(crate::NodeLabels::new()),
         settings: Arc::new(settings.clone()),
     });
     let (wake, wake_rx) = std::sync::mpsc::channel();

@@ -12,7 +12,7 @@
 //! the driver runs them on tokio's blocking pool, never on the runtime that serves the sockets,
 //! so one slow claim never delays another resource's `Allocate` or `ListAndWatch`.
 
-use devplug::{AllocateError, Backend, ContainerEdits};
+use crate::{AllocateError, Backend, ContainerEdits};
 use std::collections::BTreeMap;
 
 /// A [`Backend`] whose devices can be given to DRA claims.
@@ -26,7 +26,7 @@ pub trait ClaimBackend: Backend {
     }
 
     /// The edits for one share of device `id`, a device shared by capacity
-    /// ([`devplug::dra::DeviceAttributes::shared`]), given what the share consumed of each
+    /// ([`super::DeviceAttributes::shared`]), given what the share consumed of each
     /// capacity (`cores` → 40, `memory` → bytes), as the scheduler recorded it. The edits are
     /// where the limits reach the container. The default refuses, so a share is never handed
     /// out as if it were the whole device.
