@@ -200,13 +200,14 @@ fn both_image_builds_make_the_same_image_from_the_same_command() {
         runs(&dockerfile),
         ["TARGET=\"${TARGET}\" deploy/build-static /out"]
     );
-    // The second run is the linux/arm64 build, cross-compiled with plain links (the link order
-    // is trained by running the binary, which cannot run a foreign architecture).
+    // The other run is the linux/arm64 build (started first, in the background), cross-compiled
+    // with plain links (the link order is trained by running the binary, which cannot run a
+    // foreign architecture).
     assert_eq!(
         runs(&script),
         [
-            "TARGET=\"${TARGET}\" deploy/build-static \"$context\"",
-            "deploy/build-static \"$arm_context\""
+            "deploy/build-static \"$arm_context\"",
+            "TARGET=\"${TARGET}\" deploy/build-static \"$context\""
         ]
     );
     assert!(script.contains("TARGET=\"$ARM_TARGET\" DEVPLUG_LINK_ORDER=off \\\n"));
