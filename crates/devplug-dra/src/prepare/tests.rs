@@ -524,3 +524,105 @@ fn stale_claim_specs_go_at_start_and_nothing_else_does() {
         0
     );
 }
+
+/// The checkpoint the previous release wrote (format version 1: three claims on node-a: two
+/// whole NPUs for two requests, a share of npu-2, admin access to npu-1), its CDI folder given.
+fn previous_release_checkpoint(cdi_dir: &Path) -> String {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/checkpoint-v1.json"
+    );
+    std::fs::read_to_string(path)
+        .unwrap()
+        .replace("@CDI_DIR@", cdi_dir.to_str().unwrap())
+}
+
+#[tokio::test]
+async fn an_upgraded_driver_restores_every_claim_the_previous_release_checkpointed() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = files_in(dir.path());
+    let old = previous_release_checkpoint(&files.cdi_dir);
+    assert!(old.contains("\"version\": 1"), "the fixture is format 1");
+    std::fs::write(&files.checkpoint, &old).unwrap();
+    // What the previous release wrote in each claim's CDI spec, to compare with what is
+    // written again: the CDI folder is a tmpfs, so after the reboot of an upgrade it is empty.
+    let v1: serde_json::Value = serde_json::from_str(&old).unwrap();
+    let old_specs: BTreeMap<String, String> = v1["claims"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(uid, c)| (uid.clone(), c["cdi_spec_json"].as_str().unwrap().to_owned()))
+        .collect();
+    assert_eq!(old_specs.len(), 3);
+
+    let list = DeviceList::new([
+        Device::new("npu-0"),
+        Device::new("npu-1"),
+        Device::new("npu-2"),
+    ]);
+    let (tx, _) = watch::channel(list);
+    let backend: Arc<dyn ClaimBackend> = Arc::new(Npus(tx));
+    // The API server knows none of them: every answer must come from the checkpoint.
+    let claims: Arc<dyn ClaimSource> = Arc::new(Fixed(HashMap::new()));
+    let preparer =
+        Preparer::new("npu.example.com", "node-a", backend, claims, files.clone()).unwrap();
+    let prepared = preparer.prepared().await;
+    assert_eq!(prepared.keys().collect::<Vec<_>>(), ["u1", "u2", "u3"]);
+    let holds: Vec<&Hold> = prepared
+        .values()
+        .flat_map(|c| c.devices.iter().map(|d| &d.hold))
+        .collect();
+    assert_eq!(
+        holds,
+        [
+            &Hold::Exclusive,
+            &Hold::Exclusive,
+            &Hold::Share {
+                share_id: "s-1".into()
+            },
+            &Hold::AdminAccess { share_id: None },
+        ]
+    );
+
+    // The kubelet repeats its calls after the upgrade: each is answered as before, and each
+    // claim's CDI spec is there again, as the previous release wrote it.
+    let uids = [claim("u1"), claim("u2"), claim("u3")];
+    let results = preparer.prepare(&uids).await;
+    for (uid, result) in &results {
+        let devices = result.as_ref().unwrap();
+        assert_eq!(devices, &prepared[uid].devices, "{uid}");
+        let spec = std::fs::read_to_string(spec_path(&files.cdi_dir, "npu.example.com", uid));
+        assert_eq!(spec.unwrap(), old_specs[uid], "{uid}'s CDI spec");
+    }
+    assert_eq!(
+        results["u1"].as_ref().unwrap()[0].cdi_device_ids,
+        ["npu.example.com/claim=u1-a"]
+    );
+
+    // Its next write is the current format, compact, which it reads back the same.
+    let results = preparer.unprepare(&[claim("u3")]).await;
+    assert!(results.values().all(Result::is_ok));
+    let new = std::fs::read_to_string(&files.checkpoint).unwrap();
+    assert!(
+        new.starts_with(&format!("{{\"version\":{}", crate::checkpoint::VERSION)),
+        "{new}"
+    );
+    assert!(
+        new.len() < old.len() / 2,
+        "{} bytes, then {}",
+        old.len(),
+        new.len()
+    );
+    let reread = crate::checkpoint::Checkpoint::load(&files.checkpoint, "npu.example.com").unwrap();
+    assert_eq!(reread.claims.keys().collect::<Vec<_>>(), ["u1", "u2"]);
+    assert_eq!(reread.claims["u1"], prepared["u1"]);
+    assert_eq!(reread.claims["u2"], prepared["u2"]);
+
+    // And every claim it restored can be unprepared.
+    let results = preparer.unprepare(&[claim("u1"), claim("u2")]).await;
+    assert!(results.values().all(Result::is_ok));
+    assert!(preparer.prepared().await.is_empty());
+    for uid in ["u1", "u2", "u3"] {
+        assert!(!spec_path(&files.cdi_dir, "npu.example.com", uid).exists());
+    }
+}
