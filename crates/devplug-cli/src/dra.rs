@@ -4,7 +4,6 @@
 //! driver's checkpoint); only the node's slices are taken down and published again.
 
 use crate::config::{BuiltBackend, ResourceConfig};
-use anyhow::Context;
 use devplug_dra::kubelet::KubeletDirs;
 use devplug_dra::runtime::{node_cdi_support, CdiSupport};
 use devplug_dra::{DraDriver, DraDriverSettings, DraStartError};
@@ -17,10 +16,8 @@ pub struct DraSetup {
     pub dirs: KubeletDirs,
     /// The folder of dynamic CDI specs.
     pub cdi_dir: PathBuf,
-    /// This node's name.
-    pub node: Option<String>,
-    /// The kubeconfig (default: the usual places, then in-cluster).
-    pub kubeconfig: Option<PathBuf>,
+    /// This node's name and the API client.
+    pub cluster: std::sync::Arc<crate::cluster_context::ClusterContext>,
     /// Where `/readyz` learns of a runtime that cannot apply CDI, by driver.
     pub problems: crate::endpoints::Problems,
     /// Where `/readyz` and `/metrics` find the running drivers.
@@ -66,7 +63,6 @@ fn wanted(resources: &[ResourceConfig]) -> BTreeMap<&str, &ResourceConfig> {
 /// The running drivers, by resource name.
 pub struct DraDrivers {
     setup: DraSetup,
-    client: Option<kube::Client>,
     running: BTreeMap<String, (ResourceConfig, DraDriver)>,
     /// The node's runtime, judged once: `None` until read.
     runtime: Option<CdiSupport>,
@@ -79,7 +75,6 @@ impl DraDrivers {
     pub fn new(setup: DraSetup) -> DraDrivers {
         DraDrivers {
             setup,
-            client: None,
             running: BTreeMap::new(),
             runtime: None,
             unannounced: Vec::new(),
@@ -162,10 +157,7 @@ impl DraDrivers {
         let Some(dra) = &resource.dra else {
             anyhow::bail!("{} has no dra: settings", resource.name);
         };
-        let node = self.setup.node.clone().context(
-            "dra: resources need this node's name: set NODE_NAME (the downward API's \
-             spec.nodeName) or --node-name",
-        )?;
+        let node = self.setup.cluster.need_node("dra: resources")?;
         let backend = match backend {
             Some(backend) => backend,
             None => {
@@ -181,14 +173,7 @@ impl DraDrivers {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&format!("DRA driver {}", dra.driver));
-        let client = match &self.client {
-            Some(client) => client.clone(),
-            None => {
-                let client = devplug_cluster::connect(self.setup.kubeconfig.as_deref()).await?;
-                self.client = Some(client.clone());
-                client
-            }
-        };
+        let client = self.setup.cluster.client().await?;
         self.check_runtime(&client, &node, &dra.driver).await;
         let settings = DraDriverSettings {
             driver: dra.driver.clone(),

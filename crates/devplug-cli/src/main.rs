@@ -19,6 +19,8 @@
 mod capacity;
 mod check_config;
 #[cfg(feature = "cluster")]
+mod cluster_context;
+#[cfg(feature = "cluster")]
 mod cluster_features;
 mod config;
 #[cfg(feature = "tools")]

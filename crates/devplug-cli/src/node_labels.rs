@@ -27,8 +27,7 @@ pub fn namespace() -> String {
 /// The writer, started, changed or stopped as the config says.
 #[cfg(feature = "cluster")]
 pub struct NodeLabelsWriter {
-    node: Option<String>,
-    kubeconfig: Option<std::path::PathBuf>,
+    cluster: std::sync::Arc<crate::cluster_context::ClusterContext>,
     running: Option<Running>,
     said_no_node: bool,
 }
@@ -45,10 +44,11 @@ struct Running {
 #[cfg(feature = "cluster")]
 impl NodeLabelsWriter {
     /// Nothing running yet.
-    pub fn new(node: Option<String>, kubeconfig: Option<std::path::PathBuf>) -> NodeLabelsWriter {
+    pub fn new(
+        cluster: std::sync::Arc<crate::cluster_context::ClusterContext>,
+    ) -> NodeLabelsWriter {
         NodeLabelsWriter {
-            node,
-            kubeconfig,
+            cluster,
             running: None,
             said_no_node: false,
         }
@@ -72,7 +72,9 @@ impl NodeLabelsWriter {
                 return;
             }
         }
-        if let (Some(old), Some(node)) = (self.running.take(), self.node.clone()) {
+        if let (Some(old), Some(node)) =
+            (self.running.take(), self.cluster.node().map(str::to_owned))
+        {
             old.follow.cancel();
             features.unregister(Feature::NodeLabels);
             tokio::spawn(remove(old.client, old.mode, node));
@@ -84,7 +86,7 @@ impl NodeLabelsWriter {
                 namespace: namespace(),
             },
         };
-        let Some(node) = self.node.clone() else {
+        let Some(node) = self.cluster.node().map(str::to_owned) else {
             if !self.said_no_node {
                 self.said_no_node = true;
                 tracing::warn!(
@@ -94,7 +96,7 @@ impl NodeLabelsWriter {
             }
             return;
         };
-        let client = match devplug_cluster::connect(self.kubeconfig.as_deref()).await {
+        let client = match self.cluster.client().await {
             Ok(client) => client,
             Err(err) => {
                 tracing::warn!(%err, "node_labels: no API client; the Node gets no labels");

@@ -20,8 +20,7 @@ fn served(config: &Config) -> BTreeSet<String> {
 /// The watch of refused pods, started, changed or stopped as the config says.
 #[cfg(feature = "cluster")]
 pub struct RefusedPodsWatch {
-    node: Option<String>,
-    kubeconfig: Option<std::path::PathBuf>,
+    cluster: std::sync::Arc<crate::cluster_context::ClusterContext>,
     running: Option<(
         RefusedPodsPolicy,
         devplug_cluster::refused_pods::RefusedPods,
@@ -33,10 +32,11 @@ pub struct RefusedPodsWatch {
 #[cfg(feature = "cluster")]
 impl RefusedPodsWatch {
     /// Nothing running yet.
-    pub fn new(node: Option<String>, kubeconfig: Option<std::path::PathBuf>) -> RefusedPodsWatch {
+    pub fn new(
+        cluster: std::sync::Arc<crate::cluster_context::ClusterContext>,
+    ) -> RefusedPodsWatch {
         RefusedPodsWatch {
-            node,
-            kubeconfig,
+            cluster,
             running: None,
             said_no_node: false,
         }
@@ -72,7 +72,7 @@ impl RefusedPodsWatch {
         let (Some(policy), false) = (policy, served.is_empty()) else {
             return;
         };
-        let Some(node) = self.node.clone() else {
+        let Some(node) = self.cluster.node().map(str::to_owned) else {
             if !self.said_no_node {
                 self.said_no_node = true;
                 tracing::info!(
@@ -83,7 +83,7 @@ impl RefusedPodsWatch {
             }
             return;
         };
-        let client = match devplug_cluster::connect(self.kubeconfig.as_deref()).await {
+        let client = match self.cluster.client().await {
             Ok(client) => client,
             Err(err) => {
                 tracing::warn!(%err, "refused_pods: no API client; pods the kubelet refused at admission are left alone");

@@ -101,6 +101,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let problems = endpoints::Problems::default();
     let drivers = endpoints::Drivers::default();
     let features = endpoints::Features::default();
+    #[cfg(feature = "cluster")]
+    let cluster = crate::cluster_context::ClusterContext::new(
+        args.node_name.clone(),
+        args.kubeconfig.clone(),
+    );
     let mut runner = Runner {
         host: Arc::new(Host::new(&args.kubelet_dir)?.with_watcher_dirs(watcher_dirs(&args))),
         current: BTreeMap::new(),
@@ -117,29 +122,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 problems.clone(),
                 features.clone(),
             ),
-            node_name: args.node_name.clone(),
-            kubeconfig: args.kubeconfig.clone(),
+            context: cluster.clone(),
             events: None,
-            refused: crate::refused::RefusedPodsWatch::new(
-                args.node_name.clone(),
-                args.kubeconfig.clone(),
-            ),
-            labels: crate::node_labels::NodeLabelsWriter::new(
-                args.node_name.clone(),
-                args.kubeconfig.clone(),
-            ),
+            refused: crate::refused::RefusedPodsWatch::new(cluster.clone()),
+            labels: crate::node_labels::NodeLabelsWriter::new(cluster.clone()),
             dra: crate::dra::DraDrivers::new(crate::dra::DraSetup {
                 dirs: devplug_dra::kubelet::KubeletDirs::beside(&args.kubelet_dir),
                 cdi_dir: args.cdi_dir.clone(),
-                node: args.node_name.clone(),
-                kubeconfig: args.kubeconfig.clone(),
+                cluster,
                 problems: problems.clone(),
                 drivers: drivers.clone(),
             }),
         },
     };
     if args.node_events {
-        runner.start_node_events(&args).await?;
+        runner.start_node_events().await?;
     }
     runner.start(&config).await?;
     if let Some(socket) = &args.pod_resources_socket {
@@ -281,8 +278,8 @@ struct Cluster {
     advertiser: Option<devplug_cluster::advertise::Advertiser>,
     /// The cluster features' gate and outcomes.
     features: crate::cluster_features::ClusterFeatures,
-    node_name: Option<String>,
-    kubeconfig: Option<PathBuf>,
+    /// This node's name and the one API client every feature uses.
+    context: std::sync::Arc<crate::cluster_context::ClusterContext>,
     /// Node events, with --node-events.
     events: Option<devplug_cluster::events::NodeEvents>,
     /// Pods the kubelet refused at admission (`refused_pods:`).
@@ -468,13 +465,11 @@ impl Runner {
         Ok(())
     }
 
-    /// Starts node events (`--node-events`): an API client, and this node's name.
+    /// Starts node events (`--node-events`), with the shared API client and this node's name.
     #[cfg(feature = "cluster")]
-    async fn start_node_events(&mut self, args: &RunArgs) -> anyhow::Result<()> {
-        let node = args.node_name.clone().context(
-            "--node-events needs this node's name: set NODE_NAME (the downward API's spec.nodeName) or --node-name",
-        )?;
-        let client = devplug_cluster::connect(args.kubeconfig.as_deref()).await?;
+    async fn start_node_events(&mut self) -> anyhow::Result<()> {
+        let node = self.cluster.context.need_node("--node-events")?;
+        let client = self.cluster.context.client().await?;
         let instance = std::env::var("POD_NAME").unwrap_or_else(|_| node.clone());
         let events = devplug_cluster::events::NodeEvents::spawn(
             client,
@@ -490,7 +485,7 @@ impl Runner {
 
     /// devplug-lite has no API client for `--node-events`.
     #[cfg(not(feature = "cluster"))]
-    async fn start_node_events(&mut self, _args: &RunArgs) -> anyhow::Result<()> {
+    async fn start_node_events(&mut self) -> anyhow::Result<()> {
         anyhow::bail!(crate::config::not_in_this_build(
             "--node-events (DEVPLUG_NODE_EVENTS)"
         ))
@@ -505,11 +500,8 @@ impl Runner {
             if resources.is_empty() {
                 return Ok(());
             }
-            let node = cluster.node_name.clone().context(
-                "advertise: resources need this node's name: set NODE_NAME (the downward API's \
-                 spec.nodeName) or --node-name",
-            )?;
-            let client = devplug_cluster::connect(cluster.kubeconfig.as_deref()).await?;
+            let node = cluster.context.need_node("advertise: resources")?;
+            let client = cluster.context.client().await?;
             tracing::info!(%node, "advertising extended resources on our Node");
             let gate = cluster.features.gate(&client, &node);
             let advertiser = devplug_cluster::advertise::Advertiser::spawn_gated(
