@@ -12,8 +12,8 @@
 //!
 //! - Version 1: pretty-printed, each claim's CDI spec as an escaped JSON string
 //!   (`cdi_spec_json`).
-//! - Version 2: compact, the CDI spec as JSON itself (`cdi_spec_content`): about half the bytes to
-//!   write per prepare, and nothing to escape.
+//! - Version 2: compact, the CDI spec as JSON itself (`cdi_spec_content`): about a third fewer
+//!   bytes to write per prepare, and nothing to escape.
 
 use crate::hold::Hold;
 use serde::{Deserialize, Serialize};
@@ -310,6 +310,31 @@ mod tests {
             err.to_string()
                 .contains("version 3: this devplug reads versions 1 to 2"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn the_previous_format_is_read_and_the_current_one_is_smaller() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("checkpoint.json");
+        let v1 = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/checkpoint-v1.json"
+        ))
+        .unwrap();
+        std::fs::write(&path, &v1).unwrap();
+        let loaded = Checkpoint::load(&path, "npu.example.com").unwrap();
+        assert_eq!(loaded.claims.len(), 3);
+        loaded.save(&path).unwrap();
+        let v2 = std::fs::read_to_string(&path).unwrap();
+        assert!(v2.starts_with("{\"version\":2,"), "{v2}");
+        assert_eq!(Checkpoint::load(&path, "npu.example.com").unwrap(), loaded);
+        // The fixture's three claims: about 2,600 bytes in format 1, about 1,800 in format 2.
+        assert!(
+            v2.len() * 10 < v1.len() * 7,
+            "{} → {} bytes",
+            v1.len(),
+            v2.len()
         );
     }
 

@@ -607,12 +607,6 @@ async fn an_upgraded_driver_restores_every_claim_the_previous_release_checkpoint
         new.starts_with(&format!("{{\"version\":{}", crate::checkpoint::VERSION)),
         "{new}"
     );
-    assert!(
-        new.len() < old.len() / 2,
-        "{} bytes, then {}",
-        old.len(),
-        new.len()
-    );
     let reread = crate::checkpoint::Checkpoint::load(&files.checkpoint, "npu.example.com").unwrap();
     assert_eq!(reread.claims.keys().collect::<Vec<_>>(), ["u1", "u2"]);
     assert_eq!(reread.claims["u1"], prepared["u1"]);
