@@ -35,7 +35,7 @@
 //! Left out: ResourceSlices and their wiping, the optional `DRAResourceHealth` stream, CDI spec
 //! files, and the ResourceClaim objects themselves (callers name the claims).
 
-use crate::device_manager::Shared;
+use crate::shared::Shared;
 use devplug_proto::constants::DRA_SUPPORTED_VERSIONS;
 use devplug_proto::{dra_health_v1alpha1, dra_v1, dra_v1beta1};
 use hyper_util::rt::TokioIo;
