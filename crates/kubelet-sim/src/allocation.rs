@@ -9,7 +9,7 @@
 //!
 //! Topology alignment is not simulated (the topology manager's `none` policy).
 
-use crate::device_manager::Shared;
+use crate::shared::Shared;
 use crate::state::{Allocation, PodState};
 use devplug_proto::constants::PRE_START_CONTAINER_TIMEOUT_SECS;
 use devplug_proto::v1beta1 as pb;

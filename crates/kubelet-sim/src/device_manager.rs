@@ -1,6 +1,6 @@
 //! The device manager: [`Kubelet`], the handle a test holds (start, allocate, DRA calls,
-//! restart, crash, stop), the state it shares with the Registration service, the stream
-//! consumers and the plugin watcher (`Shared`), and the kubelet's boot: every socket in the
+//! restart, crash, stop), and the kubelet's boot (the state it shares with the Registration
+//! service, the stream consumers and the plugin watcher is `Shared`): every socket in the
 //! folder deleted (`clean_plugin_dir`), `kubelet.sock` bound then served, the plugin watcher
 //! and the pod resources server started.
 
@@ -8,13 +8,14 @@ use crate::allocation::{self, AllocationError, ContainerKind};
 use crate::config::SimConfig;
 use crate::dra::{self, ClaimResults, DraClaim, DraDevice, DraError};
 use crate::registration::{self, RegistrationService};
+use crate::shared::Shared;
 use crate::state::{Allocation, NodeState};
 use crate::{plugin_watcher, pod_resources};
 use devplug_proto::constants::{CHECKPOINT_FILE_NAME, KUBELET_SOCKET_NAME};
 use devplug_proto::v1beta1::registration_server::RegistrationServer;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -37,40 +38,6 @@ pub enum SimError {
     /// A [`Kubelet::wait_for`] condition did not come true in time.
     #[error("timed out after {0:?} waiting for the node state")]
     Timeout(Duration),
-}
-
-/// State shared by the handle, the Registration service and the stream consumers.
-pub(crate) struct Shared {
-    pub(crate) dir: PathBuf,
-    /// Cancelled when this kubelet process "dies" (restart, crash, stop): ends every plugin
-    /// connection it made. Replaced at each boot.
-    pub(crate) session: Mutex<CancellationToken>,
-    pub(crate) config: SimConfig,
-    state: Mutex<NodeState>,
-    version: watch::Sender<u64>,
-    pub(crate) admission: tokio::sync::Mutex<()>,
-    /// Cancelled when the simulator stops; parent of every endpoint's token.
-    pub(crate) stop: CancellationToken,
-    /// How many of the next dials back to a plugin fail (fault injection).
-    pub(crate) failing_connects: std::sync::atomic::AtomicUsize,
-}
-
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, NodeState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Reads the state.
-    pub(crate) fn read<R>(&self, f: impl FnOnce(&NodeState) -> R) -> R {
-        f(&self.lock())
-    }
-
-    /// Changes the state and wakes every waiter.
-    pub(crate) fn modify<R>(&self, f: impl FnOnce(&mut NodeState) -> R) -> R {
-        let result = f(&mut self.lock());
-        self.version.send_modify(|v| *v += 1);
-        result
-    }
 }
 
 /// A running simulated kubelet. Dropping it stops serving.

@@ -57,6 +57,7 @@ pub mod fake_plugin;
 mod plugin_watcher;
 mod pod_resources;
 mod registration;
+mod shared;
 mod state;
 
 pub use allocation::AllocationError;

@@ -23,9 +23,9 @@
 //! tested separately with raw HTTP/2 frames (devplug's `tests/it/watcher.rs`).
 
 use crate::config::ClientKeying;
-use crate::device_manager::Shared;
 use crate::dra;
 use crate::registration::{connect_plugin, disconnect};
+use crate::shared::Shared;
 use devplug_proto::constants::{
     DIAL_TIMEOUT_SECS, GET_INFO_TIMEOUT_MILLIS, NOTIFY_TIMEOUT_SECS, PLUGIN_TYPE_DEVICE_PLUGIN,
     PLUGIN_TYPE_DRA, VERSION,

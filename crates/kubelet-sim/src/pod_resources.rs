@@ -12,7 +12,7 @@
 //! Pods are named `namespace/name` in [`Kubelet::allocate`](crate::Kubelet::allocate); a name
 //! without `/` is in namespace `default`.
 
-use crate::device_manager::Shared;
+use crate::shared::Shared;
 use crate::state::{NodeState, SimDevice};
 use devplug_proto::constants::{POD_RESOURCES_BURST, POD_RESOURCES_QPS};
 use devplug_proto::podresources::{

@@ -11,7 +11,7 @@
 //! kubelet's name-keyed update callback does.
 
 use crate::config::ClientKeying;
-use crate::device_manager::Shared;
+use crate::shared::Shared;
 use crate::state::{Endpoint, RegistrationRecord, ResourceState, SimDevice};
 use devplug_proto::constants::{DIAL_TIMEOUT_SECS, HEALTHY, VERSION};
 use devplug_proto::v1beta1::{self as pb, device_plugin_client::DevicePluginClient};

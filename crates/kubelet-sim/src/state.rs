@@ -3,7 +3,7 @@
 //! plugins, prepared claims, pods' claim references). Read it through
 //! [`Kubelet::wait_for`](crate::Kubelet::wait_for) or [`Kubelet::read`](crate::Kubelet::read).
 
-use crate::dra::{DraClaim, DraPluginRecord, PreparedClaim};
+use crate::dra::types::{DraClaim, DraPluginRecord, DraState, PreparedClaim};
 use devplug_proto::v1beta1::{ContainerAllocateResponse, DevicePluginOptions};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -19,7 +19,7 @@ pub struct NodeState {
     pub(crate) restarts: u64,
     pub(crate) bound_at: Option<Instant>,
     pub(crate) pod_resources_calls: u64,
-    pub(crate) dra: crate::dra::DraState,
+    pub(crate) dra: DraState,
 }
 
 impl NodeState {

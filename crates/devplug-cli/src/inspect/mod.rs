@@ -4,8 +4,9 @@
 //! kubelet's folder.
 //!
 //! Files: `client` (the kubelet-like client and its one-line errors), `model` (what is shown,
-//! serializable), `render` (text tables), `watch` (`--watch`), `discover` (the folder listing),
-//! `clock` (UTC timestamps), `dra_health` (`--dra-health`: a DRA driver's device health stream).
+//! serializable, with `Change`, what differs between two device lists), `render` (text tables),
+//! `watch` (`--watch`), `discover` (the folder listing), `clock` (UTC timestamps), `dra_health`
+//! (`--dra-health`: a DRA driver's device health stream).
 
 mod client;
 mod clock;

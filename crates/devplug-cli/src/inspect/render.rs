@@ -1,8 +1,7 @@
 //! Text rendering of what `devplug inspect` found: aligned tables for people. (The `--json`
 //! output is the [`model`](super::model) structs serialized as they are.)
 
-use super::model::{AllocationView, Counts, DeviceView, EditsView, OptionsView, Summary};
-use super::watch::Change;
+use super::model::{AllocationView, Change, Counts, DeviceView, EditsView, OptionsView, Summary};
 use devplug_proto::constants::{HEALTHY, UNHEALTHY};
 use std::fmt::Write;
 

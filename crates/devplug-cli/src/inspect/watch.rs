@@ -3,59 +3,10 @@
 //! a UTC timestamp, until the plugin ends the stream or a signal arrives.
 
 use super::client::Plugin;
-use super::model::{Counts, DeviceView, OptionsView};
+use super::model::{Change, Counts, DeviceView, OptionsView};
 use super::{clock, emit, render, Emitted};
 use serde::Serialize;
-use std::collections::HashMap;
 use std::path::Path;
-
-/// A device present in both lists whose health or NUMA nodes differ.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Changed {
-    /// The device id.
-    pub id: String,
-    /// As it was.
-    pub before: DeviceView,
-    /// As it is now.
-    pub after: DeviceView,
-}
-
-/// What differs between two consecutive lists.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct Change {
-    /// New devices, in the new list's order.
-    pub appeared: Vec<DeviceView>,
-    /// Ids no longer listed, in the old list's order.
-    pub vanished: Vec<String>,
-    /// Devices whose health or NUMA nodes changed, in the new list's order.
-    pub changed: Vec<Changed>,
-}
-
-impl Change {
-    /// The difference from `old` to `new`.
-    pub fn between(old: &[DeviceView], new: &[DeviceView]) -> Change {
-        let before: HashMap<&str, &DeviceView> = old.iter().map(|d| (d.id.as_str(), d)).collect();
-        let now: HashMap<&str, &DeviceView> = new.iter().map(|d| (d.id.as_str(), d)).collect();
-        let mut change = Change::default();
-        for d in new {
-            match before.get(d.id.as_str()) {
-                None => change.appeared.push(d.clone()),
-                Some(was) if *was != d => change.changed.push(Changed {
-                    id: d.id.clone(),
-                    before: (*was).clone(),
-                    after: d.clone(),
-                }),
-                Some(_) => {}
-            }
-        }
-        change.vanished = old
-            .iter()
-            .filter(|d| !now.contains_key(d.id.as_str()))
-            .map(|d| d.id.clone())
-            .collect();
-        change
-    }
-}
 
 /// One `--json` line.
 #[derive(Serialize)]
@@ -171,26 +122,6 @@ mod tests {
             health: health.into(),
             numa_nodes: numa.to_vec(),
         }
-    }
-
-    #[test]
-    fn appeared_vanished_and_changed() {
-        let old = [
-            d("a", "Healthy", &[0]),
-            d("b", "Healthy", &[0]),
-            d("c", "Healthy", &[]),
-        ];
-        let new = [
-            d("c", "Healthy", &[]),
-            d("b", "Unhealthy", &[0]),
-            d("e", "Healthy", &[1]),
-        ];
-        let change = Change::between(&old, &new);
-        assert_eq!(change.appeared, vec![d("e", "Healthy", &[1])]);
-        assert_eq!(change.vanished, vec!["a".to_owned()]);
-        assert_eq!(change.changed.len(), 1);
-        assert_eq!(change.changed[0].after.health, "Unhealthy");
-        assert_eq!(Change::between(&new, &new), Change::default());
     }
 
     #[test]

@@ -24,10 +24,15 @@
 
 pub mod cleanup;
 pub mod config;
+mod containerd;
 pub mod image;
+mod logs;
 pub mod requirements;
 
+pub use logs::cri_log_text;
 pub use requirements::Requirements;
+
+use containerd::Containerd;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -115,28 +120,6 @@ pub struct StartTimes {
     pub kubelet_to_ready: Duration,
     /// The whole start, images included.
     pub total: Duration,
-}
-
-/// The containerd the node runs now.
-#[derive(Debug, Clone)]
-struct Containerd {
-    /// The folder of its `containerd`, `containerd-shim-runc-v2` and `ctr`.
-    bin_dir: PathBuf,
-    /// The folder of its root and state ([`Layout::containerd_files`]).
-    files: PathBuf,
-}
-
-impl Containerd {
-    fn root(&self) -> PathBuf {
-        self.files.join("root")
-    }
-    /// tmpfs on a real node: a reboot empties it.
-    fn state(&self) -> PathBuf {
-        self.files.join("state")
-    }
-    fn config(&self) -> PathBuf {
-        self.files.join("containerd.toml")
-    }
 }
 
 /// A running node. Stop it with [`Node::stop`].
@@ -294,30 +277,6 @@ impl Node {
         })
     }
 
-    /// The containerd the node runs now.
-    fn containerd(&self) -> Result<Containerd, String> {
-        self.containerd
-            .lock()
-            .map(|c| c.clone())
-            .map_err(|_| "the containerd record's lock is poisoned".to_owned())
-    }
-
-    /// The test image and devplug's into the running containerd.
-    fn import_images(&self) -> Result<(), String> {
-        self.import_image(&self.layout.dir.join("busybox.oci.tar"), &[])?;
-        let archive = self.requirements.image_archive.clone();
-        let version = env!("CARGO_PKG_VERSION");
-        // The chart's and the kustomize base's name (docker.io/library/ once normalized), and
-        // the registry overlay's.
-        self.import_image(
-            &archive,
-            &[
-                format!("docker.io/library/devplug:{version}"),
-                format!("registry.example.com/devplug:{version}"),
-            ],
-        )
-    }
-
     fn spawn(&self, name: &'static str, binary: &Path, args: &[String]) -> Result<(), String> {
         let log_path = self.layout.logs().join(format!("{name}.log"));
         let log = std::fs::OpenOptions::new()
@@ -384,39 +343,6 @@ impl Node {
         Ok(())
     }
 
-    /// Starts the containerd of [`Node::containerd`], its config written first.
-    async fn start_containerd(&self) -> Result<(), String> {
-        let containerd = self.containerd()?;
-        write(
-            &containerd.config(),
-            config::containerd_toml(
-                &self.layout,
-                &containerd.root(),
-                &containerd.state(),
-                image::BUSYBOX_IMAGE,
-                requirements::CNI_BIN_DIR,
-            ),
-        )?;
-        let socket = self.layout.containerd_socket();
-        let _ = std::fs::remove_file(&socket);
-        self.spawn(
-            "containerd",
-            &containerd.bin_dir.join("containerd"),
-            &[format!("--config={}", containerd.config().display())],
-        )?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if socket.exists() && self.ctr(&["version"]).is_ok() {
-                return Ok(());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Err(format!(
-            "containerd did not answer on {} in 30 s",
-            socket.display()
-        ))
-    }
-
     /// Starts a host process the node's cleanup stops (e.g. devplug run as a host service),
     /// logging to `logs/<name>.log`. Its command line must name the node's folder (a config
     /// file there will do): the cleanup signals only such processes.
@@ -446,169 +372,6 @@ impl Node {
     /// Stops the kubelet as its service manager would (SIGTERM, then SIGKILL after 10 s).
     pub fn stop_kubelet(&self) -> Result<(), String> {
         self.stop_process("kubelet", Duration::from_secs(10))
-    }
-
-    /// A node reboot, as far as one machine can have one: the kubelet and containerd die with
-    /// every container, and what lives on tmpfs on a real node is gone (containerd's state, the
-    /// pods' network namespaces and the bridge); the kubelet's root, containerd's root, etcd
-    /// and the API server stay. Then containerd and the kubelet start again, in that order, as
-    /// their service units do. `between` runs while the node is down (e.g. to start a host
-    /// service before the kubelet).
-    pub async fn reboot(&self, between: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
-        self.power_off()?;
-        between()?;
-        self.start_containerd().await?;
-        self.start_kubelet()
-    }
-
-    /// Replaces the node's container runtime as an operator would (drain aside): the kubelet
-    /// and containerd stop with every container, the containerd whose `containerd`,
-    /// `containerd-shim-runc-v2` and `ctr` are in `bin_dir` starts with a root and state of its
-    /// own (`files_name` under the node's folder; `None`: back to the node's own containerd),
-    /// gets the test images, and the kubelet starts again and reports the new runtime in its
-    /// Node's `status.nodeInfo.containerRuntimeVersion`, which this waits for.
-    pub async fn switch_containerd(&self, other: Option<(&Path, &str)>) -> Result<String, String> {
-        let next = match other {
-            Some((bin_dir, files_name)) => Containerd {
-                bin_dir: bin_dir.to_path_buf(),
-                files: self.layout.containerd_files(files_name),
-            },
-            None => Containerd {
-                bin_dir: self.requirements.assets.clone(),
-                files: self.layout.containerd_files("containerd"),
-            },
-        };
-        self.power_off()?;
-        let fresh = !next.root().exists();
-        *self
-            .containerd
-            .lock()
-            .map_err(|_| "the containerd record's lock is poisoned".to_owned())? = next;
-        self.start_containerd().await?;
-        if fresh {
-            self.import_images()?;
-        }
-        // `ctr` says `1.6.20~ds1` where the CRI says `1.6.20`: the release numbers must agree.
-        let release = |v: &str| -> String {
-            v.trim_start_matches("containerd://")
-                .trim_start_matches('v')
-                .chars()
-                .take_while(|c| c.is_ascii_digit() || *c == '.')
-                .collect()
-        };
-        let wanted = release(&self.ctr_version()?);
-        self.start_kubelet()?;
-        self.wait_node_ready(Duration::from_secs(90)).await?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let reported = self.kubectl(
-                &[
-                    "get",
-                    "node",
-                    NODE_NAME,
-                    "-o",
-                    "jsonpath={.status.nodeInfo.containerRuntimeVersion}",
-                ],
-                None,
-            )?;
-            if reported.starts_with("containerd://") && release(&reported) == wanted {
-                return Ok(reported);
-            }
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "the Node reports runtime {reported:?} 30 s after the kubelet started on \
-                     containerd {wanted}"
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-
-    /// The running containerd's version, as the CRI reports it.
-    fn ctr_version(&self) -> Result<String, String> {
-        let out = self.ctr(&["version"])?;
-        let server = out.split("Server:").nth(1).unwrap_or_default();
-        server
-            .lines()
-            .find_map(|l| l.trim().strip_prefix("Version:"))
-            .map(|v| v.trim().to_owned())
-            .ok_or_else(|| format!("no server version in `ctr version`: {out}"))
-    }
-
-    /// The kubelet and containerd killed with every container; what lives on tmpfs on a real
-    /// node removed (containerd's state, the pods' network namespaces, the bridge).
-    fn power_off(&self) -> Result<(), String> {
-        self.stop_process("kubelet", Duration::ZERO)?;
-        self.stop_process("containerd", Duration::ZERO)?;
-        // Every container and shim of this node, then what they had mounted.
-        let script = format!(
-            "for round in 1 2 3; do \
-               for procs in $(find /sys/fs/cgroup -path '*/{CGROUP_ROOT}/*' -name cgroup.procs); do \
-                 for pid in $(cat \"$procs\"); do kill -9 \"$pid\" 2>/dev/null; done; done; \
-               pkill -9 -f '[c]ontainerd-shim-runc-v2 .*{socket}'; sleep 0.2; done; \
-             awk '{{print $5}}' /proc/self/mountinfo | grep -E '^({state}|{KUBELET_ROOT}/pods)/' \
-               | sort -r | while read -r m; do umount \"$m\" 2>/dev/null || umount -l \"$m\"; done; \
-             rm -rf '{state}'; ip link delete {BRIDGE} 2>/dev/null; true",
-            socket = self.layout.containerd_socket().display(),
-            state = self.containerd()?.state().display(),
-        );
-        let status = Command::new("sh")
-            .arg("-c")
-            .arg(&script)
-            .stdin(Stdio::null())
-            .status()
-            .map_err(|e| fail("power off", e))?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "power off: tearing down the containers failed: {status}"
-            ))
-        }
-    }
-
-    /// Runs `ctr` against this node's containerd in the `k8s.io` namespace.
-    pub fn ctr(&self, args: &[&str]) -> Result<String, String> {
-        let output = Command::new(self.containerd()?.bin_dir.join("ctr"))
-            .arg("--address")
-            .arg(self.layout.containerd_socket())
-            .args(["--namespace", "k8s.io"])
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| fail("ctr", e))?;
-        if output.status.success() {
-            Ok(String::from_utf8_lossy(&output.stdout).into_owned())
-        } else {
-            Err(format!(
-                "ctr {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&output.stderr).trim()
-            ))
-        }
-    }
-
-    /// Imports the OCI archive at `archive` and tags what it held with each of `names`.
-    pub fn import_image(&self, archive: &Path, names: &[String]) -> Result<(), String> {
-        let before = self.ctr(&["images", "ls", "-q"])?;
-        let path = archive.display().to_string();
-        self.ctr(&["images", "import", "--all-platforms", &path])?;
-        let after = self.ctr(&["images", "ls", "-q"])?;
-        let new: Vec<&str> = after
-            .lines()
-            .filter(|name| !name.starts_with("sha256:") && !before.lines().any(|b| b == *name))
-            .collect();
-        if names.is_empty() {
-            return Ok(());
-        }
-        let Some(source) = new.first() else {
-            // Imported before under the same name: tag that one.
-            return Err(format!("{path}: importing it added no image name"));
-        };
-        for name in names {
-            self.ctr(&["images", "tag", "--force", source, name])?;
-        }
-        Ok(())
     }
 
     /// Runs kubectl with the admin kubeconfig, `stdin` as its input; its stdout, or an error
@@ -687,43 +450,6 @@ impl Node {
         }
     }
 
-    /// What container `container` of pod `namespace/pod` printed (its latest run), from the
-    /// kubelet's pod log folder: the text of each CRI log line, joined by newlines.
-    pub fn container_log(
-        &self,
-        namespace: &str,
-        pod: &str,
-        container: &str,
-    ) -> Result<String, String> {
-        let prefix = format!("{namespace}_{pod}_");
-        let logs = self.layout.pod_logs();
-        let entries = std::fs::read_dir(&logs).map_err(|e| fail(&logs.display().to_string(), e))?;
-        let mut newest: Option<(std::time::SystemTime, PathBuf)> = None;
-        for entry in entries.flatten() {
-            if !entry.file_name().to_string_lossy().starts_with(&prefix) {
-                continue;
-            }
-            let dir = entry.path().join(container);
-            for file in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-                let modified = file.metadata().and_then(|m| m.modified()).ok();
-                if let Some(modified) = modified {
-                    if newest.as_ref().is_none_or(|(t, _)| modified > *t) {
-                        newest = Some((modified, file.path()));
-                    }
-                }
-            }
-        }
-        let Some((_, file)) = newest else {
-            return Err(format!(
-                "no log of {namespace}/{pod}/{container} in {}",
-                logs.display()
-            ));
-        };
-        let text =
-            std::fs::read_to_string(&file).map_err(|e| fail(&file.display().to_string(), e))?;
-        Ok(cri_log_text(&text))
-    }
-
     /// Makes a character device node `/dev/devplug-test-<n>` (the numbers of /dev/null), for
     /// the host device backend; the cleanup removes it.
     pub fn make_test_device(&self, n: u32) -> Result<PathBuf, String> {
@@ -745,28 +471,6 @@ impl Node {
         writeln!(list, "{}", path.display()).map_err(|e| fail("made files", e))
     }
 
-    /// Copies the processes' and the pods' logs to `target/whole-node-logs/<what>` (kept after
-    /// the node is gone).
-    pub fn keep_logs(&self, what: &str) -> PathBuf {
-        let kept = self
-            .requirements
-            .repo
-            .join("target/whole-node-logs")
-            .join(what);
-        let _ = std::fs::remove_dir_all(&kept);
-        let _ = std::fs::create_dir_all(&kept);
-        for dir in [self.layout.logs(), self.layout.pod_logs()] {
-            let _ = Command::new("cp")
-                .arg("-r")
-                .arg(&dir)
-                .arg(&kept)
-                .stdin(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        }
-        kept
-    }
-
     /// Stops everything and removes every file, mount, cgroup and link the node made.
     pub fn stop(&self) {
         let names: Vec<&'static str> = cleanup::STOP_ORDER.to_vec();
@@ -781,21 +485,6 @@ impl Node {
             }
         }
     }
-}
-
-/// The text of CRI log lines (`<time> <stream> <P|F> <text>`): partial lines (`P`) joined with
-/// what follows them.
-pub fn cri_log_text(log: &str) -> String {
-    let mut out = String::new();
-    for line in log.lines() {
-        let mut parts = line.splitn(4, ' ');
-        let (_, _, tag, text) = (parts.next(), parts.next(), parts.next(), parts.next());
-        out.push_str(text.unwrap_or(""));
-        if tag != Some("P") {
-            out.push('\n');
-        }
-    }
-    out
 }
 
 /// Makes a character device at `path` that is `/dev/null` (1:3): a device node the runtime
@@ -816,15 +505,6 @@ pub fn make_null_device(path: &Path) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cri_log_lines_become_the_containers_text() {
-        let log = "2026-11-25T00:21:01.5Z stdout F A=1\n\
-                   2026-11-25T00:21:01.6Z stdout P half \n\
-                   2026-11-25T00:21:01.7Z stdout F and half\n\
-                   2026-11-25T00:21:01.8Z stderr F \n";
-        assert_eq!(cri_log_text(log), "A=1\nhalf and half\n\n");
-    }
 
     #[test]
     fn the_cleanup_script_names_only_the_nodes_own_things() {

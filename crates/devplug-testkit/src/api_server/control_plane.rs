@@ -1,43 +1,18 @@
-//! A real control plane for tests, the envtest way: `etcd` and `kube-apiserver` from the folder
-//! named by `KUBEBUILDER_ASSETS`, started once per test binary on loopback in a temp folder, and
-//! stopped by PID when the test binary exits (a small reaper process watches it).
-//!
-//! [`ControlPlane`] is the same control plane (plus `kube-scheduler`) owned by a value instead,
-//! for programs such as `devplug demo --dra`: its processes are stopped when it is dropped, and a
-//! reaper stops them too should the program be killed before that.
-//!
-//! Without `KUBEBUILDER_ASSETS` [`ApiServer::shared`] returns `None` after printing a loud
-//! message: tests then say `SKIPPED` and how to get the binaries, never pass silently; with
-//! `DEVPLUG_REQUIRE_API_SERVER` set (CI) a missing `KUBEBUILDER_ASSETS` fails them instead. Get them
-//! with `setup-envtest use 1.36.x -p path` (controller-runtime's tool; docs/testing.md, "Tests against a
-//! real API server").
-//!
-//! The API server authenticates a static admin token (`system:masters`) and service account
-//! tokens (TokenRequest), and authorizes with RBAC, so permission tests are real.
+//! The control plane's processes: etcd and kube-apiserver (and kube-scheduler, and for a
+//! [`ControlPlane`] kube-controller-manager) from `KUBEBUILDER_ASSETS`, started on free loopback
+//! ports and again on others when one was taken, waited for until `/readyz` answers, stopped
+//! with SIGTERM then SIGKILL, and a reaper process that stops them should this process die
+//! first. [`ApiServer::shared`] is the one of a test binary; a [`ControlPlane`] is owned by a
+//! value.
 
+use super::credentials::{client, kubeconfig_text, service_account_keys, ADMIN_TOKEN};
+use super::{fail, ApiServer};
 use std::io::Write;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
-
-/// The admin token in the API server's static token file.
-const ADMIN_TOKEN: &str = "devplug-test-admin";
-
-/// A running etcd + kube-apiserver pair.
-#[derive(Debug)]
-pub struct ApiServer {
-    /// `https://127.0.0.1:PORT`.
-    pub url: String,
-    /// The serving certificate's CA bundle (PEM).
-    pub ca: PathBuf,
-    /// A kubeconfig for the admin.
-    pub kubeconfig: PathBuf,
-    /// The folder of etcd's data, the certificates and the logs: removed by the reaper for
-    /// [`ApiServer::shared`]; the owner's to remove for a [`ControlPlane`].
-    pub dir: PathBuf,
-}
 
 /// The binaries a [`ControlPlane`] with a scheduler runs, all from one folder.
 pub const CONTROL_PLANE_BINARIES: [&str; 3] = ["etcd", "kube-apiserver", "kube-scheduler"];
@@ -53,11 +28,6 @@ pub fn missing_binaries(assets: &Path) -> Vec<PathBuf> {
 
 static SHARED: OnceLock<Result<ApiServer, String>> = OnceLock::new();
 static SCHEDULER: OnceLock<Result<(), String>> = OnceLock::new();
-
-/// Why the control plane could not start.
-fn fail(what: &str, err: impl std::fmt::Display) -> String {
-    format!("{what}: {err}")
-}
 
 impl ApiServer {
     /// The API server of this test binary, started on first use; `None` (after a loud message
@@ -86,125 +56,6 @@ impl ApiServer {
             })
             .clone()
     }
-
-    /// A kubeconfig for `token`, written beside the admin's; for permission tests.
-    pub fn kubeconfig_for_token(&self, name: &str, token: &str) -> std::io::Result<PathBuf> {
-        let path = self.dir.join(format!("kubeconfig-{name}"));
-        std::fs::write(&path, kubeconfig_text(&self.url, &self.ca, token))?;
-        Ok(path)
-    }
-}
-
-/// A token of service account `account` (through `accounts`, its namespace's API), bound to
-/// Node `node` so that it carries the node's name (`authentication.kubernetes.io/node-name`),
-/// as a pod's token on that node does; bound to nothing with `None`. Panics on an API error (a
-/// test helper).
-pub async fn node_token(
-    accounts: &kube::Api<k8s_openapi::api::core::v1::ServiceAccount>,
-    account: &str,
-    node: Option<&str>,
-) -> String {
-    use k8s_openapi::api::authentication::v1::TokenRequest;
-    let mut spec = serde_json::json!({"audiences": [], "expirationSeconds": 3600});
-    if let Some(node) = node {
-        spec["boundObjectRef"] =
-            serde_json::json!({"apiVersion": "v1", "kind": "Node", "name": node});
-    }
-    let request: TokenRequest = serde_json::from_value(serde_json::json!({ "spec": spec }))
-        .unwrap_or_else(|e| panic!("a TokenRequest: {e}"));
-    let issued: TokenRequest = accounts
-        .create_subresource(
-            "token",
-            account,
-            &kube::api::PostParams::default(),
-            &request,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("the API server issues no token for {account}: {e}"));
-    issued
-        .status
-        .and_then(|s| s.token)
-        .unwrap_or_else(|| panic!("the TokenRequest's status has no token"))
-}
-
-/// Creates the manifest `doc` (e.g. one of a rendered chart) as a cluster-scoped `T` with
-/// `client`. Panics on an error (a test helper).
-pub async fn create_cluster_scoped<T>(client: &kube::Client, doc: &serde_json::Value)
-where
-    T: kube::Resource<Scope = k8s_openapi::ClusterResourceScope>
-        + k8s_openapi::serde::de::DeserializeOwned
-        + k8s_openapi::serde::Serialize
-        + Clone
-        + std::fmt::Debug,
-    T::DynamicType: Default,
-{
-    let object: T = serde_json::from_value(doc.clone()).unwrap_or_else(|e| {
-        panic!(
-            "{} is not a {}: {e}",
-            doc["metadata"]["name"],
-            T::kind(&T::DynamicType::default())
-        )
-    });
-    kube::Api::<T>::all(client.clone())
-        .create(&kube::api::PostParams::default(), &object)
-        .await
-        .unwrap_or_else(|e| panic!("create {}: {e}", doc["metadata"]["name"]));
-}
-
-/// One feature's permissions as the chart renders them, applied with `admin`: `docs` hold
-/// exactly one ClusterRole, ClusterRoleBinding, ValidatingAdmissionPolicy and policy binding
-/// (`what` names them in a failure). The binding's service account is made too. Returns that
-/// account's namespace API and its name, for [`node_token`]. Panics on an error (a test helper).
-pub async fn apply_rendered_permissions(
-    admin: &kube::Client,
-    docs: &[serde_json::Value],
-    what: &str,
-) -> (
-    kube::Api<k8s_openapi::api::core::v1::ServiceAccount>,
-    String,
-) {
-    use k8s_openapi::api::admissionregistration::v1::{
-        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
-    };
-    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
-    let one = |kind: &str| {
-        let found: Vec<&serde_json::Value> = docs.iter().filter(|d| d["kind"] == kind).collect();
-        assert_eq!(found.len(), 1, "{what}: the chart renders one {kind}");
-        found[0].clone()
-    };
-    let binding = one("ClusterRoleBinding");
-    let subject = &binding["subjects"][0];
-    let account = subject["name"].as_str().unwrap_or_default().to_owned();
-    let namespace = subject["namespace"].as_str().unwrap_or_default();
-    let accounts = kube::Api::namespaced(admin.clone(), namespace);
-    let sa: k8s_openapi::api::core::v1::ServiceAccount = serde_json::from_value(
-        serde_json::json!({"metadata": {"name": account, "namespace": namespace}}),
-    )
-    .unwrap_or_else(|e| panic!("a ServiceAccount: {e}"));
-    accounts
-        .create(&kube::api::PostParams::default(), &sa)
-        .await
-        .unwrap_or_else(|e| panic!("create the service account {account}: {e}"));
-    create_cluster_scoped::<ClusterRole>(admin, &one("ClusterRole")).await;
-    create_cluster_scoped::<ClusterRoleBinding>(admin, &binding).await;
-    create_cluster_scoped::<ValidatingAdmissionPolicy>(admin, &one("ValidatingAdmissionPolicy"))
-        .await;
-    create_cluster_scoped::<ValidatingAdmissionPolicyBinding>(
-        admin,
-        &one("ValidatingAdmissionPolicyBinding"),
-    )
-    .await;
-    (accounts, account)
-}
-
-/// A client of `server` using `token` (its kubeconfig named `name`). Panics on an error.
-pub async fn client_for_token(server: &ApiServer, name: &str, token: &str) -> kube::Client {
-    let config = server
-        .kubeconfig_for_token(name, token)
-        .unwrap_or_else(|e| panic!("the kubeconfig {name}: {e}"));
-    client(&config)
-        .await
-        .unwrap_or_else(|e| panic!("a client of the token {name}: {e}"))
 }
 
 /// The folder named by `KUBEBUILDER_ASSETS`, for a test that needs the control plane's binaries.
@@ -232,16 +83,6 @@ pub fn assets_or_skip(test: &str) -> Option<PathBuf> {
     None
 }
 
-/// A kube client for the kubeconfig at `path`: its current context, nothing from the
-/// environment.
-pub async fn client(path: &Path) -> Result<kube::Client, String> {
-    let file = kube::config::Kubeconfig::read_from(path).map_err(|e| e.to_string())?;
-    kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
-        .await
-        .map_err(|e| e.to_string())
-        .and_then(|config| kube::Client::try_from(config).map_err(|e| e.to_string()))
-}
-
 /// The admin client of this test binary's [`ApiServer::shared`], or `None` (after the loud
 /// `SKIPPED` message) without `KUBEBUILDER_ASSETS`.
 pub async fn admin(test: &str) -> Option<kube::Client> {
@@ -249,94 +90,6 @@ pub async fn admin(test: &str) -> Option<kube::Client> {
     match client(&server.kubeconfig).await {
         Ok(client) => Some(client),
         Err(err) => panic!("{test}: the admin client: {err}"),
-    }
-}
-
-/// Creates a Node named `<prefix>-<random>` with cpu and memory in its status, as a kubelet
-/// would have reported; returns its name. Panics on an API error (a test helper).
-pub async fn new_node(nodes: &kube::Api<k8s_openapi::api::core::v1::Node>, prefix: &str) -> String {
-    use kube::api::{Patch, PatchParams, PostParams};
-    let name = format!("{prefix}-{:08x}", rand_u32());
-    let node = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name},
-    }));
-    let created = match node {
-        Ok(node) => nodes.create(&PostParams::default(), &node).await,
-        Err(err) => panic!("a Node from JSON: {err}"),
-    };
-    if let Err(err) = created {
-        panic!("create Node {name}: {err}");
-    }
-    let status = serde_json::json!({"status": {
-        "capacity": {"cpu": "4", "memory": "8Gi"},
-        "allocatable": {"cpu": "4", "memory": "8Gi"},
-    }});
-    if let Err(err) = nodes
-        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
-        .await
-    {
-        panic!("patch the status of Node {name}: {err}");
-    }
-    name
-}
-
-/// Waits until `check` gives a value, asking every 100 ms; panics naming `what` after
-/// `timeout` (a test helper: what an API server test waits for, a binding, an allocation).
-pub async fn until<T, F, Fut>(what: &str, timeout: std::time::Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = std::time::Instant::now() + timeout;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-}
-
-/// Creates a Node named `name` that the scheduler places pods on: Ready, 4 cpu, 8Gi, 110 pods,
-/// the not-ready taint added at admission removed (as a node controller would once the kubelet
-/// reports Ready). Panics on an API error (a test helper).
-pub async fn schedulable_node(client: &kube::Client, name: &str) {
-    use k8s_openapi::api::core::v1::Node;
-    use kube::api::{Patch, PatchParams, PostParams};
-    let nodes: kube::Api<Node> = kube::Api::all(client.clone());
-    let node: Node = match serde_json::from_value(serde_json::json!({
-        "metadata": { "name": name, "labels": { "kubernetes.io/hostname": name } },
-    })) {
-        Ok(node) => node,
-        Err(err) => panic!("a Node from JSON: {err}"),
-    };
-    if let Err(err) = nodes.create(&PostParams::default(), &node).await {
-        panic!("create Node {name}: {err}");
-    }
-    let untaint = serde_json::json!({ "spec": { "taints": [] } });
-    if let Err(err) = nodes
-        .patch(name, &PatchParams::default(), &Patch::Merge(&untaint))
-        .await
-    {
-        panic!("remove the taints of Node {name}: {err}");
-    }
-    let status = serde_json::json!({ "status": {
-        "capacity": { "cpu": "4", "memory": "8Gi", "pods": "110" },
-        "allocatable": { "cpu": "4", "memory": "8Gi", "pods": "110" },
-        "conditions": [{ "type": "Ready", "status": "True", "reason": "Test",
-                         "lastHeartbeatTime": "2026-01-01T00:00:00Z",
-                         "lastTransitionTime": "2026-01-01T00:00:00Z" }],
-    } });
-    if let Err(err) = nodes
-        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
-        .await
-    {
-        panic!("make Node {name} Ready: {err}");
     }
 }
 
@@ -363,27 +116,6 @@ pub async fn own_control_plane(
     Some((dir, plane, admin))
 }
 
-/// A random number for unique names (no `rand` dependency: the std hasher's random keys and
-/// the clock).
-pub fn rand_u32() -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos(),
-    );
-    h.finish() as u32
-}
-
-fn kubeconfig_text(url: &str, ca: &Path, token: &str) -> String {
-    format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n    certificate-authority: {}\nusers:\n- name: test\n  user:\n    token: {token}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: test\ncurrent-context: test\n",
-        ca.display()
-    )
-}
-
 fn free_port() -> Result<u16, String> {
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| fail("free port", e))?;
     let port = listener
@@ -391,38 +123,6 @@ fn free_port() -> Result<u16, String> {
         .map_err(|e| fail("free port", e))?
         .port();
     Ok(port)
-}
-
-/// The DER prefix of a P-256 SubjectPublicKeyInfo (algorithm id-ecPublicKey, curve prime256v1,
-/// then a 66-byte BIT STRING holding the 65-byte uncompressed point).
-const P256_SPKI_PREFIX: [u8; 26] = [
-    0x30, 0x59, 0x30, 0x13, 0x06, 0x07, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x02, 0x01, 0x06, 0x08, 0x2a,
-    0x86, 0x48, 0xce, 0x3d, 0x03, 0x01, 0x07, 0x03, 0x42, 0x00,
-];
-
-fn pem(label: &str, der: &[u8]) -> String {
-    use base64::Engine;
-    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
-    let mut out = format!("-----BEGIN {label}-----\n");
-    for chunk in b64.as_bytes().chunks(64) {
-        out.push_str(&String::from_utf8_lossy(chunk));
-        out.push('\n');
-    }
-    out.push_str(&format!("-----END {label}-----\n"));
-    out
-}
-
-/// An ECDSA P-256 key pair for service account tokens: (private PKCS#8 PEM, public SPKI PEM).
-pub fn service_account_keys() -> Result<(String, String), String> {
-    use ring::signature::{EcdsaKeyPair, KeyPair, ECDSA_P256_SHA256_ASN1_SIGNING};
-    let rng = ring::rand::SystemRandom::new();
-    let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, &rng)
-        .map_err(|e| fail("service account key", e))?;
-    let pair = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, pkcs8.as_ref(), &rng)
-        .map_err(|e| fail("service account key", e))?;
-    let mut spki = P256_SPKI_PREFIX.to_vec();
-    spki.extend_from_slice(pair.public_key().as_ref());
-    Ok((pem("PRIVATE KEY", pkcs8.as_ref()), pem("PUBLIC KEY", &spki)))
 }
 
 fn spawn(binary: &Path, args: &[String], log: &Path) -> Result<Child, String> {
@@ -553,10 +253,6 @@ fn with_logs(err: String, dir: &Path) -> String {
     )
 }
 
-/// Starts etcd and kube-apiserver from `assets` with their files in `dir` (created if missing),
-/// and writes the admin kubeconfig; does not wait for them to be ready. Returns the server and
-/// the two processes (etcd first). Everything that can fail before etcd starts is done first;
-/// a failure after that stops what was started.
 /// etcd's command line: its data in `dir/etcd`, on loopback.
 fn etcd_args(dir: &Path, client_port: u16, peer_port: u16) -> Vec<String> {
     vec![
@@ -574,6 +270,10 @@ struct Commands {
     apiserver: Vec<String>,
 }
 
+/// Starts etcd and kube-apiserver from `assets` with their files in `dir` (created if missing),
+/// and writes the admin kubeconfig; does not wait for them to be ready. Returns the server and
+/// the two processes (etcd first). Everything that can fail before etcd starts is done first;
+/// a failure after that stops what was started.
 fn spawn_api_server(
     assets: &Path,
     dir: &Path,
