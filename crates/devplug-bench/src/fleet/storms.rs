@@ -4,8 +4,10 @@
 //! drivers' request peak.
 
 use super::api_count::ClientFactory;
+use super::figures::{fmt, rate, report, Sampler};
 use super::node::SimNode;
-use super::{all_published, fmt, rate, report, slice_count, Plane, Sampler};
+use super::setup::Plane;
+use super::slices::{all_published, slice_count};
 use anyhow::Context;
 use futures_util::future::join_all;
 use std::sync::atomic::Ordering::Relaxed;

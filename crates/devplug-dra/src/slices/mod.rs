@@ -47,22 +47,34 @@
 //! - `quantity`: capacities as quantities, in the canonical form the API server writes back.
 //! - `compare`: slices read from the API server made comparable with ours (resource versions,
 //!   the canonical form of a spec).
-//! - `publisher`: [`SlicePublisher`], its counters and errors, and [`delete_slices`].
-//! - `reconcile`: the publisher's task: the event loop over the device list, the Node and our
-//!   slices, and the writes (adopt, replace, create, delete) with their retries.
+//! - `shared`: what the publisher's handle and its task share: its counters ([`SliceCounters`]),
+//!   what it confirmed ([`Published`]), its errors ([`SliceError`]), the field selector of our
+//!   slices.
+//! - `publisher`: [`SlicePublisher`], the task's handle, and [`delete_slices`].
+//! - `event_loop`: the publisher's task loop over the device list, the Node and our slices,
+//!   with its resyncs and its retries.
+//! - `reconcile`: the task's state and its writes (adopt, replace, create, delete), conflicts
+//!   retried at once.
+//! - `plan`: the writes that turn the slices the API server has into the ones we want.
+//! - `cache`: our slices as the API server has them, from the watch and our own writes.
+//! - `taint_clock`: when each unhealthy device turned so, and when its taint turns `NoExecute`.
 
 mod api_device;
+mod cache;
 mod compare;
+mod event_loop;
+mod plan;
 mod publisher;
 pub(crate) mod quantity;
 mod reconcile;
+mod shared;
 mod spec;
+mod taint_clock;
 mod validate;
 
 pub use api_device::NUMA_ATTRIBUTE;
-pub use publisher::{
-    delete_slices, Published, SliceCounters, SliceError, SliceOptions, SlicePublisher,
-};
+pub use publisher::{delete_slices, SliceOptions, SlicePublisher};
+pub use shared::{Published, SliceCounters, SliceError};
 pub use spec::{
     slice_specs, unhealthy_taint_key, Skipped, SliceSpecs, MAX_DEVICES_PER_SLICE,
     MAX_TAINTED_PER_SLICE,

@@ -1,39 +1,17 @@
-//! The publisher's handle: [`SlicePublisher`] starts the task (`reconcile`), shows what it
+//! The publisher's handle: [`SlicePublisher`] starts the task (`event_loop`), shows what it
 //! confirmed ([`Published`], [`SliceCounters`]) and, at shutdown, deletes the slices it
 //! published ([`delete_slices`] does the same for a driver that is gone).
 
 use super::reconcile::Run;
+use super::shared::{selector, Published, SliceCounters, SliceError};
 use super::validate::check_driver_name;
 use devplug::DeviceList;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::{DeleteParams, ListParams};
 use kube::Api;
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-
-/// Counters of a [`SlicePublisher`], for metrics and benchmarks.
-#[derive(Debug, Default)]
-pub struct SliceCounters {
-    /// Pool states written to the API server (each one or more slice writes).
-    pub publishes: AtomicU64,
-    /// Slices created, replaced or deleted.
-    pub writes: AtomicU64,
-    /// API errors (each followed by a retry).
-    pub errors: AtomicU64,
-    /// Microseconds from noticing a new device list to its last slice written, for the most
-    /// recent list that needed writes.
-    pub last_publish_latency_us: AtomicU64,
-    /// Resyncs: our slices and Node read afresh because a slice we knew of was gone.
-    pub resyncs: AtomicU64,
-    /// Publish attempts that failed since the last one that worked (0: the slices are right
-    /// as far as we know).
-    pub consecutive_failures: AtomicU64,
-    /// When the API server last confirmed our slices, in seconds since the Unix epoch (0:
-    /// never).
-    pub last_success_unix: AtomicU64,
-}
 
 /// How a publisher publishes, beyond its driver and node.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -42,47 +20,6 @@ pub struct SliceOptions {
     /// `NoExecute` (pods using it that do not tolerate the taint are then evicted by the
     /// cluster's device taint controller); `None`: never.
     pub no_execute_after: Option<std::time::Duration>,
-}
-
-/// What the API server holds, as last confirmed by the publisher.
-#[derive(Debug, Clone)]
-pub struct Published {
-    /// The backend's device list the slices show.
-    pub list: DeviceList,
-    /// The pool generation.
-    pub generation: i64,
-    /// How many slices the pool has.
-    pub slices: usize,
-    /// How many devices were published (healthy ones, less any skipped).
-    pub devices: usize,
-}
-
-/// Why a publisher could not start or clean up.
-#[derive(Debug, thiserror::Error)]
-pub enum SliceError {
-    /// The driver name is not one the API server takes.
-    #[error("DRA driver name {name:?}: {reason}")]
-    DriverName {
-        /// The name given.
-        name: String,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// An API call failed.
-    #[error("ResourceSlices of driver {driver} on node {node}: {source}")]
-    Api {
-        /// The driver.
-        driver: String,
-        /// The node.
-        node: String,
-        /// The API error.
-        source: kube::Error,
-    },
-}
-
-/// The field selector of the slices of `driver` on `node`.
-pub(super) fn selector(driver: &str, node: &str) -> String {
-    format!("spec.nodeName={node},spec.driver={driver}")
 }
 
 /// Deletes every ResourceSlice of `driver` on `node`; returns how many it deleted. One already

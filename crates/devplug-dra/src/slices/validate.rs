@@ -1,7 +1,7 @@
 //! The API server's rules for what the publisher writes: the driver name, and each attribute
 //! and capacity of a device (a value it would refuse is left out, not sent).
 
-use super::publisher::SliceError;
+use super::shared::SliceError;
 use devplug::dra::{AttributeValue, DeviceAttributes};
 
 /// The longest DRA driver name the API server takes.

@@ -11,7 +11,8 @@
 //! - `socket`: socket names, owner-only binding, stale-file cleanup.
 //! - `registration`: the `Register` call on kubelet.sock.
 //! - `registration_socket`: a registration socket kept offered in the plugin watcher's folder
-//!   ([`RegistrationSocket`]), for the watcher route and for DRA drivers.
+//!   ([`RegistrationSocket`], with its [`RefusedRetry`]), for the watcher route and for DRA
+//!   drivers.
 //! - `resource`: one resource's serve-and-register loop.
 //! - `service`: the `DevicePlugin` gRPC service (ListAndWatch, Allocate, ...).
 //! - `events`: device health transitions and registration changes as [`HostEvent`]s.
@@ -39,10 +40,10 @@ mod watcher;
 pub use apply::{Applied, ApplyFailure};
 pub use events::HostEvent;
 pub use metrics::{MetricsSnapshot, ALLOCATE_BUCKETS};
-pub use registration_socket::{FolderHealth, Registered, RegistrationSocket};
+pub use registration_socket::{FolderHealth, RefusedRetry, Registered, RegistrationSocket};
 pub use socket::bind_socket;
 pub use status::ResourceStatus;
-pub use watcher::{RefusedRetry, WatcherDirs, RELINK_WAIT};
+pub use watcher::{WatcherDirs, RELINK_WAIT};
 
 use crate::backend::{Backend, Options};
 use crate::device::DeviceList;

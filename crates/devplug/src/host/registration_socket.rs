@@ -18,7 +18,6 @@
 use super::backoff::Backoff;
 use super::dir_watch::{self, next_news, DirEvent, FolderNews, FolderState};
 use super::resource::{bind_error, far_future, Served};
-use super::watcher::RefusedRetry;
 use devplug_proto::pluginregistration::{
     self as pr, registration_server::RegistrationServer, InfoRequest, PluginInfo,
     RegistrationStatus, RegistrationStatusResponse,
@@ -34,6 +33,24 @@ use tokio_util::sync::CancellationToken;
 /// Binding a socket: errors here are about permissions or space, not races.
 const BIND_FIRST: Duration = Duration::from_millis(100);
 const BIND_MAX: Duration = Duration::from_secs(10);
+
+/// How long to wait before offering the registration socket again after the kubelet refused it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RefusedRetry {
+    /// The first delay.
+    pub first: Duration,
+    /// The longest delay (the delay doubles while the kubelet keeps refusing).
+    pub max: Duration,
+}
+
+impl Default for RefusedRetry {
+    fn default() -> Self {
+        RefusedRetry {
+            first: Duration::from_secs(1),
+            max: Duration::from_secs(60),
+        }
+    }
+}
 
 /// What the kubelet last said about a registration.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

@@ -19,7 +19,7 @@
 
 use super::backoff::Backoff;
 use super::dir_watch::{next_news, DirEvent, FolderNews, FolderState};
-use super::registration_socket::{Offering, RegistrationEvent, RegistrationSocket};
+use super::registration_socket::{Offering, RefusedRetry, RegistrationEvent, RegistrationSocket};
 use super::resource::{bind_error, far_future, serve_plugin, Served};
 use super::socket;
 use super::status::StatusCell;
@@ -62,24 +62,6 @@ impl WatcherDirs {
         WatcherDirs {
             registry: root.join("plugins_registry"),
             sockets: root.join("plugins").join("devplug"),
-        }
-    }
-}
-
-/// How long to wait before offering the registration socket again after the kubelet refused it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RefusedRetry {
-    /// The first delay.
-    pub first: Duration,
-    /// The longest delay (the delay doubles while the kubelet keeps refusing).
-    pub max: Duration,
-}
-
-impl Default for RefusedRetry {
-    fn default() -> Self {
-        RefusedRetry {
-            first: Duration::from_secs(1),
-            max: Duration::from_secs(60),
         }
     }
 }

@@ -1,0 +1,96 @@
+//! The churn: for `options.churn`, one pod created and the oldest deleted, `options.churn_rate`
+//! times a second; every new pod Running.
+
+use super::figures::{cpu_now, percentiles, rate, report, report_cpu, Sampler};
+use super::fill::Filled;
+use super::kubelet::Kubelets;
+use super::setup::Cluster;
+use super::{workload, FleetOptions};
+use std::time::{Duration, Instant};
+
+/// Churns the filled fleet (nothing when `options.churn` is zero); fails when a new pod is not
+/// Running in time.
+pub(super) async fn run(
+    options: &FleetOptions,
+    cluster: &Cluster,
+    sampler: &Sampler,
+    kubelets: &Kubelets,
+    created: &workload::Created,
+    filled: &Filled,
+) -> anyhow::Result<()> {
+    let (plane, admin) = (&cluster.plane, &cluster.admin);
+    let (target, fill_names, fill_prepares) = (filled.target, &filled.names, filled.prepares);
+    let mut running = kubelets.running.clone();
+    // Churn: one pod created and the oldest deleted, `churn_rate` times a second.
+    let mut live: std::collections::VecDeque<String> = fill_names.iter().cloned().collect();
+    let mut churn_names = Vec::new();
+    if !options.churn.is_zero() {
+        let cpu_before = cpu_now(plane.dir.path());
+        let requests_before = sampler.now();
+        let started = Instant::now();
+        let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / options.churn_rate));
+        let mut tasks = Vec::new();
+        let mut i = 0usize;
+        while started.elapsed() < options.churn {
+            tick.tick().await;
+            let name = format!("churn-{i:05}");
+            i += 1;
+            churn_names.push(name.clone());
+            live.push_back(name.clone());
+            let old = live.pop_front();
+            let (client, created) = (admin.clone(), created.clone());
+            tasks.push(tokio::spawn(async move {
+                if let Some(old) = old {
+                    workload::delete(&client, &old).await?;
+                }
+                workload::create(&client, &created, &name).await
+            }));
+        }
+        for task in tasks {
+            task.await??;
+        }
+        let churn_requests = sampler.now() - requests_before;
+        let churn_took = started.elapsed();
+        let want = target + churn_names.len();
+        let done = tokio::time::timeout(Duration::from_secs(120), running.wait_for(|r| *r >= want))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        anyhow::ensure!(
+            done,
+            "after the churn: {} of {want} pods ever Running",
+            *running.borrow()
+        );
+        let (mut lat, missing) =
+            workload::latencies(created, &kubelets.observed.running, &churn_names);
+        anyhow::ensure!(missing == 0, "{missing} churn pods never Running");
+        report(
+            &format!(
+                "churn at {}/s for {:.0} s: pod startup (created → Running)",
+                options.churn_rate,
+                churn_took.as_secs_f64()
+            ),
+            percentiles(&mut lat),
+        );
+        report(
+            "churn: driver API requests",
+            rate(churn_requests, churn_took),
+        );
+        report_cpu(
+            "the churn",
+            &cpu_before,
+            &cpu_now(plane.dir.path()),
+            churn_took,
+        );
+        let mut times = kubelets
+            .observed
+            .prepare_times
+            .lock()
+            .map(|t| t[fill_prepares.min(t.len())..].to_vec())
+            .unwrap_or_default();
+        report(
+            "churn: NodePrepareResources round trip (1 claim)",
+            percentiles(&mut times),
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,142 @@
+//! How the fleet's figures are measured and printed: the drivers' request count sampled over
+//! time ([`Sampler`]), percentiles, rates, each phase's CPU use, and [`report`], which prints
+//! one figure.
+
+use super::api_count::ApiCount;
+use super::metrics;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The drivers' request count sampled every 250 ms.
+#[derive(Clone)]
+pub struct Sampler {
+    count: Arc<ApiCount>,
+    samples: Arc<Mutex<Vec<(Instant, u64)>>>,
+}
+
+impl Sampler {
+    pub(super) fn start(count: Arc<ApiCount>) -> (Sampler, tokio::task::JoinHandle<()>) {
+        let sampler = Sampler {
+            count,
+            samples: Arc::new(Mutex::new(Vec::new())),
+        };
+        let s = sampler.clone();
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            loop {
+                tick.tick().await;
+                let value = s.count.get();
+                if let Ok(mut v) = s.samples.lock() {
+                    v.push((Instant::now(), value));
+                }
+            }
+        });
+        (sampler, task)
+    }
+
+    /// Requests so far.
+    pub fn now(&self) -> u64 {
+        self.count.get()
+    }
+
+    /// The most requests in any 1 s window between `from` and `to`.
+    pub fn peak_per_second(&self, from: Instant, to: Instant) -> u64 {
+        let Ok(samples) = self.samples.lock() else {
+            return 0;
+        };
+        let window: Vec<_> = samples
+            .iter()
+            .filter(|(t, _)| *t >= from && *t <= to)
+            .collect();
+        let mut peak = 0;
+        for (i, (t, c)) in window.iter().enumerate() {
+            if let Some((_, later)) = window[i..]
+                .iter()
+                .take_while(|(u, _)| u.duration_since(*t) <= Duration::from_secs(1))
+                .last()
+            {
+                peak = peak.max(later.saturating_sub(*c));
+            }
+        }
+        peak
+    }
+}
+
+/// p50/p90/p99/max of `samples`, formatted.
+pub fn percentiles(samples: &mut [Duration]) -> String {
+    if samples.is_empty() {
+        return "no samples".to_owned();
+    }
+    samples.sort();
+    let at = |q: f64| {
+        let i = ((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1;
+        samples[i]
+    };
+    format!(
+        "n={} p50={} p90={} p99={} max={}",
+        samples.len(),
+        fmt(at(0.5)),
+        fmt(at(0.9)),
+        fmt(at(0.99)),
+        fmt(at(1.0))
+    )
+}
+
+pub(super) fn fmt(d: Duration) -> String {
+    let ms = d.as_secs_f64() * 1e3;
+    if ms < 1000.0 {
+        format!("{ms:.1} ms")
+    } else {
+        format!("{:.2} s", ms / 1000.0)
+    }
+}
+
+/// Prints one figure.
+pub fn report(what: &str, value: impl std::fmt::Display) {
+    println!("{what}: {value}");
+}
+
+pub(super) fn rate(requests: u64, took: Duration) -> String {
+    format!(
+        "{:.1}/s ({requests} in {:.1} s)",
+        requests as f64 / took.as_secs_f64().max(1e-3),
+        took.as_secs_f64()
+    )
+}
+
+/// CPU seconds of each control-plane process and of this one, for a phase's CPU use.
+pub(super) fn cpu_now(dir: &std::path::Path) -> Vec<(String, f64)> {
+    let mut out: Vec<(String, f64)> = metrics::control_plane_processes(dir)
+        .into_iter()
+        .map(|(name, (cpu, _))| (name, cpu))
+        .collect();
+    if let Some((cpu, _)) = metrics::process_usage("self") {
+        out.push(("devplug-bench (drivers + stand-ins + workload)".into(), cpu));
+    }
+    out
+}
+
+pub(super) fn report_cpu(
+    phase: &str,
+    before: &[(String, f64)],
+    after: &[(String, f64)],
+    took: Duration,
+) {
+    let parts: Vec<String> = after
+        .iter()
+        .map(|(name, cpu)| {
+            let was = before
+                .iter()
+                .find(|(n, _)| n == name)
+                .map_or(0.0, |(_, c)| *c);
+            format!(
+                "{name} {:.0}%",
+                (cpu - was) / took.as_secs_f64().max(1e-3) * 100.0
+            )
+        })
+        .collect();
+    report(
+        &format!("CPU during {phase} (100% = one core)"),
+        parts.join(", "),
+    );
+}

@@ -1,0 +1,145 @@
+//! The fill: pods of one claim each created until the fleet's capacity is taken to
+//! `options.fill`, every one Running, every claim prepared once on its pod's node.
+
+use super::figures::{cpu_now, percentiles, rate, report, report_cpu, Sampler};
+use super::kubelet::{self, Kubelets};
+use super::node::SimNode;
+use super::setup::Cluster;
+use super::{workload, FleetOptions};
+use std::time::{Duration, Instant};
+
+/// What the fill left for the churn.
+pub(super) struct Filled {
+    /// How many pods it made Running.
+    pub(super) target: usize,
+    /// Their names, oldest first.
+    pub(super) names: Vec<String>,
+    /// `NodePrepareResources` calls the stand-ins had made when it ended.
+    pub(super) prepares: usize,
+}
+
+/// Fills the fleet to `options.fill` of its capacity, `options.in_flight` creations at once;
+/// fails when a pod is not Running in time or a claim is not prepared once on its pod's node.
+pub(super) async fn run(
+    options: &FleetOptions,
+    cluster: &Cluster,
+    nodes: &[SimNode],
+    sampler: &Sampler,
+    kubelets: &Kubelets,
+    created: &workload::Created,
+) -> anyhow::Result<Filled> {
+    let n = options.nodes;
+    let (plane, admin) = (&cluster.plane, &cluster.admin);
+    let capacity = workload::per_node(options.variant, options.devices).saturating_mul(n);
+    let target = ((capacity as f64) * options.fill).floor() as usize;
+    let fill_names: Vec<String> = (0..target).map(|i| format!("fill-{i:05}")).collect();
+    let cpu_before = cpu_now(plane.dir.path());
+    let requests_before = sampler.now();
+    let started = Instant::now();
+    let mut running = kubelets.running.clone();
+    workload::create_all(admin, created, &fill_names, options.in_flight).await?;
+    let limit = Duration::from_secs(60).max(Duration::from_millis(200 * target as u64));
+    let filled = tokio::time::timeout(limit, running.wait_for(|r| *r >= target))
+        .await
+        .is_ok_and(|r| r.is_ok());
+    let fill_took = started.elapsed();
+    let failures = kubelets
+        .observed
+        .failures
+        .lock()
+        .map(|f| f.clone())
+        .unwrap_or_default();
+    if !filled {
+        anyhow::bail!(
+            "the fill did not finish in {limit:?}: {} of {target} pods Running; failures: {:?}",
+            *running.borrow(),
+            &failures[..failures.len().min(10)]
+        );
+    }
+    report(
+        "fill",
+        format!(
+            "{target} pods ({:.0}% of {capacity}) in {:.1} s: {:.1} pods/s",
+            options.fill * 100.0,
+            fill_took.as_secs_f64(),
+            target as f64 / fill_took.as_secs_f64()
+        ),
+    );
+    let (mut fill_lat, missing) =
+        workload::latencies(created, &kubelets.observed.running, &fill_names);
+    anyhow::ensure!(missing == 0, "{missing} fill pods never Running");
+    report(
+        "fill: pod startup (created → Running)",
+        percentiles(&mut fill_lat),
+    );
+    report(
+        "fill: driver API requests",
+        rate(sampler.now() - requests_before, fill_took),
+    );
+    report_cpu(
+        "the fill",
+        &cpu_before,
+        &cpu_now(plane.dir.path()),
+        fill_took,
+    );
+    let fill_prepares = kubelets
+        .observed
+        .prepare_times
+        .lock()
+        .map(|t| t.len())
+        .unwrap_or(0);
+    {
+        let mut times = kubelets
+            .observed
+            .prepare_times
+            .lock()
+            .map(|t| t.clone())
+            .unwrap_or_default();
+        report(
+            "fill: NodePrepareResources round trip (1 claim)",
+            percentiles(&mut times),
+        );
+    }
+    check_prepared(nodes, &kubelets.observed, target).await?;
+    Ok(Filled {
+        target,
+        names: fill_names,
+        prepares: fill_prepares,
+    })
+}
+
+/// Every Running pod's claim is in its node's checkpoint, and the stand-ins prepared each
+/// claim once.
+async fn check_prepared(
+    nodes: &[SimNode],
+    observed: &kubelet::Observed,
+    target: usize,
+) -> anyhow::Result<()> {
+    let mut in_checkpoints = 0usize;
+    let prepared = observed
+        .prepared
+        .lock()
+        .map(|p| p.clone())
+        .unwrap_or_default();
+    for node in nodes {
+        let Some(driver) = &node.driver else { continue };
+        for uid in driver.prepared().await.keys() {
+            in_checkpoints += 1;
+            let on = prepared.get(uid).map(|(_, n)| n.as_str());
+            anyhow::ensure!(
+                on == Some(node.name.as_str()),
+                "claim {uid} is prepared on {} but the stand-in prepared it on {on:?}",
+                node.name
+            );
+        }
+    }
+    anyhow::ensure!(
+        in_checkpoints == target,
+        "{in_checkpoints} claims in the drivers' checkpoints for {target} Running pods"
+    );
+    anyhow::ensure!(
+        prepared.values().all(|(c, _)| *c == 1),
+        "a claim was prepared more than once"
+    );
+    Ok(())
+}

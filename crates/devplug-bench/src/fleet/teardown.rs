@@ -1,0 +1,109 @@
+//! The teardown: every pod deleted, every claim unprepared exactly once (and prepared exactly
+//! once), every driver stopped, no ResourceSlice left; then the stand-ins' figures.
+
+use super::cold_start::Fleet;
+use super::figures::{fmt, report};
+use super::kubelet::Kubelets;
+use super::node::SimNode;
+use super::setup::Cluster;
+use super::slices::slice_count;
+use super::workload;
+use futures_util::future::join_all;
+use kube::Api;
+use std::time::Duration;
+
+/// Tears the fleet down and stops the control plane; fails when a claim is left prepared, was
+/// prepared or unprepared other than once, or a slice is left.
+pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> anyhow::Result<()> {
+    let Cluster {
+        leases,
+        kubelet_clients,
+        admin,
+        plane,
+        ..
+    } = cluster;
+    let Fleet {
+        mut nodes,
+        sampler_task,
+        ..
+    } = fleet;
+    // Teardown: every pod deleted, every claim unprepared once, no slice left.
+    let pods_api: Api<k8s_openapi::api::core::v1::Pod> =
+        Api::namespaced(admin.clone(), workload::NAMESPACE);
+    pods_api
+        .delete_collection(&Default::default(), &Default::default())
+        .await?;
+    let emptied = workload::wait_empty(&admin, Duration::from_secs(300)).await?;
+    report("teardown: every pod and claim gone", fmt(emptied));
+    let mut leftovers = 0;
+    for node in &nodes {
+        if let Some(driver) = &node.driver {
+            leftovers += driver.prepared().await.len();
+        }
+    }
+    anyhow::ensure!(
+        leftovers == 0,
+        "{leftovers} claims still prepared after every pod is gone"
+    );
+    {
+        let prepared = kubelets
+            .observed
+            .prepared
+            .lock()
+            .map(|p| p.clone())
+            .unwrap_or_default();
+        let unprepared = kubelets
+            .observed
+            .unprepared
+            .lock()
+            .map(|p| p.clone())
+            .unwrap_or_default();
+        let twice: Vec<_> = prepared
+            .iter()
+            .filter(|(_, (count, _))| *count != 1)
+            .collect();
+        anyhow::ensure!(
+            twice.is_empty(),
+            "claims prepared more than once: {:?}",
+            &twice[..twice.len().min(5)]
+        );
+        let wrong: Vec<_> = prepared
+            .keys()
+            .filter(|uid| unprepared.get(*uid) != Some(&1))
+            .collect();
+        anyhow::ensure!(
+            wrong.is_empty(),
+            "{} claims not unprepared exactly once",
+            wrong.len()
+        );
+        report(
+            "claims prepared (each once, each unprepared once)",
+            prepared.len(),
+        );
+    }
+    let failures = kubelets
+        .observed
+        .failures
+        .lock()
+        .map(|f| f.len())
+        .unwrap_or(0);
+    kubelets.stop();
+    leases.abort();
+    let stops = join_all(nodes.iter_mut().map(SimNode::stop_driver)).await;
+    let problems: Vec<String> = stops.into_iter().flatten().collect();
+    anyhow::ensure!(problems.is_empty(), "driver shutdown: {problems:?}");
+    let left = slice_count(&admin).await?;
+    anyhow::ensure!(
+        left == 0,
+        "{left} ResourceSlices left after every driver stopped"
+    );
+    report("teardown: ResourceSlices left", left);
+    report(
+        "kubelet stand-in calls that failed and were retried",
+        failures,
+    );
+    report("kubelet stand-ins' API requests in all (leases, pod watch, claim reads, status patches, final deletes)", kubelet_clients.count().get());
+    sampler_task.abort();
+    drop(plane);
+    Ok(())
+}
