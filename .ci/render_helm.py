@@ -2,6 +2,8 @@
 per set of values, for the strict manifest checks (crates/deploy-check, devplug-cli's
 tests/deploy_config.rs). Any lint warning or error, or a render failure, exits non-zero."""
 
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -130,18 +132,89 @@ RELEASES = {
 }
 
 # Values the chart must refuse to render: name -> (values, what is wrong, words the refusal must
-# say).
+# say). The template's own refusals are reported at templates/values-check.yaml (never at a
+# template that reads as another problem, such as uninstall.yaml); values.schema.json refuses
+# unknown keys, naming the key, and for a key that looks like one of the chart's, the ones meant.
 REFUSALS = {
     # No config: the chart refuses, naming the value and the demo's file.
-    "defaults": ({}, "no resources configured", ["config.resources", "demo-values.yaml"]),
+    "defaults": (
+        {},
+        "no resources configured",
+        ["templates/values-check.yaml", "config.resources", "demo-values.yaml"],
+    ),
     # An account of the operator's own that is not named: the roles would go to the namespace's
     # "default" account, which every other pod there runs as.
     "no-service-account-name": (
         {**DEMO, "serviceAccount": {"create": False}},
         "serviceAccount.create false and no serviceAccount.name",
-        ["serviceAccount.name is required when serviceAccount.create is false"],
+        ["templates/values-check.yaml", "serviceAccount.name is required when serviceAccount.create is false"],
+    ),
+    "same-ports": (
+        {**DEMO, "probes": {"port": 8080}},
+        "probes.port equal to metrics.port",
+        ["templates/values-check.yaml", "probes.port must differ from metrics.port"],
+    ),
+    # monitoring.enabled is not a key: the four that are are named.
+    "monitoring-enabled": (
+        {**DEMO, "monitoring": {"enabled": True}},
+        "monitoring.enabled (not a key)",
+        ["/monitoring/enabled", "monitoring.podMonitor.enabled", "monitoring.serviceMonitor.enabled",
+         "monitoring.rules.enabled", "monitoring.dashboard.enabled"],
+    ),
+    "gpu-enabled": (
+        {**DEMO, "gpu": {"enabled": True}},
+        "gpu.enabled (not a key)",
+        ["/gpu/enabled", "gpu.vendor"],
+    ),
+    # A misspelt key, at the top and nested: named, with where it is.
+    "misspelt-top-level-key": (
+        {**DEMO, "nodeSelctor": {"example.com/pool": "a"}},
+        "nodeSelctor (misspelt)",
+        ["additional properties 'nodeSelctor' not allowed"],
+    ),
+    "misspelt-nested-key": (
+        {**DEMO, "monitoring": {"podMonitor": {"enable": True}}},
+        "monitoring.podMonitor.enable (misspelt)",
+        ["/monitoring/podMonitor", "additional properties 'enable' not allowed"],
+    ),
+    "unknown-vendor": (
+        {"gpu": {"vendor": "nvidia-gpu"}},
+        "gpu.vendor not a vendor",
+        ["/gpu/vendor", "nvidia", "amdgpu", "intel-gpu"],
     ),
 }
+
+# The --set and --set-json keys the docs show (`--set monitoring.rules.enabled=true`): each must
+# be one values.schema.json defines, so that a command copied from the docs is not refused.
+SET_FLAG = re.compile(r"--set(?:-json|-string)?[ =]'?([A-Za-z][A-Za-z0-9_.]*)=")
+
+
+def schema_has(schema, key):
+    node = schema
+    for part in key.split("."):
+        props = node.get("properties", {})
+        if part in props and "const" not in props[part]:
+            node = props[part]
+        elif node.get("additionalProperties", True) is not False and "properties" not in node:
+            return True  # an open map (nodeSelector, config, ...): any key
+        else:
+            return False
+    return True
+
+
+def docs_set_keys_problems():
+    root = CHART.parent.parent.parent
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    problems, seen = [], 0
+    for doc in [root / "README.md", root / "deploy" / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            for key in SET_FLAG.findall(line):
+                seen += 1
+                if not schema_has(schema, key):
+                    problems.append(f"{doc.relative_to(root)}:{n}: --set {key}: not a key of values.schema.json")
+    if seen < 5:
+        problems.append(f"only {seen} --set flags found in the docs: is the pattern still right?")
+    return problems
 
 
 def main() -> int:
@@ -165,6 +238,12 @@ def main() -> int:
     releases = dict(RELEASES)
     for path in sorted((CHART / "ci").glob("*-values.yaml")):
         releases[path.name.removesuffix("-values.yaml")] = helm.values_from_yaml(path.read_text())
+
+    problems = docs_set_keys_problems()
+    if problems:
+        print(*problems, sep="\n", file=sys.stderr)
+        return 1
+    print("the docs' --set keys are all keys of values.schema.json")
 
     with helm.Chart.load(str(CHART)) as chart:
         for name, (values, why, words) in REFUSALS.items():

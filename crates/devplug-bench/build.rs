@@ -2,5 +2,5 @@
 //! test-gates crate): they are counted as ignored, with the reason, never as passed.
 
 fn main() {
-    test_gates::gate(&[test_gates::API_SERVER]);
+    test_gates::gate(&[test_gates::API_SERVER, test_gates::CONTROL_PLANE]);
 }

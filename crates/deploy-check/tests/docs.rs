@@ -437,3 +437,207 @@ fn the_changelog_has_one_heading_per_kind_in_each_release() {
         "CHANGELOG.md repeats a heading: {repeated:?}"
     );
 }
+
+/// The quoted names of the array `const NAME: [&str; N] = [...]` in `source`.
+fn const_names(source: &str, name: &str) -> Vec<String> {
+    let start = source
+        .find(&format!("const {name}:"))
+        .unwrap_or_else(|| panic!("no const {name}"));
+    let body = &source[start..];
+    let open = body.find("= [").unwrap() + 3;
+    let close = open + body[open..].find(']').unwrap();
+    body[open..close]
+        .split(',')
+        .filter_map(|s| s.trim().strip_prefix('"')?.strip_suffix('"'))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// docs/testing.md says where every binary the tests start comes from: the whole node's, the
+/// API server's and the fleet test's gate's, each in its table of binaries.
+#[test]
+fn testing_md_says_where_every_binary_comes_from() {
+    let root = repo_root();
+    let read = |p: &str| std::fs::read_to_string(root.join(p)).unwrap();
+    let testing = read("docs/testing.md");
+    let start = testing
+        .find("## Where the binaries come from")
+        .expect("docs/testing.md has a section \"Where the binaries come from\"");
+    let section = &testing[start..];
+    let section = &section[..section[3..].find("\n## ").map_or(section.len(), |e| e + 3)];
+    let mut binaries = const_names(
+        &read("crates/devplug-testkit/src/node/requirements.rs"),
+        "NODE_BINARIES",
+    );
+    binaries.extend(const_names(
+        &read("crates/devplug-testkit/src/api_server.rs"),
+        "CONTROL_PLANE_BINARIES",
+    ));
+    let gates = read("crates/test-gates/src/lib.rs");
+    let files = gates
+        .split("files: &[")
+        .skip(1)
+        .flat_map(|s| s[..s.find(']').unwrap()].split(','))
+        .filter_map(|s| s.trim().strip_prefix('"')?.strip_suffix('"'))
+        .map(str::to_owned);
+    binaries.extend(files);
+    assert!(binaries.len() >= 10, "{binaries:?}");
+    let rows: Vec<&str> = section.lines().filter(|l| l.starts_with("| `")).collect();
+    let missing: Vec<&String> = binaries
+        .iter()
+        .filter(|b| {
+            !rows.iter().any(|row| {
+                let first = row.split(" | ").next().unwrap_or_default();
+                first.contains(&format!("`{b}`"))
+            })
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/testing.md's table of binaries does not say where these come from: {missing:?}"
+    );
+    // And how this repository's CI gets them, in words a reader outside can follow.
+    assert!(
+        section.contains("placed beside the checkout") && section.contains("target/k8s-assets"),
+        "{section}"
+    );
+}
+
+/// The Kubernetes version deploy/README.md says the manifests are checked against is the one
+/// k8s-openapi is built for.
+#[test]
+fn deploy_readme_names_the_kubernetes_types_it_is_checked_against() {
+    let root = repo_root();
+    let cargo = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let line = cargo
+        .lines()
+        .find(|l| l.starts_with("k8s-openapi"))
+        .expect("the workspace names k8s-openapi");
+    let feature = line.split("\"v1_").nth(1).expect("a v1_NN feature");
+    let minor: String = feature.chars().take_while(char::is_ascii_digit).collect();
+    let readme = std::fs::read_to_string(root.join("deploy/README.md")).unwrap();
+    let said = format!("Kubernetes 1.{minor} types");
+    assert!(
+        readme
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+            .contains(&said),
+        "deploy/README.md should say the manifests are checked against the {said}"
+    );
+}
+
+/// docs/troubleshooting.md describes the log as the chart writes it by default.
+#[test]
+fn troubleshooting_describes_the_charts_log_format() {
+    let root = repo_root();
+    let values = std::fs::read_to_string(root.join("deploy/helm/devplug/values.yaml")).unwrap();
+    let format = values
+        .lines()
+        .find_map(|l| l.strip_prefix("logFormat: "))
+        .expect("values.yaml has logFormat")
+        .trim();
+    let page = std::fs::read_to_string(root.join("docs/troubleshooting.md")).unwrap();
+    let bullet = page
+        .split("\n- ")
+        .find(|b| b.starts_with("**The log**"))
+        .expect("troubleshooting.md has a bullet on the log");
+    assert!(
+        bullet.contains(&format!("`logFormat: {format}`, its default")),
+        "the log bullet should say the chart's default format, {format}:\n{bullet}"
+    );
+}
+
+/// A file as a reader who copies a page's blocks of it gets it: without its `//!` header and
+/// its `region:` / `endregion:` lines, blank lines between the blocks.
+fn as_copied(file: &str) -> String {
+    let kept: Vec<&str> = file
+        .lines()
+        .skip_while(|l| l.starts_with("//!") || l.is_empty())
+        .filter(|l| {
+            let l = l.trim();
+            !(l.starts_with("// region: ") || l.starts_with("// endregion: "))
+        })
+        .collect();
+    let mut text = kept.join("\n");
+    text.push('\n');
+    text
+}
+
+/// The plugin page's test blocks, copied one after the other in the page's order, are the
+/// whole test file the workspace builds and runs (`cargo test -p npu-plugin`): the `use` lines
+/// and the `Plugin` helper included, nothing left out. So the page's tests compile as copied.
+#[test]
+fn the_plugin_pages_test_blocks_are_the_whole_test_file() {
+    let root = repo_root();
+    let page = std::fs::read_to_string(root.join("docs/writing-a-plugin.md")).unwrap();
+    let path = "examples/npu-plugin/tests/simulator.rs";
+    let blocks: Vec<String> = marked_blocks(&page)
+        .into_iter()
+        .filter(|(_, spec, _)| spec.split('#').next() == Some(path))
+        .map(|(_, _, block)| block)
+        .collect();
+    assert!(
+        blocks.len() >= 3,
+        "the page shows {path} in {} blocks",
+        blocks.len()
+    );
+    let copied = blocks.join("\n");
+    let file = std::fs::read_to_string(root.join(path)).unwrap();
+    let whole = as_copied(&file);
+    if copied != whole {
+        let at = copied
+            .lines()
+            .zip(whole.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or(copied.lines().count().min(whole.lines().count()));
+        panic!(
+            "docs/writing-a-plugin.md's blocks of {path}, copied in order, differ from the file \
+             at line {} of the copy (the file there: {:?}); show every part of the file, in order",
+            at + 1,
+            whole.lines().nth(at)
+        );
+    }
+    // A block missing (the helper, the `use` lines) is caught.
+    let without_helper: Vec<&String> = blocks
+        .iter()
+        .filter(|b| !b.contains("struct Plugin"))
+        .collect();
+    assert_ne!(
+        without_helper
+            .iter()
+            .map(|b| b.as_str())
+            .collect::<Vec<_>>()
+            .join("\n"),
+        whole
+    );
+}
+
+/// docs/gpus.md's cut-over from NVIDIA's plugin says what an operator otherwise finds out the
+/// hard way: the exclusion in every ORed affinity term and for GPU Feature Discovery's
+/// DaemonSet too, the GPU image and `image.repository`, where keeping NVIDIA's container toolkit
+/// is answered, and that a rollback removes devplug's node labels.
+#[test]
+fn the_gpu_cut_over_covers_what_operators_trip_on() {
+    let page = std::fs::read_to_string(repo_root().join("docs/gpus.md")).unwrap();
+    let start = page
+        .find("### Cutting over a running cluster")
+        .expect("docs/gpus.md has the cut-over section");
+    let section = &page[start..];
+    let section = &section[..section[4..].find("\n### ").map_or(section.len(), |e| e + 4)];
+    let flat = section.split_whitespace().collect::<Vec<_>>().join(" ");
+    for words in [
+        "into *every* term's `matchExpressions`",
+        "two DaemonSets",
+        "`devplug:0.1.0-gpu`",
+        "--set image.repository=$REGISTRY/devplug",
+        "`driver_files: false`",
+        "(../deploy/README.md#nvidia)",
+        "`devplug labels remove --node NODE`",
+    ] {
+        assert!(
+            flat.contains(words),
+            "the cut-over section should say {words:?}"
+        );
+    }
+}

@@ -124,10 +124,11 @@ fn the_readmes_install_with_kubectl_alone() {
                 "{readme}: kubectl apply -k {target}: no kustomization there"
             );
         }
-        // The edit the README shows is the one the overlay test above applies.
+        // The edit the README shows is the one the overlay test above applies, to the install's
+        // overlay and the uninstall's (`registry*`: manifests.rs runs it on both).
         assert!(
             text.contains(&format!(
-                "sed -i \"s|newName: .*|newName: $REGISTRY/devplug|\" {OVERLAY}/kustomization.yaml"
+                "sed -i \"s|newName: .*|newName: $REGISTRY/devplug|\" {OVERLAY}*/kustomization.yaml"
             )),
             "{readme} does not show the overlay edit"
         );

@@ -249,8 +249,19 @@ fn kustomize_build(dir: &Path) -> Vec<Value> {
         }
     }
     if let Some(namespace) = k.get("namespace") {
+        // As kustomize: cluster-scoped objects get none.
+        let cluster_scoped = [
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Namespace",
+            "DeviceClass",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
+        ];
         for object in &mut objects {
-            object["metadata"]["namespace"] = namespace.clone();
+            if cluster_scoped.iter().all(|kind| object["kind"] != *kind) {
+                object["metadata"]["namespace"] = namespace.clone();
+            }
         }
     }
     for patch in k["patches"].as_array().into_iter().flatten() {
@@ -339,12 +350,18 @@ fn kustomizations() -> Vec<PathBuf> {
     let overlays = std::fs::read_dir(repo_root().join("deploy/overlays")).unwrap();
     let mut overlays: Vec<PathBuf> = overlays.flatten().map(|e| e.path()).collect();
     overlays.sort();
-    dirs.extend(
-        overlays
-            .into_iter()
-            .filter(|p| p.join("kustomization.yaml").is_file()),
-    );
+    dirs.extend(overlays.into_iter().filter(|p| {
+        p.join("kustomization.yaml").is_file() && !p.to_string_lossy().ends_with("-uninstall")
+    }));
     dirs
+}
+
+/// The clean uninstall's kustomizations: the folder itself and the registry's overlay of it.
+fn uninstall_kustomizations() -> Vec<PathBuf> {
+    vec![
+        repo_root().join("deploy/kustomize-uninstall"),
+        repo_root().join("deploy/overlays/registry-uninstall"),
+    ]
 }
 
 fn typed_ok(name: &str, docs: &[Value]) -> Vec<Object> {
@@ -388,7 +405,10 @@ fn normalized(value: &Value) -> Value {
 /// The hand build against kubectl's kustomize, where kubectl is installed (it needs no cluster).
 #[test]
 fn the_hand_build_is_what_kubectl_kustomize_makes() {
-    for dir in kustomizations() {
+    for dir in kustomizations()
+        .into_iter()
+        .chain(uninstall_kustomizations())
+    {
         let output = match std::process::Command::new("kubectl")
             .arg("kustomize")
             .arg(&dir)
@@ -1866,4 +1886,133 @@ fn the_monitoring_release_renders_every_monitoring_object_strictly() {
             .all(|d| d["apiVersion"] != "monitoring.coreos.com/v1"),
         "monitoring objects by default"
     );
+}
+
+/// Copies the folder `from` into `to`, files and folders.
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
+/// The images of every container of `objects` (DaemonSets' and Jobs').
+fn container_images(objects: &[Value]) -> Vec<String> {
+    objects
+        .iter()
+        .filter_map(|o| o.pointer("/spec/template/spec/containers"))
+        .filter_map(Value::as_array)
+        .flatten()
+        .map(|c| c["image"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// The README's and docs/install.md's registry step, run as written on a copy of deploy/, gives
+/// the install (overlays/registry) and the clean uninstall (overlays/registry-uninstall) the
+/// same image from the registry: the uninstall after the documented install can pull its image.
+#[test]
+fn the_registry_step_gives_install_and_uninstall_the_same_image() {
+    let registry = "registry.test/team";
+    for doc in ["README.md", "deploy/README.md", "docs/install.md"] {
+        let text = std::fs::read_to_string(repo_root().join(doc)).unwrap();
+        let step = text
+            .lines()
+            .find(|l| l.starts_with("sed -i ") && l.contains("newName"))
+            .unwrap_or_else(|| panic!("{doc} shows no `sed -i ... newName` step"));
+        let copy = tempfile::tempdir().unwrap();
+        for dir in ["kustomize", "kustomize-uninstall", "overlays"] {
+            copy_tree(
+                &repo_root().join("deploy").join(dir),
+                &copy.path().join("deploy").join(dir),
+            );
+        }
+        let ran = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(step)
+            .current_dir(copy.path())
+            .env("REGISTRY", registry)
+            .output()
+            .unwrap();
+        assert!(
+            ran.status.success(),
+            "{doc}: {step}: {}",
+            String::from_utf8_lossy(&ran.stderr)
+        );
+        let want = format!("{registry}/devplug:0.1.0");
+        for overlay in ["registry", "registry-uninstall"] {
+            let built = kustomize_build(&copy.path().join("deploy/overlays").join(overlay));
+            let images = container_images(&built);
+            assert!(
+                !images.is_empty(),
+                "{doc}: overlays/{overlay} has no container"
+            );
+            assert!(
+                images.iter().all(|i| *i == want),
+                "{doc}'s step leaves overlays/{overlay} with {images:?}, not {want}"
+            );
+        }
+    }
+    // Without the step, the uninstall overlay names the same image as the install one.
+    let images = |o: &str| {
+        container_images(&kustomize_build(
+            &repo_root().join("deploy/overlays").join(o),
+        ))
+    };
+    let install = images("registry");
+    assert!(images("registry-uninstall")
+        .iter()
+        .all(|i| install.contains(i)));
+}
+
+/// The uninstall Job removes exactly the device-plugin resources of the base's config, so that
+/// nobody edits the names by hand for the config this repository ships.
+#[test]
+fn the_uninstall_job_removes_the_base_configs_resources() {
+    let base = kustomize_build(&kustomize_dir());
+    let config = base
+        .iter()
+        .find(|o| o["kind"] == "ConfigMap")
+        .and_then(|cm| cm["data"]["config.yaml"].as_str())
+        .expect("the base has its ConfigMap");
+    let config: Value = serde_saphyr::from_str(config).unwrap();
+    let mut served: Vec<&str> = config["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r.get("advertise").is_none())
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    served.sort_unstable();
+    for dir in uninstall_kustomizations() {
+        let built = kustomize_build(&dir);
+        let job = built.iter().find(|o| o["kind"] == "Job").expect("a Job");
+        let args: Vec<&str> = job["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        let mut named: Vec<&str> = args.iter().copied().filter(|a| a.contains('/')).collect();
+        named.sort_unstable();
+        assert_eq!(
+            named,
+            served,
+            "{}: the Job's resources vs the base's config",
+            dir.display()
+        );
+        let typed = typed_ok(&dir.display().to_string(), &built);
+        let problems = rbac_references(&typed);
+        assert!(
+            problems.is_empty(),
+            "{}:\n{}",
+            dir.display(),
+            problems.join("\n")
+        );
+    }
 }

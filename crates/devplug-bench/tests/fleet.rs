@@ -9,8 +9,10 @@ use devplug_bench::fleet::{self, FleetOptions};
 use std::time::Duration;
 
 #[cfg_attr(
-    no_api_server,
-    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
+    no_controller_manager,
+    ignore = "needs the whole control plane: KUBEBUILDER_ASSETS naming a folder with etcd, \
+              kube-apiserver, kube-scheduler and kube-controller-manager (envtest's assets lack \
+              the last two; docs/testing.md says where they come from)"
 )]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_nodes_fill_and_churn_correctly() {

@@ -213,14 +213,39 @@ async fn discover(
         .is_ok();
     let list = backend.devices().borrow().clone();
     let not_ready = backend.not_ready();
+    let mut warnings = warnings.map(Warnings::take).unwrap_or_default();
+    warnings.extend(missing_folder(resource));
     Ok(Started {
         backend,
         result: Discovered {
             list,
             not_ready,
             finished,
-            warnings: warnings.map(Warnings::take).unwrap_or_default(),
+            warnings,
         },
+    })
+}
+
+/// Why a `files:` resource found nothing, where its folder does not exist: what `run` would do
+/// about it (`missing:`), and the fix.
+fn missing_folder(resource: &ResourceConfig) -> Option<String> {
+    let BackendConfig::Files(settings) = &resource.backend else {
+        return None;
+    };
+    if settings.dir.exists() {
+        return None;
+    }
+    let dir = settings.dir.display();
+    Some(match settings.missing {
+        MissingFolder::Wait => format!(
+            "files.dir {dir} does not exist: `run` waits for it and serves no device until it \
+             appears (create it, mount it into the container at the same path, or set \
+             `missing: create`)"
+        ),
+        MissingFolder::Create => format!(
+            "files.dir {dir} does not exist: `run` creates it (missing: create), empty, so the \
+             resource serves no device until files are put there"
+        ),
     })
 }
 
@@ -333,6 +358,11 @@ fn json_report(
     })
 }
 
+/// "1 device", "4 devices".
+fn devices(n: usize) -> String {
+    format!("{n} device{}", if n == 1 { "" } else { "s" })
+}
+
 /// Lists at most this many device ids per resource.
 const SHOWN_IDS: usize = 8;
 
@@ -346,7 +376,7 @@ fn describe(
 ) {
     let list = &found.list;
     let healthy = list.healthy_count();
-    let _ = writeln!(out, "{name}: {} devices, {healthy} healthy", list.len());
+    let _ = writeln!(out, "{name}: {}, {healthy} healthy", devices(list.len()));
     if !found.finished {
         let _ = writeln!(
             out,
@@ -356,6 +386,9 @@ fn describe(
     }
     if let Some(why) = &found.not_ready {
         let _ = writeln!(out, "  not ready: {why}");
+    }
+    for warning in &found.warnings {
+        let _ = writeln!(out, "  warning: {warning}");
     }
     let ids: Vec<&str> = list.devices().iter().map(|d| d.id.as_str()).collect();
     if !ids.is_empty() {

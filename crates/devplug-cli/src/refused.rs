@@ -75,7 +75,9 @@ impl RefusedPodsWatch {
         let Some(node) = self.cluster.node().map(str::to_owned) else {
             if !self.said_no_node {
                 self.said_no_node = true;
-                tracing::info!(
+                // Debug, not info: `run` outside a pod (a checkout, a test) has no node name and
+                // nothing to look up; the chart and the base set NODE_NAME where it matters.
+                tracing::debug!(
                     "refused_pods: without this node's name (NODE_NAME, or --node-name) devplug \
                      cannot look up the pods the kubelet refused at admission; set it, or \
                      `refused_pods: off` to say this on purpose"

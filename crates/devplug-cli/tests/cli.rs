@@ -271,6 +271,47 @@ fn check_config_exit_status_is_one_a_script_can_gate_on() {
         "{stderr}"
     );
     assert!(!stderr.contains("example.com/npu"), "{stderr}");
+    // Why: the folder is missing, and what `run` does about it; in --json as a warning.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let said = format!("warning: files.dir {} does not exist", missing.display());
+    assert!(stdout.contains(&said), "{stdout}");
+    assert!(stdout.contains("missing: create"), "{stdout}");
+    let out = devplug(&[
+        "check-config",
+        "--discover",
+        "--wait",
+        "1s",
+        "--json",
+        "--config",
+        &empty,
+    ]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let warnings = report["resources"][1]["warnings"].as_array().unwrap();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.as_str().is_some_and(|w| w.contains("does not exist"))),
+        "{report}"
+    );
+    assert!(
+        report["resources"][0]["warnings"]
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "{report}"
+    );
+    // One device is "1 device".
+    let one = write(
+        dir.path(),
+        "one.yaml",
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 1 }\n",
+    );
+    let out = devplug(&["check-config", "--discover", "--config", &one]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("example.com/npu: 1 device, 1 healthy"),
+        "{stdout}"
+    );
     // A backend that is not ready: NVML cannot be loaded.
     let nvml = write(
         dir.path(),

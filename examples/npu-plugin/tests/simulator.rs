@@ -3,6 +3,7 @@
 //! through the plugin watcher and prepares a claim, with the claims' allocations from a table
 //! instead of the API server.
 
+// region: uses
 use devplug::BoxFuture;
 use devplug_dra::claims::{AllocatedDevice, ClaimRef, ClaimSource};
 use devplug_dra::kubelet::{KubeletDirs, KubeletSide, Registered};
@@ -14,6 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
+// endregion: uses
 
 // region: device-plugin
 #[tokio::test]
@@ -55,6 +57,7 @@ async fn the_plugin_registers_and_a_container_gets_its_npus() {
 }
 // endregion: device-plugin
 
+// region: plugin-helper
 /// The plugin's binary, running, with its log lines.
 struct Plugin {
     child: Child,
@@ -65,7 +68,6 @@ impl Plugin {
     fn start(dir: &Path) -> Plugin {
         let mut child = Command::new(env!("CARGO_BIN_EXE_npu-plugin"))
             .arg(dir)
-            .env("NO_COLOR", "1")
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
@@ -88,6 +90,11 @@ impl Plugin {
     async fn wait_for_log(&mut self, text: &str) {
         let found = tokio::time::timeout(Duration::from_secs(10), async {
             while let Some(line) = self.lines.recv().await {
+                // A pipe, as a log file: plain text, no colour codes.
+                assert!(
+                    !line.contains('\u{1b}'),
+                    "colour codes in the log: {line:?}"
+                );
                 if line.contains(text) {
                     return true;
                 }
@@ -122,6 +129,7 @@ impl Drop for Plugin {
         let _ = self.child.wait();
     }
 }
+// endregion: plugin-helper
 
 // region: dra
 const DRIVER: &str = "npu.example.com";

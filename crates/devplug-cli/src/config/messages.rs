@@ -9,6 +9,9 @@ use std::path::Path;
 /// the document where it happened (`resources[1].virtual.count`, or empty / `.` for the top),
 /// `text` the file and `path` its name.
 pub(super) fn parse_message(error: &str, at: &str, text: &str, path: &Path) -> String {
+    if let Some(limit) = budget_breached(error) {
+        return limit;
+    }
     let message = name_the_file(&plain_types(error.trim_start_matches("error: ")), path);
     let mut message = match at {
         "" | "." => message,
@@ -19,6 +22,47 @@ pub(super) fn parse_message(error: &str, at: &str, text: &str, path: &Path) -> S
         message.push_str(hint);
     }
     message
+}
+
+/// What an empty file (or one of comments alone) gets: what a config needs.
+pub(super) const EMPTY: &str = "the file is empty (nothing but blank lines and comments); a \
+     config needs `resources:` with at least one resource, e.g.\n  resources:\n    - name: \
+     example.com/npu\n      virtual: { count: 8 }\n(docs/configuration.md lists every key)";
+
+/// Whether `text` holds no YAML: blank lines, comments and document markers only.
+pub(super) fn is_empty(text: &str) -> bool {
+    text.lines().all(|line| {
+        let line = line.trim();
+        line.is_empty() || line.starts_with('#') || line == "---" || line == "..."
+    })
+}
+
+/// The parser's message for a file past one of its limits (`budget breached: Nodes { nodes:
+/// 250001 }`, Rust's Debug output), in words; `None` for any other message.
+fn budget_breached(error: &str) -> Option<String> {
+    let rest = &error[error.find("budget breached: ")? + "budget breached: ".len()..];
+    let kind: String = rest
+        .chars()
+        .take_while(char::is_ascii_alphanumeric)
+        .collect();
+    let count: String = rest
+        .chars()
+        .skip_while(|c| !c.is_ascii_digit())
+        .take_while(char::is_ascii_digit)
+        .collect();
+    let what = match kind.as_str() {
+        "Nodes" => "more than 250,000 YAML nodes (values, lists and mappings)".to_owned(),
+        "Depth" => "lists or mappings nested more than 64 deep".to_owned(),
+        "Events" => "more than 1,000,000 YAML events".to_owned(),
+        "Aliases" | "Anchors" => format!("more than 50,000 YAML {}", kind.to_lowercase()),
+        "Documents" => "more than 1,024 YAML documents".to_owned(),
+        other => format!("more YAML than the parser allows ({other} {count})"),
+    };
+    Some(format!(
+        "the file has {what}, past the YAML parser's limit, so it was not read; a config \
+         file lists its resources and a few settings (docs/configuration.md): check that this \
+         is the file meant"
+    ))
 }
 
 /// What the device-plugin-only build says about `what` (a config field path, a flag or a
@@ -101,6 +145,55 @@ mod tests {
         .unwrap_err();
         assert!(err.contains("resources[0].health_hold_down: "), "{err}");
         assert!(err.contains("no known unit"), "{err}");
+    }
+
+    #[test]
+    fn an_empty_file_says_so_and_what_a_config_needs() {
+        for text in ["", "\n\n", "# nothing yet\n", "---\n# x\n"] {
+            let err = parse(text).unwrap_err();
+            assert!(err.contains("the file is empty"), "{text:?}: {err}");
+            assert!(err.contains("resources:"), "{err}");
+            assert!(!err.contains("unexpected end"), "{err}");
+        }
+        // A file with something in it is parsed as before.
+        assert!(!parse("resources: []\n")
+            .unwrap_err()
+            .contains("the file is empty"));
+    }
+
+    #[test]
+    fn a_file_past_the_parsers_limits_is_said_in_words() {
+        // 250,001 scalars in one list the parser reads to its end.
+        let mut text =
+            String::from("resources:\n  - name: a.com/x\n    hostdev: { groups: [ { paths: [");
+        text.push_str(&"\"/dev/a\",".repeat(250_001));
+        text.push_str("] } ] }\n");
+        let err = parse(&text).unwrap_err();
+        assert!(err.contains("more than 250,000 YAML nodes"), "{err}");
+        assert!(!err.contains("Nodes {") && !err.contains("budget"), "{err}");
+    }
+
+    #[test]
+    fn a_huge_name_is_cut_and_its_length_said() {
+        let name = "x".repeat(10 * 1024 * 1024);
+        let text = format!("resources:\n  - name: {name}\n    virtual: {{ count: 1 }}\n");
+        let err = parse(&text).unwrap_err();
+        assert!(err.len() < 2_000, "{} bytes of error", err.len());
+        assert!(err.contains("10485760 bytes in all"), "{err}");
+        assert!(err.contains("resources[0] ("), "{err}");
+        assert!(err.contains("invalid resource name"), "{err}");
+        // Two long ones: each cut.
+        let text = format!(
+            "resources:\n  - name: {name}\n    virtual: {{ count: 1 }}\n  - name: a{name}\n    virtual: {{ count: 1 }}\n"
+        );
+        let err = parse(&text).unwrap_err();
+        assert!(err.len() < 4_000, "{} bytes of error", err.len());
+        // A name of a normal length is shown whole, quoted.
+        let err = parse("resources:\n  - name: npu\n    virtual: { count: 1 }\n").unwrap_err();
+        assert!(
+            err.contains("(npu): name: invalid resource name \"npu\""),
+            "{err}"
+        );
     }
 
     #[test]

@@ -229,6 +229,12 @@ impl Config {
 
     /// Parses and validates `text`; `path` is only used in messages.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        if messages::is_empty(text) {
+            return Err(ConfigError::Parse {
+                path: path.to_owned(),
+                message: messages::EMPTY.into(),
+            });
+        }
         // serde_path_to_error records where in the document a type error happened (the YAML
         // parser's own message only has the line and column).
         let mut at = String::new();

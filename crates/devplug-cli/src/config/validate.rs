@@ -25,7 +25,7 @@ impl Config {
         let mut resources = Vec::with_capacity(raw.resources.len());
         let mut failed = Vec::new();
         for (index, resource) in raw.resources.into_iter().enumerate() {
-            let name = resource.name.clone();
+            let name = shown_name(&resource.name);
             match resolve_resource(resource, index, &mut seen, &mut drivers) {
                 Ok(resource) => resources.push(resource),
                 Err(problem) => failed.push((index, name, problem)),
@@ -56,6 +56,31 @@ impl Config {
     }
 }
 
+/// Names longer than this are cut in messages.
+const SHOWN_NAME_CHARS: usize = 80;
+
+/// `name` as an error message shows it: whole, or cut (saying its length) when it is longer
+/// than a name can be, so that a file with a 10 MB name does not make a 10 MB message.
+pub(super) fn shown_name(name: &str) -> String {
+    if name.chars().count() <= SHOWN_NAME_CHARS {
+        return name.to_owned();
+    }
+    let start: String = name.chars().take(SHOWN_NAME_CHARS / 2).collect();
+    format!(
+        "{start}… (cut: {} bytes in all; a resource name has at most 308)",
+        name.len()
+    )
+}
+
+/// [`shown_name`], quoted where it is whole.
+fn quoted_name(name: &str) -> String {
+    if name.chars().count() <= SHOWN_NAME_CHARS {
+        format!("{name:?}")
+    } else {
+        shown_name(name)
+    }
+}
+
 /// The resource `raw`, `index` in the list, or its first problem; `seen` and `drivers` are the
 /// names and DRA drivers of the resources before it.
 fn resolve_resource(
@@ -64,7 +89,13 @@ fn resolve_resource(
     seen: &mut HashSet<String>,
     drivers: &mut HashMap<String, usize>,
 ) -> Result<ResourceConfig, String> {
-    resource_name::validate(&raw.name).map_err(|e| format!("name: {e}"))?;
+    resource_name::validate(&raw.name).map_err(|e| {
+        format!(
+            "name: invalid resource name {}: {} (expected the form vendor.example/device)",
+            quoted_name(&e.name),
+            e.reason
+        )
+    })?;
     if !seen.insert(raw.name.clone()) {
         return Err("name: this resource is listed twice; each resource needs one entry".into());
     }

@@ -9,8 +9,28 @@ use std::path::Path;
 use std::sync::Arc;
 
 #[tokio::main(flavor = "current_thread")]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt().init();
+async fn main() -> std::process::ExitCode {
+    // Colours only on a terminal: a log file or a pipe gets plain text.
+    tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
+        .init();
+    // An error as a sentence (with its causes), not as Rust's Debug output of the error value.
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            let mut message = format!("npu-dra: {err}");
+            let mut source = err.source();
+            while let Some(cause) = source {
+                message.push_str(&format!(": {cause}"));
+                source = cause.source();
+            }
+            eprintln!("{message}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let stop = devplug::shutdown_signal();
     let settings = DraDriverSettings {
         driver: "npu.example.com".to_owned(),
