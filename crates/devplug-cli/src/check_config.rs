@@ -9,9 +9,10 @@
 //! Discovery leaves the node as it was: each backend starts with settings that write nothing
 //! outside a private scratch folder, removed before the command ends ([`dry_run`]).
 
-use crate::config::{Config, ConfigError, ResourceConfig, ResourceKind};
+use crate::config::{BackendConfig, Config, ConfigError, ResourceConfig, ResourceKind};
 use crate::logging::Warnings;
 use devplug::{ContainerEdits, DeviceList};
+use devplug_backends::files::MissingFolder;
 use serde_json::{json, Value};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -229,7 +230,7 @@ async fn discover(
 /// Why a `files:` resource found nothing, where its folder does not exist: what `run` would do
 /// about it (`missing:`), and the fix.
 fn missing_folder(resource: &ResourceConfig) -> Option<String> {
-    let BackendConfig::Files(settings) = &resource.backend else {
+    let ResourceKind::Devices(BackendConfig::Files(settings)) = &resource.kind else {
         return None;
     };
     if settings.dir.exists() {
