@@ -470,7 +470,7 @@ fn testing_md_says_where_every_binary_comes_from() {
         "NODE_BINARIES",
     );
     binaries.extend(const_names(
-        &read("crates/devplug-testkit/src/api_server.rs"),
+        &read("crates/devplug-testkit/src/api_server/control_plane.rs"),
         "CONTROL_PLANE_BINARIES",
     ));
     let gates = read("crates/test-gates/src/lib.rs");

@@ -29,10 +29,10 @@ impl ClusterContext {
         self.node.as_deref()
     }
 
-    /// This node's name, or the error that says how to give it; `what` names the feature that
-    /// needs it (`advertise: resources`).
-    pub fn need_node(&self, what: &str) -> anyhow::Result<String> {
-        self.node.clone().with_context(|| no_node_name(what))
+    /// This node's name, or the error that says how to give it; `who_needs` names the feature
+    /// and its verb (`advertise: resources need`, `--node-events needs`).
+    pub fn need_node(&self, who_needs: &str) -> anyhow::Result<String> {
+        self.node.clone().with_context(|| no_node_name(who_needs))
     }
 
     /// The API client, connected on the first call (the kubeconfig, else the usual places, else
@@ -46,7 +46,11 @@ impl ClusterContext {
     }
 }
 
-/// What a feature that needs this node's name says without it.
-pub fn no_node_name(what: &str) -> String {
-    format!("{what} need this node's name: set NODE_NAME (the downward API's spec.nodeName) or --node-name")
+/// What a feature that needs this node's name says without it (`who_needs`: the feature and
+/// its verb).
+pub fn no_node_name(who_needs: &str) -> String {
+    format!(
+        "{who_needs} this node's name: set NODE_NAME (the downward API's spec.nodeName) or \
+         --node-name"
+    )
 }

@@ -157,7 +157,7 @@ impl DraDrivers {
         let Some(dra) = &resource.dra else {
             anyhow::bail!("{} has no dra: settings", resource.name);
         };
-        let node = self.setup.cluster.need_node("dra: resources")?;
+        let node = self.setup.cluster.need_node("dra: resources need")?;
         let backend = match backend {
             Some(backend) => backend,
             None => {

@@ -468,7 +468,7 @@ impl Runner {
     /// Starts node events (`--node-events`), with the shared API client and this node's name.
     #[cfg(feature = "cluster")]
     async fn start_node_events(&mut self) -> anyhow::Result<()> {
-        let node = self.cluster.context.need_node("--node-events")?;
+        let node = self.cluster.context.need_node("--node-events needs")?;
         let client = self.cluster.context.client().await?;
         let instance = std::env::var("POD_NAME").unwrap_or_else(|_| node.clone());
         let events = devplug_cluster::events::NodeEvents::spawn(
@@ -500,7 +500,7 @@ impl Runner {
             if resources.is_empty() {
                 return Ok(());
             }
-            let node = cluster.context.need_node("advertise: resources")?;
+            let node = cluster.context.need_node("advertise: resources need")?;
             let client = cluster.context.client().await?;
             tracing::info!(%node, "advertising extended resources on our Node");
             let gate = cluster.features.gate(&client, &node);
