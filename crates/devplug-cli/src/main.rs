@@ -41,6 +41,8 @@ mod inspect;
 #[cfg(feature = "cluster")]
 mod labels;
 mod listen_addr;
+#[cfg(not(feature = "cluster"))]
+mod lite;
 mod logging;
 mod node_labels;
 mod output;

@@ -5,8 +5,9 @@
 //! any backend's labels is written at once. `off` (or a mode change) removes what the previous
 //! mode wrote. Nothing is removed at shutdown (a restarting pod must not make labels flap); the
 //! uninstall does it (`devplug labels remove`). It needs the API server and this node's name: the
-//! full build only; devplug-lite says once in its log that it cannot.
+//! full build only; devplug-lite says in its log that it cannot (`crate::lite`).
 
+#[cfg(feature = "cluster")]
 use crate::config::{Config, NodeLabelsMode};
 use devplug_backends::NodeLabels;
 use std::collections::BTreeMap;
@@ -213,18 +214,6 @@ fn follow(
         }
     });
     stop
-}
-
-/// devplug-lite has no API client: it says so once when the config asks for labels.
-#[cfg(not(feature = "cluster"))]
-pub fn say_lite_cannot(config: &Config, _: &LabelSources) {
-    if config.node_labels.mode != NodeLabelsMode::Off {
-        tracing::warn!(
-            "devplug-lite cannot write node labels (node_labels: {:?}; it has no API client): \
-             run the full devplug image, or set `node_labels: {{mode: off}}` to silence this",
-            config.node_labels.mode
-        );
-    }
 }
 
 #[cfg(all(test, feature = "cluster"))]

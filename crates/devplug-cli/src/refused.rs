@@ -2,13 +2,16 @@
 //! config's device plugin resources (after a node reboot, before devplug's pod ran again) are
 //! deleted where their controller replaces them and reported where nothing does
 //! (`devplug_cluster::refused_pods` has the rules). It needs the API server and this node's name
-//! (`NODE_NAME`): the full build only; devplug-lite says once in its log that it cannot.
+//! (`NODE_NAME`): the full build only; devplug-lite says in its log that it cannot
+//! (`crate::lite`).
 
-use crate::config::{Config, RefusedPodsPolicy};
+use crate::config::Config;
+#[cfg(feature = "cluster")]
+use crate::config::RefusedPodsPolicy;
 use std::collections::BTreeSet;
 
 /// The device plugin resources of `config`: those the kubelet's device manager can refuse.
-fn served(config: &Config) -> BTreeSet<String> {
+pub(crate) fn served(config: &Config) -> BTreeSet<String> {
     config
         .resources
         .iter()
@@ -125,17 +128,5 @@ impl RefusedPodsWatch {
         if let Some((_, _, stop)) = self.running.take() {
             stop.cancel();
         }
-    }
-}
-
-/// devplug-lite has no API client: it says so once, unless the config turned this off.
-#[cfg(not(feature = "cluster"))]
-pub fn say_lite_cannot(config: &Config) {
-    if config.refused_pods != RefusedPodsPolicy::Off && !served(config).is_empty() {
-        tracing::info!(
-            "devplug-lite cannot delete or report pods the kubelet refused at admission \
-             (refused_pods; the full devplug with NODE_NAME can): after a reboot a refused pod \
-             without a controller stays Failed; set `refused_pods: off` to silence this"
-        );
     }
 }

@@ -400,25 +400,19 @@ impl Runner {
             }
         }
         #[cfg(feature = "cluster")]
-        self.cluster
-            .refused
-            .apply(config, &self.cluster.features)
-            .await;
+        {
+            self.cluster
+                .refused
+                .apply(config, &self.cluster.features)
+                .await;
+            self.cluster
+                .labels
+                .apply(config, &self.labels, &self.cluster.features)
+                .await;
+        }
         #[cfg(not(feature = "cluster"))]
-        crate::refused::say_lite_cannot(config);
-        self.apply_node_labels(config).await;
+        crate::lite::say_what_it_cannot_do(config);
         Converged { applied, failed }
-    }
-
-    /// Matches the node labels to `config` and the started backends.
-    async fn apply_node_labels(&mut self, config: &Config) {
-        #[cfg(feature = "cluster")]
-        self.cluster
-            .labels
-            .apply(config, &self.labels, &self.cluster.features)
-            .await;
-        #[cfg(not(feature = "cluster"))]
-        crate::node_labels::say_lite_cannot(config, &self.labels);
     }
 
     /// Starts, restarts and stops the `dra:` resources' drivers to match `resources`.
