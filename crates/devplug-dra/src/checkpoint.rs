@@ -245,6 +245,20 @@ impl Checkpoint {
 mod tests {
     use super::*;
 
+    /// A checkpoint of npu.example.com with one claim, `u1`, of `devices` and CDI spec `spec`.
+    fn with_claim(devices: Vec<PreparedDevice>, spec: &str) -> Checkpoint {
+        let mut checkpoint = Checkpoint::new("npu.example.com");
+        let claim = PreparedClaim {
+            namespace: "ns".into(),
+            name: "c".into(),
+            devices,
+            cdi_spec: "/var/run/cdi/x.json".into(),
+            cdi_spec_json: Some(spec.into()),
+        };
+        checkpoint.claims.insert("u1".into(), claim);
+        checkpoint
+    }
+
     #[test]
     fn the_checkpoint_and_its_folder_are_its_owners_only() {
         use std::os::unix::fs::PermissionsExt;
@@ -271,24 +285,15 @@ mod tests {
             Checkpoint::load(&path, "npu.example.com").unwrap(),
             Checkpoint::new("npu.example.com")
         );
-        let mut checkpoint = Checkpoint::new("npu.example.com");
-        checkpoint.claims.insert(
-            "u1".into(),
-            PreparedClaim {
-                namespace: "ns".into(),
-                name: "c".into(),
-                devices: vec![PreparedDevice {
-                    request_names: vec!["npus".into()],
-                    pool: "node-a".into(),
-                    device: "npu-1".into(),
-                    id: "npu-1".into(),
-                    cdi_device_ids: vec!["npu.example.com/claim=u1-npus".into()],
-                    hold: Hold::Exclusive,
-                }],
-                cdi_spec: "/var/run/cdi/x.json".into(),
-                cdi_spec_json: Some("{}\n".into()),
-            },
-        );
+        let device = PreparedDevice {
+            request_names: vec!["npus".into()],
+            pool: "node-a".into(),
+            device: "npu-1".into(),
+            id: "npu-1".into(),
+            cdi_device_ids: vec!["npu.example.com/claim=u1-npus".into()],
+            hold: Hold::Exclusive,
+        };
+        let checkpoint = with_claim(vec![device], "{}\n");
         checkpoint.save(&path).unwrap();
         assert_eq!(
             Checkpoint::load(&path, "npu.example.com").unwrap(),
@@ -343,18 +348,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("checkpoint.json");
         let spec = "{\n  \"cdiVersion\": \"0.3.0\",\n  \"devices\": []\n}\n";
-        let mut checkpoint = Checkpoint::new("npu.example.com");
-        checkpoint.claims.insert(
-            "u1".into(),
-            PreparedClaim {
-                namespace: "ns".into(),
-                name: "c".into(),
-                devices: Vec::new(),
-                cdi_spec: "/var/run/cdi/x.json".into(),
-                cdi_spec_json: Some(spec.into()),
-            },
-        );
-        checkpoint.save(&path).unwrap();
+        with_claim(Vec::new(), spec).save(&path).unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(
             text.contains("\"cdi_spec_content\":{\n  \"cdiVersion\""),

@@ -268,6 +268,16 @@ impl Change {
     }
 }
 
+/// A device's view, for the inspector's tests.
+#[cfg(test)]
+pub(crate) fn device_view(id: &str, health: &str, numa: &[i64]) -> DeviceView {
+    DeviceView {
+        id: id.into(),
+        health: health.into(),
+        numa_nodes: numa.to_vec(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -280,13 +290,7 @@ mod tests {
         }
     }
 
-    fn d(id: &str, health: &str, numa: &[i64]) -> DeviceView {
-        DeviceView {
-            id: id.into(),
-            health: health.into(),
-            numa_nodes: numa.to_vec(),
-        }
-    }
+    use super::device_view as d;
 
     #[test]
     fn appeared_vanished_and_changed() {

@@ -116,13 +116,7 @@ pub async fn watch(path: &Path, timeout: std::time::Duration, json: bool) -> any
 mod tests {
     use super::*;
 
-    fn d(id: &str, health: &str, numa: &[i64]) -> DeviceView {
-        DeviceView {
-            id: id.into(),
-            health: health.into(),
-            numa_nodes: numa.to_vec(),
-        }
-    }
+    use crate::inspect::model::device_view as d;
 
     #[test]
     fn json_lines_are_flat_and_tagged() {
