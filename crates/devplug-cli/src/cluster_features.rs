@@ -8,10 +8,12 @@
 //! events, so does a Warning event on the Node; it starts by itself once the policy is there.
 //! Without it (a host service, a hand-written install) devplug warns once and runs.
 //!
-//! Each started feature registers a view of its counters ([`crate::endpoints::FeatureView`]):
+//! Each running feature's counters ([`crate::cluster_feature::ClusterFeature::metrics`]) are
+//! registered here as a view ([`crate::endpoints::FeatureView`]):
 //! writes, errors, fights, last success and its policy's state in `/metrics`, repeated failures
 //! in `/readyz`.
 
+use crate::cluster_feature::StatusFn;
 use crate::endpoints::{FeatureStatus, FeatureView, Features, Problems};
 use devplug_cluster::events::{NodeEvent, NodeEvents};
 use devplug_cluster::policy_check::{Feature, Gate, PolicyState, Probe};
@@ -43,8 +45,8 @@ pub struct ClusterFeatures {
     problems: Problems,
     /// `/metrics`' and `/readyz`'s views of the features.
     features: Features,
-    /// Node events, with `--node-events`.
-    events: Option<NodeEvents>,
+    /// Node events, with `--node-events`: set once, seen by every clone.
+    events: Arc<std::sync::OnceLock<NodeEvents>>,
     policies: PolicyStates,
 }
 
@@ -55,19 +57,19 @@ impl ClusterFeatures {
             required,
             problems,
             features,
-            events: None,
+            events: Arc::default(),
             policies: PolicyStates::default(),
         }
     }
 
-    /// Node events, once started.
-    pub fn set_events(&mut self, events: NodeEvents) {
-        self.events = Some(events);
+    /// Node events, once started (for every clone of this context; the first set stays).
+    pub fn set_events(&self, events: NodeEvents) {
+        let _ = self.events.set(events);
     }
 
     /// The node events, if started.
     pub fn events(&self) -> Option<NodeEvents> {
-        self.events.clone()
+        self.events.get().cloned()
     }
 
     /// The gate of a feature using `client` on `node`.
@@ -117,7 +119,7 @@ impl ClusterFeatures {
                 problems.insert(subject, problem.clone());
                 if changed {
                     tracing::error!(feature = name, "{problem}");
-                    if let Some(events) = &self.events {
+                    if let Some(events) = self.events.get() {
                         events.publish(NodeEvent {
                             warning: true,
                             reason: "AdmissionPolicyMissing".into(),
@@ -151,17 +153,13 @@ impl ClusterFeatures {
         }
     }
 
-    /// Shows `feature`'s outcome through `status` (its counters) from now on.
-    pub fn register(
-        &self,
-        feature: Feature,
-        status: impl Fn() -> FeatureStatus + Send + Sync + 'static,
-    ) {
-        let name = registry_name(feature);
+    /// Shows the outcome of the feature `name` ([`registry_name`]) through `status` (its
+    /// counters) from now on.
+    pub fn register(&self, name: &'static str, status: StatusFn) {
         let view = View {
             name,
             policies: self.policies.clone(),
-            status: Box::new(status),
+            status,
         };
         self.features
             .write()
@@ -169,9 +167,8 @@ impl ClusterFeatures {
             .insert(name.to_owned(), Box::new(view));
     }
 
-    /// `feature` stopped: no longer shown.
-    pub fn unregister(&self, feature: Feature) {
-        let name = registry_name(feature);
+    /// The feature `name` stopped: no longer shown.
+    pub fn unregister(&self, name: &str) {
         self.features
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -191,7 +188,7 @@ impl ClusterFeatures {
 struct View {
     name: &'static str,
     policies: PolicyStates,
-    status: Box<dyn Fn() -> FeatureStatus + Send + Sync>,
+    status: StatusFn,
 }
 
 impl FeatureView for View {
@@ -303,7 +300,10 @@ mod tests {
     #[test]
     fn a_missing_policy_is_a_readiness_problem_only_where_required() {
         let (required, problems, features) = context(true);
-        required.register(Feature::NodeLabels, FeatureStatus::default);
+        required.register(
+            registry_name(Feature::NodeLabels),
+            Arc::new(FeatureStatus::default),
+        );
         required.found(
             Feature::NodeLabels,
             &PolicyState::Missing("accepted".into()),

@@ -22,6 +22,8 @@ pub struct DraSetup {
     pub problems: crate::endpoints::Problems,
     /// Where `/readyz` and `/metrics` find the running drivers.
     pub drivers: crate::endpoints::Drivers,
+    /// The cluster features' context: node events, for a runtime that cannot apply CDI.
+    pub features: crate::cluster_features::ClusterFeatures,
 }
 
 impl crate::endpoints::DriverView for devplug_dra::DraHealth {
@@ -84,7 +86,7 @@ impl DraDrivers {
     /// Makes the running drivers those of `resources` (the `dra:` ones): stops the removed and
     /// changed ones, starts the new and changed ones. `shared` gives a backend already built for
     /// a resource's device plugin, so both serve one instance. Returns the resources that failed.
-    pub async fn apply(
+    pub async fn serve(
         &mut self,
         resources: &[ResourceConfig],
         shared: &BTreeMap<String, BuiltBackend>,
@@ -242,14 +244,55 @@ impl DraDrivers {
         }
     }
 
-    /// The runtime problems found since the last call, to publish as Node events.
-    pub fn take_new_runtime_problems(&mut self) -> Vec<(String, String)> {
-        std::mem::take(&mut self.unannounced)
+    /// Publishes the runtime problems found since the last call as Node events.
+    fn announce_runtime_problems(&mut self) {
+        let problems = std::mem::take(&mut self.unannounced);
+        let Some(events) = self.setup.features.events() else {
+            return;
+        };
+        for (driver, problem) in problems {
+            events.publish(devplug_cluster::events::NodeEvent {
+                warning: true,
+                reason: "ContainerRuntimeWithoutCDI".into(),
+                action: driver.clone(),
+                note: format!("DRA driver {driver}: {problem}"),
+            });
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::cluster_feature::ClusterFeature for DraDrivers {
+    fn name(&self) -> &'static str {
+        "dra"
+    }
+
+    fn stage(&self) -> crate::cluster_feature::Stage {
+        crate::cluster_feature::Stage::AfterHost
+    }
+
+    /// Stops the drivers whose resource left or changed, before the host builds the new
+    /// backends.
+    async fn release(&mut self, config: &crate::config::Config) {
+        self.stop_changed(&config.resources).await;
+    }
+
+    /// Starts the new and changed drivers, a `device_plugin: true` resource's with the backend
+    /// the host built for it; the first that failed is the error.
+    async fn apply(&mut self, desired: &crate::cluster_feature::Desired<'_>) -> anyhow::Result<()> {
+        let failed = self
+            .serve(&desired.config.resources, desired.backends)
+            .await;
+        self.announce_runtime_problems();
+        match failed.into_iter().next() {
+            None => Ok(()),
+            Some((name, err)) => Err(err.context(format!("cannot serve {name} as a DRA driver"))),
+        }
     }
 
     /// Stops every driver: sockets and the node's slices removed, prepared claims kept.
-    pub async fn shutdown(self) {
-        for (name, (_, driver)) in self.running {
+    async fn stop(&mut self) {
+        for (name, (_, driver)) in std::mem::take(&mut self.running) {
             for problem in driver.shutdown().await {
                 tracing::warn!(resource = %name, %problem, "DRA driver not fully cleaned up");
             }

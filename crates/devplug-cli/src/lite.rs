@@ -7,6 +7,32 @@
 
 use crate::config::{Config, NodeLabelsMode, RefusedPodsPolicy};
 
+/// devplug-lite's one cluster feature: [`say_what_it_cannot_do`] with each config applied.
+pub struct WhatLiteCannotDo;
+
+#[async_trait::async_trait]
+impl crate::cluster_feature::ClusterFeature for WhatLiteCannotDo {
+    fn name(&self) -> &'static str {
+        "devplug-lite"
+    }
+
+    fn stage(&self) -> crate::cluster_feature::Stage {
+        crate::cluster_feature::Stage::AfterHost
+    }
+
+    async fn apply(&mut self, desired: &crate::cluster_feature::Desired<'_>) -> anyhow::Result<()> {
+        say_what_it_cannot_do(desired.config);
+        Ok(())
+    }
+}
+
+/// `run --node-events` in devplug-lite, which has no API client.
+pub fn node_events_refused() -> anyhow::Error {
+    anyhow::anyhow!(crate::config::not_in_this_build(
+        "--node-events (DEVPLUG_NODE_EVENTS)"
+    ))
+}
+
 /// Says in the log what of `config` this build leaves undone, unless the config turned it off.
 pub fn say_what_it_cannot_do(config: &Config) {
     if config.refused_pods != RefusedPodsPolicy::Off && !crate::refused::served(config).is_empty() {

@@ -16,10 +16,13 @@
 //! ([`config::needs_cluster`]).
 
 #[cfg(feature = "cluster")]
+mod advertise;
+#[cfg(feature = "cluster")]
 mod capacity;
 mod check_config;
 #[cfg(feature = "cluster")]
 mod cluster_context;
+mod cluster_feature;
 #[cfg(feature = "cluster")]
 mod cluster_features;
 mod config;
@@ -44,6 +47,8 @@ mod listen_addr;
 #[cfg(not(feature = "cluster"))]
 mod lite;
 mod logging;
+#[cfg(feature = "cluster")]
+mod node_events;
 mod node_labels;
 mod output;
 mod refused;

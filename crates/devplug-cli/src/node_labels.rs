@@ -29,6 +29,7 @@ pub fn namespace() -> String {
 #[cfg(feature = "cluster")]
 pub struct NodeLabelsWriter {
     cluster: std::sync::Arc<crate::cluster_context::ClusterContext>,
+    features: crate::cluster_features::ClusterFeatures,
     running: Option<Running>,
     said_no_node: bool,
 }
@@ -40,6 +41,7 @@ struct Running {
     labeler: std::sync::Arc<devplug_cluster::node_labels::NodeLabeler>,
     /// Stops the tasks that follow the backends' labels.
     follow: tokio_util::sync::CancellationToken,
+    metrics: crate::cluster_feature::FeatureMetrics,
 }
 
 #[cfg(feature = "cluster")]
@@ -47,9 +49,11 @@ impl NodeLabelsWriter {
     /// Nothing running yet.
     pub fn new(
         cluster: std::sync::Arc<crate::cluster_context::ClusterContext>,
+        features: crate::cluster_features::ClusterFeatures,
     ) -> NodeLabelsWriter {
         NodeLabelsWriter {
             cluster,
+            features,
             running: None,
             said_no_node: false,
         }
@@ -57,12 +61,7 @@ impl NodeLabelsWriter {
 
     /// Matches the writer to `config`, following the labels of `sources` (the config's
     /// started resources', by name).
-    pub async fn apply(
-        &mut self,
-        config: &Config,
-        sources: &LabelSources,
-        features: &crate::cluster_features::ClusterFeatures,
-    ) {
+    async fn write(&mut self, config: &Config, sources: &LabelSources) {
         use devplug_cluster::node_labels::{LabelerOptions, Mode, NodeLabeler};
         use devplug_cluster::policy_check::Feature;
         let mode = config.node_labels.mode;
@@ -77,7 +76,6 @@ impl NodeLabelsWriter {
             (self.running.take(), self.cluster.node().map(str::to_owned))
         {
             old.follow.cancel();
-            features.unregister(Feature::NodeLabels);
             tokio::spawn(remove(old.client, old.mode, node));
         }
         let cluster_mode = match mode {
@@ -106,8 +104,8 @@ impl NodeLabelsWriter {
         };
         tracing::info!(%node, ?mode, "writing node labels");
         let options = LabelerOptions {
-            events: features.events(),
-            gate: Some(features.gate(&client, &node)),
+            events: self.features.events(),
+            gate: Some(self.features.gate(&client, &node)),
         };
         let labeler = std::sync::Arc::new(NodeLabeler::spawn_with(
             client.clone(),
@@ -116,26 +114,55 @@ impl NodeLabelsWriter {
             options,
         ));
         let counters = labeler.shared_counters();
-        features.register(Feature::NodeLabels, move || {
-            use std::sync::atomic::Ordering::Relaxed;
-            crate::endpoints::FeatureStatus {
-                writes: counters.applied.load(Relaxed),
-                errors: counters.errors.load(Relaxed),
-                fights: counters.fights.load(Relaxed),
-                last_success_unix: counters.last_success_unix.load(Relaxed),
-                problem: crate::cluster_features::failing(
-                    counters.consecutive_failures.load(Relaxed),
-                ),
-                ..Default::default()
-            }
-        });
+        let metrics = crate::cluster_feature::FeatureMetrics {
+            name: crate::cluster_features::registry_name(Feature::NodeLabels),
+            status: std::sync::Arc::new(move || {
+                use std::sync::atomic::Ordering::Relaxed;
+                crate::endpoints::FeatureStatus {
+                    writes: counters.applied.load(Relaxed),
+                    errors: counters.errors.load(Relaxed),
+                    fights: counters.fights.load(Relaxed),
+                    last_success_unix: counters.last_success_unix.load(Relaxed),
+                    problem: crate::cluster_features::failing(
+                        counters.consecutive_failures.load(Relaxed),
+                    ),
+                    ..Default::default()
+                }
+            }),
+        };
         self.running = Some(Running {
             mode,
             client,
             follow: follow(sources, labeler.clone()),
             labeler,
+            metrics,
         });
     }
+}
+
+#[cfg(feature = "cluster")]
+#[async_trait::async_trait]
+impl crate::cluster_feature::ClusterFeature for NodeLabelsWriter {
+    fn name(&self) -> &'static str {
+        "node_labels"
+    }
+
+    fn stage(&self) -> crate::cluster_feature::Stage {
+        crate::cluster_feature::Stage::AfterHost
+    }
+
+    /// [`NodeLabelsWriter::write`], with the started backends' labels.
+    async fn apply(&mut self, desired: &crate::cluster_feature::Desired<'_>) -> anyhow::Result<()> {
+        self.write(desired.config, desired.labels).await;
+        Ok(())
+    }
+
+    fn metrics(&self) -> Option<crate::cluster_feature::FeatureMetrics> {
+        self.running.as_ref().map(|r| r.metrics.clone())
+    }
+
+    // Nothing at shutdown: the labels stay on the Node (a restarting pod must not make them
+    // flap); the uninstall removes them.
 }
 
 /// Removes what `mode` wrote for `node`.

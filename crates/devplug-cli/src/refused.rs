@@ -24,12 +24,18 @@ pub(crate) fn served(config: &Config) -> BTreeSet<String> {
 #[cfg(feature = "cluster")]
 pub struct RefusedPodsWatch {
     cluster: std::sync::Arc<crate::cluster_context::ClusterContext>,
-    running: Option<(
-        RefusedPodsPolicy,
-        devplug_cluster::refused_pods::RefusedPods,
-        tokio_util::sync::CancellationToken,
-    )>,
+    features: crate::cluster_features::ClusterFeatures,
+    running: Option<Running>,
     said_no_node: bool,
+}
+
+/// The running watch.
+#[cfg(feature = "cluster")]
+struct Running {
+    policy: RefusedPodsPolicy,
+    watch: devplug_cluster::refused_pods::RefusedPods,
+    stop: tokio_util::sync::CancellationToken,
+    metrics: crate::cluster_feature::FeatureMetrics,
 }
 
 #[cfg(feature = "cluster")]
@@ -37,9 +43,11 @@ impl RefusedPodsWatch {
     /// Nothing running yet.
     pub fn new(
         cluster: std::sync::Arc<crate::cluster_context::ClusterContext>,
+        features: crate::cluster_features::ClusterFeatures,
     ) -> RefusedPodsWatch {
         RefusedPodsWatch {
             cluster,
+            features,
             running: None,
             said_no_node: false,
         }
@@ -48,11 +56,7 @@ impl RefusedPodsWatch {
     /// Matches the watch to `config`: started with the first policy that is not `off` while a
     /// device plugin resource is served, the served resources updated, restarted when the policy
     /// changes, stopped by `off` or when no device plugin resource is left.
-    pub async fn apply(
-        &mut self,
-        config: &Config,
-        features: &crate::cluster_features::ClusterFeatures,
-    ) {
+    async fn follow(&mut self, config: &Config) {
         use devplug_cluster::policy_check::Feature;
         use devplug_cluster::refused_pods::{Policy, RefusedPods};
         let policy = match config.refused_pods {
@@ -61,15 +65,14 @@ impl RefusedPodsWatch {
             RefusedPodsPolicy::DeleteReplaced => Some(Policy::DeleteReplaced),
         };
         let served = served(config);
-        if let Some((running, watch, _)) = &self.running {
-            if *running == config.refused_pods && !served.is_empty() {
-                watch.set_served(served);
+        if let Some(running) = &self.running {
+            if running.policy == config.refused_pods && !served.is_empty() {
+                running.watch.set_served(served);
                 return;
             }
         }
-        if let Some((_, _, stop)) = self.running.take() {
-            stop.cancel();
-            features.unregister(Feature::RefusedPods);
+        if let Some(running) = self.running.take() {
+            running.stop.cancel();
         }
         // Nothing to watch for without a device plugin resource.
         let (Some(policy), false) = (policy, served.is_empty()) else {
@@ -97,7 +100,7 @@ impl RefusedPodsWatch {
         };
         let instance = std::env::var("POD_NAME").unwrap_or_else(|_| node.clone());
         let stop = tokio_util::sync::CancellationToken::new();
-        let gate = features.gate(&client, &node);
+        let gate = self.features.gate(&client, &node);
         let watch = RefusedPods::spawn_gated(
             client,
             node,
@@ -108,25 +111,55 @@ impl RefusedPodsWatch {
             Some(gate),
         );
         let counters = watch.shared_counters();
-        features.register(Feature::RefusedPods, move || {
-            use std::sync::atomic::Ordering::Relaxed;
-            crate::endpoints::FeatureStatus {
-                writes: counters
-                    .deleted
-                    .load(Relaxed)
-                    .saturating_add(counters.reported.load(Relaxed)),
-                errors: counters.failed.load(Relaxed),
-                last_success_unix: counters.last_success_unix.load(Relaxed),
-                ..Default::default()
-            }
+        let metrics = crate::cluster_feature::FeatureMetrics {
+            name: crate::cluster_features::registry_name(Feature::RefusedPods),
+            status: std::sync::Arc::new(move || {
+                use std::sync::atomic::Ordering::Relaxed;
+                crate::endpoints::FeatureStatus {
+                    writes: counters
+                        .deleted
+                        .load(Relaxed)
+                        .saturating_add(counters.reported.load(Relaxed)),
+                    errors: counters.failed.load(Relaxed),
+                    last_success_unix: counters.last_success_unix.load(Relaxed),
+                    ..Default::default()
+                }
+            }),
+        };
+        self.running = Some(Running {
+            policy: config.refused_pods,
+            watch,
+            stop,
+            metrics,
         });
-        self.running = Some((config.refused_pods, watch, stop));
+    }
+}
+
+#[cfg(feature = "cluster")]
+#[async_trait::async_trait]
+impl crate::cluster_feature::ClusterFeature for RefusedPodsWatch {
+    fn name(&self) -> &'static str {
+        "refused_pods"
+    }
+
+    fn stage(&self) -> crate::cluster_feature::Stage {
+        crate::cluster_feature::Stage::AfterHost
+    }
+
+    /// [`RefusedPodsWatch::follow`].
+    async fn apply(&mut self, desired: &crate::cluster_feature::Desired<'_>) -> anyhow::Result<()> {
+        self.follow(desired.config).await;
+        Ok(())
+    }
+
+    fn metrics(&self) -> Option<crate::cluster_feature::FeatureMetrics> {
+        self.running.as_ref().map(|r| r.metrics.clone())
     }
 
     /// Stops the watch.
-    pub fn stop(&mut self) {
-        if let Some((_, _, stop)) = self.running.take() {
-            stop.cancel();
+    async fn stop(&mut self) {
+        if let Some(running) = self.running.take() {
+            running.stop.cancel();
         }
     }
 }

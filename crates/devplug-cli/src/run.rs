@@ -4,9 +4,12 @@
 //! sockets and streams, changed ones are updated in place where possible, removed ones stop and
 //! new ones start.
 //!
-//! `advertise:` resources and `--node-events` use the API server (kube-rs), only in the full
-//! build (cargo feature `cluster`); devplug-lite refuses them at start, naming the field or flag.
+//! The cluster features (node events, `advertise:` capacity, `dra:` drivers, refused pods, node
+//! labels; [`crate::cluster_feature`]) use the API server (kube-rs), only in the full build
+//! (cargo feature `cluster`); devplug-lite refuses those it cannot serve at start, naming the
+//! field or flag, and says in its log what it leaves undone ([`crate::lite`]).
 
+use crate::cluster_feature::{Desired, FeatureSet, Stage};
 use crate::config::{Built, BuiltBackend, Config, ResourceConfig};
 use crate::endpoints::{self, Endpoints, ReloadCounters};
 use crate::reload::ConfigWatch;
@@ -101,43 +104,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let problems = endpoints::Problems::default();
     let drivers = endpoints::Drivers::default();
     let features = endpoints::Features::default();
-    #[cfg(feature = "cluster")]
-    let cluster = crate::cluster_context::ClusterContext::new(
-        args.node_name.clone(),
-        args.kubeconfig.clone(),
-    );
+    #[cfg(not(feature = "cluster"))]
+    if args.node_events {
+        return Err(crate::lite::node_events_refused());
+    }
+    let host = Arc::new(Host::new(&args.kubelet_dir)?.with_watcher_dirs(watcher_dirs(&args)));
     let mut runner = Runner {
-        host: Arc::new(Host::new(&args.kubelet_dir)?.with_watcher_dirs(watcher_dirs(&args))),
+        features: cluster_features(&args, &host, &problems, &drivers, &features),
+        host,
         current: BTreeMap::new(),
         backends: BTreeMap::new(),
         labels: BTreeMap::new(),
         text,
         reloads: Arc::default(),
         problems: problems.clone(),
-        #[cfg(feature = "cluster")]
-        cluster: Cluster {
-            advertiser: None,
-            features: crate::cluster_features::ClusterFeatures::new(
-                args.require_policies,
-                problems.clone(),
-                features.clone(),
-            ),
-            context: cluster.clone(),
-            events: None,
-            refused: crate::refused::RefusedPodsWatch::new(cluster.clone()),
-            labels: crate::node_labels::NodeLabelsWriter::new(cluster.clone()),
-            dra: crate::dra::DraDrivers::new(crate::dra::DraSetup {
-                dirs: devplug_dra::kubelet::KubeletDirs::beside(&args.kubelet_dir),
-                cdi_dir: args.cdi_dir.clone(),
-                cluster,
-                problems: problems.clone(),
-                drivers: drivers.clone(),
-            }),
-        },
     };
-    if args.node_events {
-        runner.start_node_events().await?;
-    }
     runner.start(&config).await?;
     if let Some(socket) = &args.pod_resources_socket {
         // Two calls per poll, each at least `interval / 2` apart (and never under a second).
@@ -182,10 +163,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     }
     stop_http.cancel();
-    #[cfg(feature = "cluster")]
-    runner.cluster.refused.stop();
-    #[cfg(feature = "cluster")]
-    runner.cluster.dra.shutdown().await;
+    runner.features.stop().await;
     let report = runner.host.shutdown().await;
     if report.is_clean() {
         tracing::info!("sockets removed; bye");
@@ -265,37 +243,72 @@ struct Runner {
     reloads: Arc<ReloadCounters>,
     /// What `/readyz` reports beside the resources.
     problems: endpoints::Problems,
-    /// The API-server side, in the full build.
-    #[cfg(feature = "cluster")]
-    cluster: Cluster,
+    /// The cluster features, in the order the converge applies them.
+    features: FeatureSet,
 }
 
-/// What `run` keeps for the API server: the advertiser and node events, each started when
-/// first needed.
+/// The cluster features of the full build, in order: node events (the others publish through
+/// them), `advertise:` capacity, then, after the host, the `dra:` drivers, refused pods and node
+/// labels. They share this node's name and one API client.
 #[cfg(feature = "cluster")]
-struct Cluster {
-    /// Keeps `advertise:` resources on our Node; started with the first one.
-    advertiser: Option<devplug_cluster::advertise::Advertiser>,
-    /// The cluster features' gate and outcomes.
-    features: crate::cluster_features::ClusterFeatures,
-    /// This node's name and the one API client every feature uses.
-    context: std::sync::Arc<crate::cluster_context::ClusterContext>,
-    /// Node events, with --node-events.
-    events: Option<devplug_cluster::events::NodeEvents>,
-    /// Pods the kubelet refused at admission (`refused_pods:`).
-    refused: crate::refused::RefusedPodsWatch,
-    /// The backends' node labels (`node_labels:`).
-    labels: crate::node_labels::NodeLabelsWriter,
-    /// The `dra:` resources' drivers.
-    dra: crate::dra::DraDrivers,
+fn cluster_features(
+    args: &RunArgs,
+    host: &Arc<Host>,
+    problems: &endpoints::Problems,
+    drivers: &endpoints::Drivers,
+    features: &endpoints::Features,
+) -> FeatureSet {
+    use crate::cluster_feature::ClusterFeature;
+    let cluster = crate::cluster_context::ClusterContext::new(
+        args.node_name.clone(),
+        args.kubeconfig.clone(),
+    );
+    let shared = crate::cluster_features::ClusterFeatures::new(
+        args.require_policies,
+        problems.clone(),
+        features.clone(),
+    );
+    let list: Vec<Box<dyn ClusterFeature>> = vec![
+        Box::new(crate::node_events::NodeEventsFeature::new(
+            args.node_events,
+            host.clone(),
+            cluster.clone(),
+            shared.clone(),
+        )),
+        Box::new(crate::advertise::Advertise::new(
+            cluster.clone(),
+            shared.clone(),
+        )),
+        Box::new(crate::dra::DraDrivers::new(crate::dra::DraSetup {
+            dirs: devplug_dra::kubelet::KubeletDirs::beside(&args.kubelet_dir),
+            cdi_dir: args.cdi_dir.clone(),
+            cluster: cluster.clone(),
+            problems: problems.clone(),
+            drivers: drivers.clone(),
+            features: shared.clone(),
+        })),
+        Box::new(crate::refused::RefusedPodsWatch::new(
+            cluster.clone(),
+            shared.clone(),
+        )),
+        Box::new(crate::node_labels::NodeLabelsWriter::new(
+            cluster,
+            shared.clone(),
+        )),
+    ];
+    FeatureSet::new(list, shared)
 }
 
-/// The `advertise:` resources of a config, name → count.
-fn advertised(resources: &[ResourceConfig]) -> BTreeMap<String, u64> {
-    resources
-        .iter()
-        .filter_map(|r| Some((r.name.clone(), r.kind.advertised()?)))
-        .collect()
+/// devplug-lite's one feature: saying what of each config it leaves undone.
+#[cfg(not(feature = "cluster"))]
+fn cluster_features(
+    _: &RunArgs,
+    _: &Arc<Host>,
+    _: &endpoints::Problems,
+    _: &endpoints::Drivers,
+    _: &endpoints::Features,
+) -> FeatureSet {
+    FeatureSet::new(vec![Box::new(crate::lite::WhatLiteCannotDo)])
 }
 
 /// The resources of a config that are served as device plugins, by name.
@@ -342,28 +355,35 @@ impl Runner {
 
     /// Makes the running process serve `config`: the one sequence of start and reload.
     ///
-    /// 1. `advertise:` resources on the Node;
-    /// 2. DRA drivers whose resource left or changed stopped, so that a changed resource's old
-    ///    backend is gone before its new one is built;
+    /// 1. the cluster features of [`Stage::BeforeHost`]: node events, `advertise:` resources
+    ///    on the Node;
+    /// 2. every feature lets go of what the config changes (DRA drivers whose resource left or
+    ///    changed stop, so that a changed resource's old backend is gone before its new one is
+    ///    built);
     /// 3. the device plugin resources applied to the host, their backends built;
-    /// 4. DRA drivers started, a `device_plugin: true` resource's with the backend step 3
-    ///    built (one instance serves both);
-    /// 5. refused pods and node labels, which follow the started backends.
+    /// 4. the features of [`Stage::AfterHost`]: DRA drivers, a `device_plugin: true`
+    ///    resource's with the backend step 3 built (one instance serves both); refused pods and
+    ///    node labels, which follow the started backends.
     ///
-    /// `strict` (start): stop after a device plugin resource that cannot be served, which
-    /// stops the program. Failures of steps 1 and 4 come back by name.
+    /// `strict` (start): stop at the first failure (a feature, or a device plugin resource that
+    /// cannot be served), which stops the program. The features that failed come back by name.
     async fn converge(&mut self, config: &Config, strict: bool) -> Converged {
-        let mut failed = Vec::new();
-        if let Err(err) = self.advertise(advertised(&config.resources)).await {
-            failed.push(("advertise".to_owned(), err));
-            if strict {
-                return Converged {
-                    applied: devplug::host::Applied::default(),
-                    failed,
-                };
-            }
+        let before = Desired {
+            config,
+            backends: &self.backends,
+            labels: &self.labels,
+        };
+        let mut failed = self
+            .features
+            .apply(Stage::BeforeHost, &before, strict)
+            .await;
+        if strict && !failed.is_empty() {
+            return Converged {
+                applied: devplug::host::Applied::default(),
+                failed,
+            };
         }
-        self.stop_changed_dra(&config.resources).await;
+        self.features.release(config).await;
         let mut built = BTreeMap::new();
         let applied = self
             .host
@@ -392,161 +412,19 @@ impl Runner {
                 None => self.labels.remove(&name),
             };
         }
-        let backends = self.backends.clone();
-        if let Err(err) = self.apply_dra(&config.resources, &backends).await {
-            failed.push(("dra".to_owned(), err));
-            if strict {
-                return Converged { applied, failed };
-            }
-        }
-        #[cfg(feature = "cluster")]
-        {
-            self.cluster
-                .refused
-                .apply(config, &self.cluster.features)
-                .await;
-            self.cluster
-                .labels
-                .apply(config, &self.labels, &self.cluster.features)
-                .await;
-        }
-        #[cfg(not(feature = "cluster"))]
-        crate::lite::say_what_it_cannot_do(config);
+        let after = Desired {
+            config,
+            backends: &self.backends,
+            labels: &self.labels,
+        };
+        failed.extend(self.features.apply(Stage::AfterHost, &after, strict).await);
         Converged { applied, failed }
-    }
-
-    /// Starts, restarts and stops the `dra:` resources' drivers to match `resources`.
-    #[cfg(feature = "cluster")]
-    async fn apply_dra(
-        &mut self,
-        resources: &[ResourceConfig],
-        built: &BTreeMap<String, BuiltBackend>,
-    ) -> anyhow::Result<()> {
-        let failed = self.cluster.dra.apply(resources, built).await;
-        if let Some(events) = &self.cluster.events {
-            for (driver, problem) in self.cluster.dra.take_new_runtime_problems() {
-                events.publish(devplug_cluster::events::NodeEvent {
-                    warning: true,
-                    reason: "ContainerRuntimeWithoutCDI".into(),
-                    action: driver.clone(),
-                    note: format!("DRA driver {driver}: {problem}"),
-                });
-            }
-        }
-        match failed.into_iter().next() {
-            None => Ok(()),
-            Some((name, err)) => Err(err.context(format!("cannot serve {name} as a DRA driver"))),
-        }
-    }
-
-    /// Stops the DRA drivers whose resource left `resources` or changed.
-    #[cfg(feature = "cluster")]
-    async fn stop_changed_dra(&mut self, resources: &[ResourceConfig]) {
-        self.cluster.dra.stop_changed(resources).await;
-    }
-
-    /// The device-plugin-only build has no DRA drivers.
-    #[cfg(not(feature = "cluster"))]
-    async fn stop_changed_dra(&mut self, _: &[ResourceConfig]) {}
-
-    /// The device-plugin-only build has no DRA: the config check refused `dra:` resources.
-    #[cfg(not(feature = "cluster"))]
-    async fn apply_dra(
-        &mut self,
-        _: &[ResourceConfig],
-        _: &BTreeMap<String, BuiltBackend>,
-    ) -> anyhow::Result<()> {
-        Ok(())
-    }
-
-    /// Starts node events (`--node-events`), with the shared API client and this node's name.
-    #[cfg(feature = "cluster")]
-    async fn start_node_events(&mut self) -> anyhow::Result<()> {
-        let node = self.cluster.context.need_node("--node-events needs")?;
-        let client = self.cluster.context.client().await?;
-        let instance = std::env::var("POD_NAME").unwrap_or_else(|_| node.clone());
-        let events = devplug_cluster::events::NodeEvents::spawn(
-            client,
-            node,
-            instance,
-            CancellationToken::new(),
-        );
-        events.forward(self.host.events());
-        self.cluster.features.set_events(events.clone());
-        self.cluster.events = Some(events);
-        Ok(())
-    }
-
-    /// devplug-lite has no API client for `--node-events`.
-    #[cfg(not(feature = "cluster"))]
-    async fn start_node_events(&mut self) -> anyhow::Result<()> {
-        anyhow::bail!(crate::config::not_in_this_build(
-            "--node-events (DEVPLUG_NODE_EVENTS)"
-        ))
-    }
-
-    /// Hands the `advertise:` resources to the advertiser, starting it (API client, `NODE_NAME`)
-    /// the first time there are any.
-    #[cfg(feature = "cluster")]
-    async fn advertise(&mut self, resources: BTreeMap<String, u64>) -> anyhow::Result<()> {
-        let cluster = &mut self.cluster;
-        if cluster.advertiser.is_none() {
-            if resources.is_empty() {
-                return Ok(());
-            }
-            let node = cluster.context.need_node("advertise: resources need")?;
-            let client = cluster.context.client().await?;
-            tracing::info!(%node, "advertising extended resources on our Node");
-            let gate = cluster.features.gate(&client, &node);
-            let advertiser = devplug_cluster::advertise::Advertiser::spawn_gated(
-                client,
-                node,
-                CancellationToken::new(),
-                Some(gate),
-            );
-            let counters = advertiser.shared_counters();
-            cluster.features.register(
-                devplug_cluster::policy_check::Feature::Advertise,
-                move || {
-                    use std::sync::atomic::Ordering::Relaxed;
-                    crate::endpoints::FeatureStatus {
-                        writes: counters
-                            .applied
-                            .load(Relaxed)
-                            .saturating_add(counters.removed.load(Relaxed)),
-                        errors: counters.errors.load(Relaxed),
-                        last_success_unix: counters.last_success_unix.load(Relaxed),
-                        problem: crate::cluster_features::failing(
-                            counters.consecutive_failures.load(Relaxed),
-                        ),
-                        ..Default::default()
-                    }
-                },
-            );
-            cluster.advertiser = Some(advertiser);
-        }
-        if let Some(advertiser) = &cluster.advertiser {
-            advertiser.set(resources);
-        }
-        Ok(())
-    }
-
-    /// devplug-lite: `Config::parse` already refused `advertise:` resources
-    /// ([`crate::config::needs_cluster`]), so there is nothing to advertise.
-    #[cfg(not(feature = "cluster"))]
-    async fn advertise(&mut self, resources: BTreeMap<String, u64>) -> anyhow::Result<()> {
-        match resources.keys().next() {
-            None => Ok(()),
-            Some(name) => anyhow::bail!(crate::config::not_in_this_build(&format!(
-                "{name}: advertise"
-            ))),
-        }
     }
 
     /// Tells the node events, if any, that a config reload failed.
     fn reload_failed(&self, err: &crate::config::ConfigError) {
         #[cfg(feature = "cluster")]
-        if let Some(events) = &self.cluster.events {
+        if let Some(events) = self.features.shared().events() {
             events.publish(devplug_cluster::events::NodeEvent::config_reload_failed(
                 &err.to_string(),
             ));

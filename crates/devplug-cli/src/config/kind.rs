@@ -73,6 +73,7 @@ impl ResourceKind {
     }
 
     /// The count to keep on the Node, for an `advertise:` resource.
+    #[cfg(feature = "cluster")]
     pub fn advertised(&self) -> Option<u64> {
         match self {
             ResourceKind::Devices(_) => None,
