@@ -12,7 +12,7 @@
 
 use super::reconcile::Run;
 use super::shared::selector;
-use devplug::host::backoff::jittered;
+use devplug::host::backoff::Backoff;
 use devplug::DeviceList;
 use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
@@ -35,7 +35,7 @@ const RETRY_MAX: Duration = Duration::from_secs(60);
 /// again: once it does, both watches start again from fresh lists (a watch that resumes at a
 /// resource version a restored etcd has not reached would deliver nothing) and the slices are
 /// published at once. Each unanswered probe doubles the wait up to [`RECOVERY_PROBE_MAX`], and
-/// every wait is jittered ([`jittered`]): drivers that lost the API server together (a fleet
+/// every wait is jittered ([`Backoff::jittered`]): drivers that lost the API server together (a fleet
 /// whose API server restarted) would otherwise ask it in step, 2 requests a second each, while it
 /// starts (500 simulated nodes: docs/benchmarks.md, "A fleet of DRA nodes"). Also the longest a
 /// probe waits for its answer.
@@ -108,13 +108,13 @@ struct LoopState {
     slice_lists: u32,
     /// When a failed publish is tried again.
     retry_at: Option<Instant>,
-    /// The wait after the next failure.
-    delay: Duration,
+    /// The waits after failed publishes (jittered, like every writer to the API server).
+    retry: Backoff,
     /// Something changed since the last publish.
     dirty: bool,
     // Set while a watch is failing: when to ask the API server again, and the wait before.
     probe_at: Option<Instant>,
-    probe_wait: Duration,
+    probe: Backoff,
 }
 
 impl LoopState {
@@ -126,10 +126,10 @@ impl LoopState {
             node_lists: 0,
             slice_lists: 0,
             retry_at: None,
-            delay: RETRY_FIRST,
+            retry: Backoff::new(RETRY_FIRST, RETRY_MAX).jittered(),
             dirty: true,
             probe_at: None,
-            probe_wait: RECOVERY_PROBE,
+            probe: Backoff::new(RECOVERY_PROBE, RECOVERY_PROBE_MAX).jittered(),
         }
     }
 }
@@ -295,10 +295,10 @@ impl Run {
     /// A watch failed: counted, and the API server probed (unless a probe is already due).
     fn watch_failed(&self, state: &mut LoopState) {
         self.counters.errors.fetch_add(1, Relaxed);
-        let wait = state.probe_wait;
+        let probe = &mut state.probe;
         state
             .probe_at
-            .get_or_insert_with(|| Instant::now() + jittered(wait));
+            .get_or_insert_with(|| Instant::now() + probe.next_delay());
     }
 
     /// Asks the API server whether it answers again (a read of our Node): if it does, a
@@ -311,12 +311,11 @@ impl Run {
         if answered {
             tracing::info!(driver = %self.driver, node = %self.node, "the API server answers again; reading our slices and Node afresh");
             state.probe_at = None;
-            state.probe_wait = RECOVERY_PROBE;
+            state.probe.reset();
             self.counters.resyncs.fetch_add(1, Relaxed);
             self.restart_watches = true;
         } else {
-            state.probe_wait = state.probe_wait.saturating_mul(2).min(RECOVERY_PROBE_MAX);
-            state.probe_at = Some(Instant::now() + jittered(state.probe_wait));
+            state.probe_at = Some(Instant::now() + state.probe.next_delay());
         }
         ControlFlow::Continue(())
     }
@@ -332,7 +331,7 @@ impl Run {
         self.node_uid = None;
         state.slice_lists = 0;
         state.retry_at = None;
-        state.delay = RETRY_FIRST;
+        state.retry.reset();
         state.dirty = true;
     }
 
@@ -356,17 +355,17 @@ impl Run {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs());
                 self.counters.last_success_unix.store(now, Relaxed);
-                if state.delay > RETRY_FIRST {
+                if state.retry.backed_off() {
                     tracing::info!(driver = %self.driver, node = %self.node, "ResourceSlices published again after errors");
                 }
-                state.delay = RETRY_FIRST;
+                state.retry.reset();
             }
             Err(err) => {
-                tracing::warn!(driver = %self.driver, node = %self.node, %err, retry_in = ?state.delay, "cannot publish ResourceSlices; retrying");
+                let wait = state.retry.next_delay();
+                tracing::warn!(driver = %self.driver, node = %self.node, %err, retry_in = ?wait, "cannot publish ResourceSlices; retrying");
                 self.counters.errors.fetch_add(1, Relaxed);
                 self.counters.consecutive_failures.fetch_add(1, Relaxed);
-                state.retry_at = Some(Instant::now() + state.delay);
-                state.delay = state.delay.saturating_mul(2).min(RETRY_MAX);
+                state.retry_at = Some(Instant::now() + wait);
             }
         }
         ControlFlow::Continue(())
@@ -377,16 +376,31 @@ impl Run {
 mod tests {
     use super::*;
 
+    /// The wait of a fresh state's backoff after `taken` earlier ones.
+    fn wait_after(backoff: fn(LoopState) -> Backoff, taken: usize) -> Duration {
+        let mut b = backoff(LoopState::new());
+        for _ in 0..taken {
+            b.next_delay();
+        }
+        b.next_delay()
+    }
+
     #[test]
-    fn probe_waits_are_spread_over_75_to_125_percent() {
-        let waits: Vec<Duration> = (0..200).map(|_| jittered(RECOVERY_PROBE_MAX)).collect();
-        let (lo, hi) = (
-            RECOVERY_PROBE_MAX.mul_f64(0.75),
-            RECOVERY_PROBE_MAX.mul_f64(1.25),
-        );
-        assert!(waits.iter().all(|w| *w >= lo && *w < hi), "{waits:?}");
-        // Spread, not one value: drivers that lost the API server together do not probe in step.
-        let distinct: std::collections::BTreeSet<_> = waits.iter().collect();
-        assert!(distinct.len() > 100, "{} distinct waits", distinct.len());
+    fn probe_and_retry_waits_are_spread_over_75_to_125_percent() {
+        for (backoff, max) in [
+            ((|s| s.probe) as fn(LoopState) -> Backoff, RECOVERY_PROBE_MAX),
+            (|s| s.retry, RETRY_MAX),
+        ] {
+            // Past the cap: 0.5 s doubling to 4 s takes 4 waits, 1 s to 60 s takes 6.
+            let waits: Vec<Duration> = (0..200).map(|_| wait_after(backoff, 10)).collect();
+            let (lo, hi) = (max.mul_f64(0.75), max.mul_f64(1.25));
+            assert!(waits.iter().all(|w| *w >= lo && *w < hi), "{waits:?}");
+            // Spread, not one value: drivers that lost the API server together do not ask it in
+            // step.
+            let distinct: std::collections::BTreeSet<_> = waits.iter().collect();
+            assert!(distinct.len() > 100, "{} distinct waits", distinct.len());
+        }
+        let first = wait_after(|s| s.probe, 0);
+        assert!(first >= RECOVERY_PROBE.mul_f64(0.75) && first < RECOVERY_PROBE.mul_f64(1.25));
     }
 }

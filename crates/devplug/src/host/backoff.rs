@@ -3,9 +3,12 @@
 //! Registration's start at a millisecond: a Go kubelet creates `kubelet.sock` with `bind()` and
 //! accepts only after `listen()`, so a plugin that dials the moment the file appears is often
 //! refused once, and a first retry 100 ms later would make a kubelet restart cost 100 ms (a p90
-//! of 102 ms was measured that way); a new kubelet starts the sequence again. Writers to the API
-//! server jitter theirs ([`Backoff::jittered`]): every node's devplug loses an API server at once,
-//! and without jitter they would all come back in step.
+//! of 102 ms was measured that way); a new kubelet starts the sequence again. Every writer to the
+//! API server (advertised capacity, node labels, the admission-policy probes, the DRA driver's
+//! ResourceSlices and its probe of a lost API server) jitters its own ([`Backoff::jittered`]):
+//! every node's devplug loses an API server at once, and without jitter they would all come back
+//! in step. Registration and the socket binds are not jittered: they wait for this node's kubelet
+//! alone, which no other node's devplug asks, so a jitter would only delay them.
 
 use std::time::Duration;
 
@@ -49,6 +52,11 @@ impl Backoff {
     /// Starts again from the first delay.
     pub fn reset(&mut self) {
         self.next = self.first;
+    }
+
+    /// Whether a delay was taken since the start or the last [`Backoff::reset`].
+    pub fn backed_off(&self) -> bool {
+        self.next > self.first
     }
 }
 
