@@ -234,6 +234,8 @@ pub fn family(major: u32, minor: u32) -> &'static str {
         (8, _) => "ada-lovelace",
         (9, _) => "hopper",
         (10, _) | (12, _) => "blackwell",
+        // GFD v0.20.0 (Vera Rubin).
+        (13, _) => "rubin",
         _ => "undefined",
     }
 }

@@ -141,7 +141,9 @@ fn families_are_gfds() {
         ((9, 0), "hopper"),
         ((10, 0), "blackwell"),
         ((12, 0), "blackwell"),
+        ((13, 0), "rubin"),
         ((11, 0), "undefined"),
+        ((14, 0), "undefined"),
     ];
     for ((major, minor), want) in cases {
         assert_eq!(family(major, minor), want, "{major}.{minor}");
