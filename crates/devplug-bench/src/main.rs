@@ -7,6 +7,7 @@
 //! the DRA figures (slice publish latency, NodePrepareResources; needs `KUBEBUILDER_ASSETS`),
 //! `devplug-bench fleet --nodes N` N simulated nodes' DRA drivers against a real control plane
 //! (`--variant whole|share|partitions`, `--churn-secs S`, `--storms`; docs/benchmarks.md).
+//! `devplug-bench --help` and `devplug-bench fleet --help` list the groups and the flags.
 //! Figures depend on the machine; this is not a test and asserts nothing.
 
 mod accelerators;
@@ -30,43 +31,104 @@ use std::time::{Duration, Instant};
 pub(crate) const WAIT: Duration = Duration::from_secs(10);
 const RESOURCE: &str = "bench.example/dev";
 
+/// What to measure: everything, or one group.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "devplug-bench",
+    about = "Benchmarks of devplug through the kubelet simulator, printed as a table for docs/benchmarks.md",
+    long_about = "Benchmarks of devplug through the kubelet simulator, printed as a table for \
+docs/benchmarks.md. Without a command: every group but dra and fleet (build the release \
+`devplug` first: cargo build --release -p devplug-cli). Figures depend on the machine; \
+nothing is asserted. DEVPLUG_BENCH_ONLY=process: only the `devplug run` process's memory and \
+start."
+)]
+struct Cli {
+    #[command(subcommand)]
+    group: Option<Group>,
+}
+
+/// The groups that run alone.
+#[derive(Debug, clap::Subcommand)]
+enum Group {
+    /// The AMD and Intel GPU backends (no `devplug` binary needed).
+    Gpus,
+    /// The vfio, qat, ascend and fpga backends.
+    Accelerators,
+    /// The NVIDIA backend on the fake NVML.
+    Nvidia,
+    /// Kubelet restart to streaming, by registration route, and the PodResources call cost.
+    Routes,
+    /// The DRA driver: slice publish latency, NodePrepareResources (needs KUBEBUILDER_ASSETS).
+    Dra,
+    /// N simulated nodes, each with devplug's DRA driver, against a real control plane
+    /// (etcd, kube-apiserver, kube-controller-manager, kube-scheduler from KUBEBUILDER_ASSETS).
+    Fleet(FleetArgs),
+}
+
+/// `devplug-bench fleet`: clusterloader2's DRA shape (docs/benchmarks.md, "A fleet of DRA
+/// nodes").
+#[derive(Debug, clap::Args)]
+struct FleetArgs {
+    /// Simulated nodes.
+    #[arg(long, default_value_t = 100)]
+    nodes: usize,
+    /// How devices are handed out: whole, share (by capacity) or partitions.
+    #[arg(long, default_value = "whole")]
+    variant: devplug_bench::fleet::Variant,
+    /// How long the churn lasts, in seconds (0: none; default 120).
+    #[arg(long, value_name = "S")]
+    churn_secs: Option<u64>,
+    /// Pods created (and as many deleted) per second during the churn (default 5).
+    #[arg(long, value_name = "R")]
+    churn_rate: Option<f64>,
+    /// The client rate of kube-scheduler and kube-controller-manager, requests a second.
+    #[arg(long, value_name = "Q")]
+    control_plane_qps: Option<u32>,
+    /// Run the storms: every driver restarted, the API server away, etcd compacted.
+    #[arg(long)]
+    storms: bool,
+    /// How long the API server stays away in its storm, in seconds (default 30).
+    #[arg(long, value_name = "S")]
+    api_down_secs: Option<u64>,
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
-    if std::env::args().nth(1).as_deref() == Some("fleet") {
-        return fleet().await;
-    }
+    let cli = <Cli as clap::Parser>::parse();
     let cpu_before = measure::machine_cpu();
+    if let Some(Group::Fleet(args)) = cli.group {
+        return fleet(args, cpu_before).await;
+    }
     // DEVPLUG_BENCH_ONLY=process: only the figures of the `devplug run` process (memory, start).
     if std::env::var("DEVPLUG_BENCH_ONLY").as_deref() == Ok("process") {
         return measure::process_figures().await;
     }
     println!("| measurement | n | p50 | p99 | max |");
     println!("|---|---|---|---|---|");
-    if std::env::args().nth(1).as_deref() == Some("gpus") {
-        return gpu_figures(cpu_before).await;
-    }
-    if std::env::args().nth(1).as_deref() == Some("accelerators") {
-        accelerators::discovery().await?;
-        accelerators::change_latency().await?;
-        print_machine(cpu_before);
-        return Ok(());
-    }
-    if std::env::args().nth(1).as_deref() == Some("nvidia") {
-        nvidia::preferred().await?;
-        nvidia::start_to_registered().await?;
-        nvidia::xid_to_unhealthy().await?;
-        nvidia::process_rss().await?;
-        print_machine(cpu_before);
-        return Ok(());
-    }
-    if std::env::args().nth(1).as_deref() == Some("dra") {
-        return dra::figures(200, 200).await;
-    }
-    if std::env::args().nth(1).as_deref() == Some("routes") {
-        routes::restart_by_route(200).await?;
-        routes::pod_resources_cost().await?;
-        print_machine(cpu_before);
-        return Ok(());
+    match cli.group {
+        Some(Group::Gpus) => return gpu_figures(cpu_before).await,
+        Some(Group::Accelerators) => {
+            accelerators::discovery().await?;
+            accelerators::change_latency().await?;
+            print_machine(cpu_before);
+            return Ok(());
+        }
+        Some(Group::Nvidia) => {
+            nvidia::preferred().await?;
+            nvidia::start_to_registered().await?;
+            nvidia::xid_to_unhealthy().await?;
+            nvidia::process_rss().await?;
+            print_machine(cpu_before);
+            return Ok(());
+        }
+        Some(Group::Dra) => return dra::figures(200, 200).await,
+        Some(Group::Routes) => {
+            routes::restart_by_route(200).await?;
+            routes::pod_resources_cost().await?;
+            print_machine(cpu_before);
+            return Ok(());
+        }
+        Some(Group::Fleet(_)) | None => {}
     }
     round_trips().await?;
     device_changes().await?;
@@ -92,46 +154,28 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `devplug-bench fleet --nodes N [--variant whole|share|partitions] [--churn-secs S]
-/// [--churn-rate R] [--control-plane-qps Q] [--storms] [--api-down-secs S]`.
-async fn fleet() -> anyhow::Result<()> {
+/// `devplug-bench fleet`.
+async fn fleet(args: FleetArgs, cpu_before: Option<measure::MachineCpu>) -> anyhow::Result<()> {
     use devplug_bench::fleet::{self, FleetOptions};
-    let args: Vec<String> = std::env::args().skip(2).collect();
-    let mut options = FleetOptions::new(100);
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .with_context(|| format!("{flag} needs a value"))
-                .cloned()
-        };
-        match flag.as_str() {
-            "--nodes" => options.nodes = value()?.parse().context("--nodes: a count")?,
-            "--variant" => options.variant = value()?.parse().map_err(anyhow::Error::msg)?,
-            "--churn-secs" => {
-                options.churn = Duration::from_secs(value()?.parse().context("--churn-secs: seconds")?)
-            }
-            "--churn-rate" => {
-                options.churn_rate = value()?.parse().context("--churn-rate: pods a second")?
-            }
-            "--api-down-secs" => {
-                options.api_down =
-                    Duration::from_secs(value()?.parse().context("--api-down-secs: seconds")?)
-            }
-            "--control-plane-qps" => {
-                options.control_plane_qps = value()?
-                    .parse()
-                    .context("--control-plane-qps: requests a second")?
-            }
-            "--storms" => options.storms = true,
-            other => anyhow::bail!(
-                "devplug-bench fleet: unknown flag {other:?} (--nodes N, --variant whole|share|partitions, \
-                 --churn-secs S, --churn-rate R, --control-plane-qps Q, --storms, --api-down-secs S)"
-            ),
-        }
+    let mut options = FleetOptions::new(args.nodes);
+    options.variant = args.variant;
+    options.storms = args.storms;
+    if let Some(secs) = args.churn_secs {
+        options.churn = Duration::from_secs(secs);
     }
-    anyhow::ensure!(options.churn_rate > 0.0, "--churn-rate must be above 0");
-    let cpu_before = measure::machine_cpu();
+    if let Some(rate) = args.churn_rate {
+        options.churn_rate = rate;
+    }
+    if let Some(secs) = args.api_down_secs {
+        options.api_down = Duration::from_secs(secs);
+    }
+    if let Some(qps) = args.control_plane_qps {
+        options.control_plane_qps = qps;
+    }
+    anyhow::ensure!(
+        options.churn_rate > 0.0,
+        "--churn-rate must be above 0 (pods a second)"
+    );
     fleet::run(options).await?;
     print_machine(cpu_before);
     Ok(())

@@ -19,6 +19,11 @@ impl ApiCount {
     pub fn get(&self) -> u64 {
         self.0.load(Relaxed)
     }
+
+    /// `n` more requests (the clients count one each).
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Relaxed);
+    }
 }
 
 /// Makes clients for one kubeconfig, each counting into the same [`ApiCount`].
@@ -55,7 +60,7 @@ impl ClientFactory {
         let count = self.count.clone();
         let layer =
             tower::util::MapRequestLayer::new(move |req: http::Request<kube::client::Body>| {
-                count.0.fetch_add(1, Relaxed);
+                count.add(1);
                 req
             });
         Ok(kube::client::ClientBuilder::try_from(self.config.clone())?

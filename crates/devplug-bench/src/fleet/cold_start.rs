@@ -10,7 +10,7 @@ use super::node::SimNode;
 use super::setup::Cluster;
 use super::slices::{all_published, slice_count};
 use super::{FleetOptions, DRIVER};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::task::JoinHandle;
 
 /// The simulated nodes with their drivers running, and what counts the drivers' requests
@@ -46,12 +46,12 @@ pub(super) async fn start(cluster: &Cluster, options: &FleetOptions) -> anyhow::
     let rss_before = metrics::process_usage("self").map_or(0, |(_, rss)| rss);
     let fds_before = open_files();
     let cpu_before = cpu_now(plane.dir.path());
-    let started = Instant::now();
+    let started = sampler.mark();
     for node in &mut nodes {
         node.start_driver(drivers.client()?).await?;
     }
     let cold = all_published(&nodes, Duration::from_secs(600)).await?;
-    let cold_at = Instant::now();
+    let cold_at = sampler.mark();
     let cold_requests = sampler.now();
     report(
         "cold start: every driver started → every node's slices published",

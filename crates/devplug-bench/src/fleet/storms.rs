@@ -11,7 +11,7 @@ use super::slices::{all_published, slice_count};
 use anyhow::Context;
 use futures_util::future::join_all;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub(super) async fn run(
     plane: &mut Plane,
@@ -26,7 +26,7 @@ pub(super) async fn run(
     // (a) Every driver stops (slices removed, as devplug does at SIGTERM) and starts again
     // with a new client, reading its checkpoint.
     let from = sampler.now();
-    let started = Instant::now();
+    let started = sampler.mark();
     let stops = join_all(nodes.iter_mut().map(SimNode::stop_driver)).await;
     anyhow::ensure!(
         stops.iter().all(Vec::is_empty),
@@ -47,7 +47,7 @@ pub(super) async fn run(
     );
     report(
         "storm (a): driver API requests, peak in 1 s",
-        sampler.peak_per_second(started, Instant::now()),
+        sampler.peak_per_second(started, sampler.mark()),
     );
     anyhow::ensure!(
         slice_count(admin).await? >= n,
@@ -71,7 +71,7 @@ pub(super) async fn run(
     tokio::time::sleep(api_down).await;
     let down_requests = sampler.now() - down_from;
     let back_from = sampler.now();
-    let restart = Instant::now();
+    let restart = sampler.mark();
     // The API server started again while every node is watched for its resync (its slices
     // and Node read afresh) and a publish that succeeded after it: drivers may resync before
     // the API server's /readyz says ok.
@@ -129,7 +129,7 @@ pub(super) async fn run(
     );
     report(
         "storm (b): driver API requests, peak in 1 s after its start",
-        sampler.peak_per_second(restart, Instant::now()),
+        sampler.peak_per_second(restart, sampler.mark()),
     );
     anyhow::ensure!(
         slice_count(admin).await? >= n,
@@ -146,7 +146,7 @@ pub(super) async fn run(
         .map(|d| d.slices().counters().errors.load(Relaxed))
         .sum();
     let from = sampler.now();
-    let started = Instant::now();
+    let started = sampler.mark();
     curl_post(
         &etcd,
         "/v3/kv/compaction",
@@ -167,7 +167,7 @@ pub(super) async fn run(
             "{resynced} of {n} drivers resynced, {} watch errors, driver API requests {}, peak in 1 s {}",
             errors_after - errors_before,
             rate(sampler.now() - from, started.elapsed()),
-            sampler.peak_per_second(started, Instant::now())
+            sampler.peak_per_second(started, sampler.mark())
         ),
     );
     anyhow::ensure!(
