@@ -388,7 +388,10 @@ mod tests {
     #[test]
     fn probe_and_retry_waits_are_spread_over_75_to_125_percent() {
         for (backoff, max) in [
-            ((|s| s.probe) as fn(LoopState) -> Backoff, RECOVERY_PROBE_MAX),
+            (
+                (|s| s.probe) as fn(LoopState) -> Backoff,
+                RECOVERY_PROBE_MAX,
+            ),
             (|s| s.retry, RETRY_MAX),
         ] {
             // Past the cap: 0.5 s doubling to 4 s takes 4 waits, 1 s to 60 s takes 6.

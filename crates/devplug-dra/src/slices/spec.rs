@@ -185,9 +185,39 @@ pub(super) fn spec(
             resource_slice_count: i64::try_from(count).unwrap_or(i64::MAX),
         },
         // The API server leaves an empty list out; so do we, or every comparison would differ.
-        devices: (!devices.is_empty()).then(|| devices.to_vec()),
+        devices: (!devices.is_empty()).then(|| {
+            devices
+                .iter()
+                .map(|d| without_own_domain(driver, d.clone()))
+                .collect()
+        }),
         ..Default::default()
     }
+}
+
+/// `device` with every attribute and capacity name qualified by the driver's own domain
+/// (`npu.example.com/model` from driver `npu.example.com`) published unqualified (`model`): the
+/// API takes an unqualified name as the driver's, CEL reads both as
+/// `device.attributes["npu.example.com"].model`, and Kubernetes 1.38's validation refuses the
+/// qualified form. Where the device has both, the unqualified one stays.
+fn without_own_domain(driver: &str, mut device: api::Device) -> api::Device {
+    fn strip<V>(driver: &str, map: &mut Option<BTreeMap<String, V>>) {
+        let Some(map) = map else { return };
+        let prefix = format!("{driver}/");
+        let qualified: Vec<String> = map
+            .keys()
+            .filter(|k| k.starts_with(&prefix))
+            .cloned()
+            .collect();
+        for key in qualified {
+            if let (Some(value), Some(bare)) = (map.remove(&key), key.strip_prefix(&prefix)) {
+                map.entry(bare.to_owned()).or_insert(value);
+            }
+        }
+    }
+    strip(driver, &mut device.attributes);
+    strip(driver, &mut device.capacity);
+    device
 }
 
 pub(super) fn pool_content(list: &DeviceList, unhealthy: Unhealthy<'_>) -> PoolContent {
@@ -272,6 +302,50 @@ mod tests {
             .attributes
             .as_ref()
             .unwrap()[name]
+    }
+
+    #[test]
+    fn names_in_the_drivers_own_domain_are_published_unqualified() {
+        let device = Device::new("npu-0")
+            .with_attribute("npu.example.com/model", AttributeValue::String("x1".into()))
+            .with_attribute("npu.example.com/cores", AttributeValue::Int(8))
+            .with_attribute("cores", AttributeValue::Int(4))
+            .with_attribute(
+                "other.example.com/model",
+                AttributeValue::String("y".into()),
+            )
+            .with_attribute("a.example.com/b/c", AttributeValue::Int(1));
+        let list = DeviceList::new(vec![device]);
+        let made = slice_specs("npu.example.com", "node-a", 1, &list);
+        // A name with two '/' is left out, and said.
+        assert!(
+            made.skipped
+                .iter()
+                .any(|s| s.attribute.as_deref() == Some("a.example.com/b/c")),
+            "{:?}",
+            made.skipped
+        );
+        let specs = made.specs;
+        let devices = specs[0].devices.as_ref().unwrap();
+        let names: Vec<&str> = devices[0]
+            .attributes
+            .as_ref()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        // No name in the driver's own domain; the unqualified `cores` kept over the qualified.
+        assert_eq!(names, ["cores", "model", "other.example.com/model"]);
+        let cores = &devices[0].attributes.as_ref().unwrap()["cores"];
+        assert_eq!(cores.int, Some(4));
+        // Every qualified name has one '/' at most (the API server refuses more).
+        for spec in &specs {
+            for device in spec.devices.iter().flatten() {
+                for name in device.attributes.iter().flatten().map(|(k, _)| k) {
+                    assert!(name.matches('/').count() <= 1, "{name}");
+                }
+            }
+        }
     }
 
     #[test]

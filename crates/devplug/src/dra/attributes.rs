@@ -278,6 +278,8 @@ mod tests {
         assert!(check_name(&"x".repeat(33)).is_err());
         assert!(check_name("Example.com/model").is_err());
         assert!(check_name("/model").is_err());
+        // One '/' at most: the domain is a DNS subdomain, which has none.
+        assert!(check_name("a.example.com/b/c").is_err());
         assert!(check_name("").is_err());
     }
 

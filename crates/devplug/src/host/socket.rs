@@ -94,6 +94,7 @@ pub(crate) async fn remove_stale(dir: &Path, resource: &str, keep: &Path) {
 /// a hidden temporary name, restricted, then renamed into place, so it is never reachable with
 /// wider permissions.
 pub(crate) fn bind_owner_only(path: &Path) -> io::Result<(UnixListener, FileIdentity)> {
+    check_socket_path(path)?;
     let tmp = temp_path(path);
     let _ = std::fs::remove_file(&tmp);
     let listener = std::os::unix::net::UnixListener::bind(&tmp)?;
@@ -125,17 +126,83 @@ pub(crate) fn remove_if_ours(path: &Path, identity: FileIdentity) -> io::Result<
     Ok(())
 }
 
+/// The longest path a Unix socket's address holds: `sun_path` is 108 bytes on Linux, one of
+/// them the terminating NUL (`unix(7)`). The kubelet dials the same path, so a longer one could
+/// not be reached even where it could be bound.
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// A socket path too long for a Unix socket, as an error that says how long and what to shorten.
+pub fn check_socket_path(path: &Path) -> io::Result<()> {
+    let len = path.as_os_str().len();
+    if len <= MAX_SOCKET_PATH {
+        return Ok(());
+    }
+    Err(io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!(
+            "socket path {} is {len} bytes; a Unix socket's path holds at most \
+             {MAX_SOCKET_PATH}: use a shorter kubelet folder, resource or driver name",
+            path.display()
+        ),
+    ))
+}
+
+/// The hidden name a socket is bound under before it is renamed into place: `.<name>.tmp`, or,
+/// where that would not fit in [`MAX_SOCKET_PATH`], the name with its first character made a
+/// dot (as long as the path itself).
 fn temp_path(path: &Path) -> PathBuf {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    path.with_file_name(format!(".{name}.tmp"))
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    if tmp.as_os_str().len() <= MAX_SOCKET_PATH {
+        return tmp;
+    }
+    let rest: String = name.chars().skip(1).collect();
+    path.with_file_name(format!(".{rest}"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A folder under `root` whose socket `name` makes a path of exactly `len` bytes.
+    fn path_of_length(root: &Path, name: &str, len: usize) -> PathBuf {
+        let base = root.as_os_str().len() + 1 + name.len();
+        let pad = len
+            .checked_sub(base + 1)
+            .expect("root too long for this length");
+        let dir = root.join("d".repeat(pad));
+        std::fs::create_dir(&dir).unwrap();
+        let path = dir.join(name);
+        assert_eq!(path.as_os_str().len(), len);
+        path
+    }
+
+    #[test]
+    fn a_socket_path_of_107_bytes_binds_and_a_longer_one_is_refused_by_name() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _guard = rt.enter();
+        let root = tempfile::tempdir().unwrap();
+        // dra.sock: `.dra.sock.tmp` would not fit beside a 107-byte path; the short form does.
+        let longest = path_of_length(root.path(), "dra.sock", MAX_SOCKET_PATH);
+        let (_listener, _) = bind_owner_only(&longest).unwrap();
+        assert!(longest.exists());
+        let root = tempfile::tempdir().unwrap();
+        let over = path_of_length(root.path(), "dra.sock", MAX_SOCKET_PATH + 1);
+        let err = bind_owner_only(&over).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+        let said = err.to_string();
+        assert!(
+            said.contains("108 bytes") && said.contains("at most 107") && said.contains("shorter"),
+            "{said}"
+        );
+        assert!(!over.exists());
+    }
 
     #[test]
     fn names_are_per_instance_and_safe() {
