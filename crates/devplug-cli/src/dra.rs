@@ -141,7 +141,20 @@ impl DraDrivers {
                         .unwrap_or_else(|e| e.into_inner())
                         .remove(&format!("DRA driver {}", dra.driver));
                 }
-                for problem in driver.shutdown().await {
+                // A driver the new config still serves (its resource changed) keeps its slices
+                // for its next instance, which publishes over them; one it no longer serves
+                // takes them down now.
+                let still_served = config.dra.as_ref().is_some_and(|old| {
+                    wanted
+                        .values()
+                        .any(|r| r.dra.as_ref().is_some_and(|new| new.driver == old.driver))
+                });
+                let problems = if still_served {
+                    driver.shutdown().await
+                } else {
+                    driver.remove().await
+                };
+                for problem in problems {
                     tracing::warn!(resource = %name, %problem, "DRA driver not fully cleaned up");
                 }
             }
@@ -290,7 +303,8 @@ impl crate::cluster_feature::ClusterFeature for DraDrivers {
         }
     }
 
-    /// Stops every driver: sockets and the node's slices removed, prepared claims kept.
+    /// Stops every driver: sockets removed; the node's slices and prepared claims kept for the
+    /// next start (the kubelet wipes the slices of a driver that does not come back).
     async fn stop(&mut self) {
         for (name, (_, driver)) in std::mem::take(&mut self.running) {
             for problem in driver.shutdown().await {

@@ -276,11 +276,11 @@ async fn run_advertises_on_its_node_and_follows_the_config() {
     ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
+async fn run_serves_a_dra_driver_and_keeps_its_slices_at_shutdown() {
     use k8s_openapi::api::resource::v1::ResourceSlice;
     use kube::api::ListParams;
     let Some((server, client, _)) = cluster_with_node(
-        "run_serves_a_dra_driver_and_removes_its_slices_at_shutdown",
+        "run_serves_a_dra_driver_and_keeps_its_slices_at_shutdown",
         "cli-dra",
     )
     .await
@@ -395,11 +395,20 @@ async fn run_serves_a_dra_driver_and_removes_its_slices_at_shutdown() {
     ] {
         assert!(metrics.contains(line), "{line} in\n{metrics}");
     }
+    let uids = |list: kube::core::ObjectList<ResourceSlice>| -> Vec<Option<String>> {
+        let mut uids: Vec<_> = list.items.into_iter().map(|s| s.metadata.uid).collect();
+        uids.sort();
+        uids
+    };
+    let before = uids(slices.list(&params).await.unwrap());
     let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
     assert!(status.success(), "{log}");
-    assert!(
-        slices.list(&params).await.unwrap().items.is_empty(),
-        "shutdown removes the slices"
+    // Kept for the next start, as upstream's kubelet-plugin helper keeps them (the kubelet wipes
+    // a driver's slices 30 s after it is gone for good): no scheduling gap across a restart.
+    assert_eq!(
+        uids(slices.list(&params).await.unwrap()),
+        before,
+        "shutdown keeps the slices"
     );
 }
 

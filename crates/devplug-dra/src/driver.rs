@@ -136,13 +136,24 @@ impl DraDriver {
         &self.slices
     }
 
-    /// Stops serving, removes the sockets and the node's slices of this driver; prepared claims
-    /// stay prepared (their CDI specs and the checkpoint are kept for the next start). Returns
-    /// what could not be cleaned up.
+    /// Stops serving and removes the sockets, as at SIGTERM; the node's slices stay published
+    /// for the next start ([`SlicePublisher::stop`]: no scheduling gap across a restart) and
+    /// prepared claims stay prepared (their CDI specs and the checkpoint are kept). Returns what
+    /// could not be cleaned up.
     pub async fn shutdown(self) -> Vec<String> {
         self.stop.cancel();
+        let problems = self.kubelet.stop().await;
+        self.slices.stop().await;
+        problems
+    }
+
+    /// Stops serving for good (its resource left the config): the sockets and the node's slices
+    /// of this driver removed; prepared claims stay prepared as with [`DraDriver::shutdown`].
+    /// Returns what could not be cleaned up.
+    pub async fn remove(self) -> Vec<String> {
+        self.stop.cancel();
         let mut problems = self.kubelet.stop().await;
-        if let Err(err) = self.slices.shutdown().await {
+        if let Err(err) = self.slices.remove().await {
             problems.push(format!("ResourceSlices: {err}"));
         }
         problems

@@ -17,7 +17,8 @@
 //!   status shows their devices' health.
 //! - `driver.rs`: all of it for one backend, started and stopped as one ([`DraDriver`]).
 //! - [`kubelet`]: the driver's sockets and its plugin-watcher registration.
-//! - [`slices`]: the node's devices as ResourceSlices, event-driven, removed at shutdown.
+//! - [`slices`]: the node's devices as ResourceSlices, event-driven, kept across a
+//!   restart (the kubelet wipes those of a driver gone for good), removed by `DraDriver::remove`.
 //! - [`runtime`]: whether the node's container runtime applies CDI specs at all.
 //! - [`health`]: a running driver's readiness and counters, for probes and metrics.
 

@@ -187,7 +187,7 @@ async fn the_charts_dra_permissions_are_scoped_to_the_node() {
             .load(std::sync::atomic::Ordering::Relaxed),
         0
     );
-    assert_eq!(publisher.shutdown().await.unwrap(), 1);
+    assert_eq!(publisher.remove().await.unwrap(), 1);
 
     // Another driver's slices, even on its own node.
     let why = refused(

@@ -2,7 +2,7 @@
 //! for this binary): devices with attributes, capacities and the Node as owner; generation bumps;
 //! unhealthy devices leaving and coming back; 300 devices in 3 slices adopted by a restarted
 //! publisher without duplicates; repair of a slice deleted or edited by someone; waiting for the
-//! Node; deletion on shutdown; the RBAC rules it needs. Each test has its own Node. Without
+//! Node; kept at a stop, deleted at a removal; the RBAC rules it needs. Each test has its own Node. Without
 //! `KUBEBUILDER_ASSETS` each test prints SKIPPED and returns.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
@@ -606,16 +606,36 @@ async fn nothing_is_published_until_the_node_exists() {
     ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
 )]
 #[tokio::test]
-async fn shutdown_deletes_the_slices() {
-    let Some(s) = setup("shutdown_deletes_the_slices", "slices-stop").await else {
+async fn a_stop_keeps_the_slices_for_the_next_start_and_a_removal_deletes_them() {
+    let Some(s) = setup(
+        "a_stop_keeps_the_slices_for_the_next_start_and_a_removal_deletes_them",
+        "slices-stop",
+    )
+    .await
+    else {
         return;
     };
     let list = DeviceList::new(npus(150));
     let (_tx, rx) = watch::channel(list.clone());
     let publisher = spawn(&s, rx);
     publisher.wait_published(&list).await.unwrap();
-    assert_eq!(slices(&s.api, &s.node).await.len(), 2);
-    assert_eq!(publisher.shutdown().await.unwrap(), 2);
+    let before = slices(&s.api, &s.node).await;
+    assert_eq!(before.len(), 2);
+    publisher.stop().await;
+    // Kept while the driver is away: the scheduler still sees the node's devices.
+    let kept = slices(&s.api, &s.node).await;
+    let uids = |all: &BTreeMap<String, ResourceSlice>| -> Vec<Option<String>> {
+        let mut uids: Vec<_> = all.values().map(|s| s.metadata.uid.clone()).collect();
+        uids.sort();
+        uids
+    };
+    assert_eq!(uids(&kept), uids(&before));
+    // The next start publishes over them: the same objects, none deleted and made again.
+    let (_tx, rx) = watch::channel(list.clone());
+    let publisher = spawn(&s, rx);
+    publisher.wait_published(&list).await.unwrap();
+    assert_eq!(uids(&slices(&s.api, &s.node).await), uids(&before));
+    assert_eq!(publisher.remove().await.unwrap(), 2);
     assert!(slices(&s.api, &s.node).await.is_empty());
 }
 
@@ -659,7 +679,7 @@ async fn publish_latency_after_a_change() {
             times[times.len() * 9 / 10],
             times[times.len() - 1]
         );
-        publisher.shutdown().await.unwrap();
+        publisher.remove().await.unwrap();
     }
 }
 
@@ -749,6 +769,6 @@ async fn the_rbac_rules_are_enough() {
             .load(std::sync::atomic::Ordering::Relaxed),
         0
     );
-    assert_eq!(publisher.shutdown().await.unwrap(), 1);
+    assert_eq!(publisher.remove().await.unwrap(), 1);
     assert!(slices(&s.api, &s.node).await.is_empty());
 }

@@ -86,11 +86,20 @@ impl SimNode {
         Ok(())
     }
 
-    /// Stops the driver as devplug stops at SIGTERM: sockets and slices removed, the checkpoint
-    /// and CDI specs kept. Returns what could not be cleaned up.
+    /// Stops the driver as devplug stops at SIGTERM: sockets removed; the slices, the
+    /// checkpoint and CDI specs kept. Returns what could not be cleaned up.
     pub async fn stop_driver(&mut self) -> Vec<String> {
         match self.driver.take() {
             Some(driver) => driver.shutdown().await,
+            None => Vec::new(),
+        }
+    }
+
+    /// Stops the driver for good, its slices deleted (the stand-in kubelet does not wipe a gone
+    /// driver's slices as the kubelet does). Returns what could not be cleaned up.
+    pub async fn remove_driver(&mut self) -> Vec<String> {
+        match self.driver.take() {
+            Some(driver) => driver.remove().await,
             None => Vec::new(),
         }
     }

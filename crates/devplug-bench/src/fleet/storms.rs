@@ -23,7 +23,7 @@ pub(super) async fn run(
 ) -> anyhow::Result<()> {
     let n = nodes.len();
 
-    // (a) Every driver stops (slices removed, as devplug does at SIGTERM) and starts again
+    // (a) Every driver stops (slices kept, as devplug does at SIGTERM) and starts again
     // with a new client, reading its checkpoint.
     let from = sampler.now();
     let started = sampler.mark();

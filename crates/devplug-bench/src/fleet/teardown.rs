@@ -89,7 +89,7 @@ pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> a
         .unwrap_or(0);
     kubelets.stop();
     leases.abort();
-    let stops = join_all(nodes.iter_mut().map(SimNode::stop_driver)).await;
+    let stops = join_all(nodes.iter_mut().map(SimNode::remove_driver)).await;
     let problems: Vec<String> = stops.into_iter().flatten().collect();
     anyhow::ensure!(problems.is_empty(), "driver shutdown: {problems:?}");
     let left = slice_count(&admin).await?;

@@ -148,18 +148,35 @@ impl SlicePublisher {
         result
     }
 
-    /// Stops publishing and deletes this driver's slices of the node; returns how many were
-    /// deleted.
-    pub async fn shutdown(mut self) -> Result<usize, SliceError> {
+    /// Stops publishing and keeps this driver's slices of the node, as upstream's kubelet-plugin
+    /// helper does: a driver that comes back (a restart, a rolling update) finds them and
+    /// publishes over them, so the scheduler never sees the node without its devices; one that
+    /// does not is cleaned up by the kubelet, which wipes a gone driver's slices 30 s after it
+    /// unregistered (`defaultWipingDelay`, pkg/kubelet/cm/dra).
+    pub async fn stop(mut self) {
+        self.stop_task().await;
+        tracing::info!(driver = %self.driver, node = %self.node, "stopped publishing; ResourceSlices kept for the next start");
+    }
+
+    /// Stops publishing and deletes this driver's slices of the node (the driver is gone for
+    /// good: its resource left the config); returns how many were deleted.
+    pub async fn remove(mut self) -> Result<usize, SliceError> {
+        self.stop_task().await;
+        let deleted = delete_all(&self.api, &self.driver, &self.node).await?;
+        tracing::info!(driver = %self.driver, node = %self.node, deleted, "ResourceSlices removed");
+        Ok(deleted)
+    }
+}
+
+impl SlicePublisher {
+    /// Stops the publishing task and waits for it.
+    async fn stop_task(&mut self) {
         self.stop.cancel();
         if let Some(task) = self.task.take() {
             if let Err(err) = task.await {
                 tracing::warn!(driver = %self.driver, node = %self.node, %err, "the slice publisher task failed");
             }
         }
-        let deleted = delete_all(&self.api, &self.driver, &self.node).await?;
-        tracing::info!(driver = %self.driver, node = %self.node, deleted, "ResourceSlices removed");
-        Ok(deleted)
     }
 }
 
