@@ -1,5 +1,6 @@
-//! The kubelet's DRA device health stream, `v1alpha1.DRAResourceHealth/NodeWatchResources`,
-//! served on the driver's `DRAPlugin` socket. With the `ResourceHealthStatus` feature (beta and
+//! The kubelet's DRA device health stream, `DRAResourceHealth/NodeWatchResources`, served on
+//! the driver's `DRAPlugin` socket in both packages the kubelets speak: `v1` (Kubernetes 1.37+,
+//! which prefers it) and `v1alpha1` (1.34-1.36, and 1.37-1.39 for older drivers). With the `ResourceHealthStatus` feature (beta and
 //! on in Kubernetes 1.36) the kubelet opens it when the driver registers and shows the health of
 //! each allocated device in the status of the pods that use it
 //! (`status.containerStatuses[].allocatedResourcesStatus`, the reason as `message`).
@@ -11,6 +12,7 @@
 //! ([`HEALTH_TIMEOUT_SECONDS`]), which is how it tells a hung driver from a quiet one.
 
 use devplug::{DeviceList, Health};
+use devplug_proto::dra_health_v1 as pb_v1;
 use devplug_proto::dra_health_v1alpha1 as pb;
 use std::pin::Pin;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -82,28 +84,38 @@ pub fn health_message(pool: &str, list: &DeviceList) -> pb::NodeWatchResourcesRe
     pb::NodeWatchResourcesResponse { devices }
 }
 
-type HealthStream = Pin<
-    Box<
-        dyn tokio_stream::Stream<Item = Result<pb::NodeWatchResourcesResponse, tonic::Status>>
-            + Send,
-    >,
->;
+/// A health stream of messages `M` (one package's `NodeWatchResourcesResponse`).
+type HealthStream<M> = Pin<Box<dyn tokio_stream::Stream<Item = Result<M, tonic::Status>> + Send>>;
 
-#[tonic::async_trait]
-impl pb::dra_resource_health_server::DraResourceHealth for DeviceHealthService {
-    type NodeWatchResourcesStream = HealthStream;
+impl DeviceHealthService {
+    /// The same service for the kubelet's `v1` API (Kubernetes 1.37+), served beside `v1alpha1`
+    /// on the driver's socket: one list of devices, two wire packages.
+    pub fn server_v1(
+        pool: &str,
+        devices: watch::Receiver<DeviceList>,
+        stop: CancellationToken,
+    ) -> pb_v1::dra_resource_health_server::DraResourceHealthServer<DeviceHealthService> {
+        pb_v1::dra_resource_health_server::DraResourceHealthServer::new(DeviceHealthService {
+            pool: pool.to_owned(),
+            devices,
+            stop,
+        })
+    }
 
-    async fn node_watch_resources(
+    /// The stream every `NodeWatchResources` call gets: the whole list at once, on every change
+    /// and every [`RESEND_EVERY`], each message made by [`health_message`] and put in the
+    /// caller's package by `into`.
+    fn stream<M: Send + 'static>(
         &self,
-        _: tonic::Request<pb::NodeWatchResourcesRequest>,
-    ) -> Result<tonic::Response<HealthStream>, tonic::Status> {
+        into: fn(pb::NodeWatchResourcesResponse) -> M,
+    ) -> HealthStream<M> {
         let mut devices = self.devices.clone();
         let pool = self.pool.clone();
         let stop = self.stop.clone();
         let (tx, rx) = mpsc::channel(1);
         tokio::spawn(async move {
             loop {
-                let message = health_message(&pool, &devices.borrow_and_update());
+                let message = into(health_message(&pool, &devices.borrow_and_update()));
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     sent = tx.send(Ok(message)) => if sent.is_err() { return },
@@ -124,7 +136,51 @@ impl pb::dra_resource_health_server::DraResourceHealth for DeviceHealthService {
                 }
             }
         });
-        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
+        Box::pin(ReceiverStream::new(rx))
+    }
+}
+
+/// A `v1alpha1` message as `v1`: the same fields, numbers and values (v1 is v1alpha1 promoted).
+pub fn to_v1(message: pb::NodeWatchResourcesResponse) -> pb_v1::NodeWatchResourcesResponse {
+    pb_v1::NodeWatchResourcesResponse {
+        devices: message
+            .devices
+            .into_iter()
+            .map(|d| pb_v1::DeviceHealth {
+                device: d.device.map(|id| pb_v1::DeviceIdentifier {
+                    pool_name: id.pool_name,
+                    device_name: id.device_name,
+                }),
+                health: d.health,
+                last_updated_time: d.last_updated_time,
+                health_check_timeout_seconds: d.health_check_timeout_seconds,
+                message: d.message,
+            })
+            .collect(),
+    }
+}
+
+#[tonic::async_trait]
+impl pb::dra_resource_health_server::DraResourceHealth for DeviceHealthService {
+    type NodeWatchResourcesStream = HealthStream<pb::NodeWatchResourcesResponse>;
+
+    async fn node_watch_resources(
+        &self,
+        _: tonic::Request<pb::NodeWatchResourcesRequest>,
+    ) -> Result<tonic::Response<Self::NodeWatchResourcesStream>, tonic::Status> {
+        Ok(tonic::Response::new(self.stream(|m| m)))
+    }
+}
+
+#[tonic::async_trait]
+impl pb_v1::dra_resource_health_server::DraResourceHealth for DeviceHealthService {
+    type NodeWatchResourcesStream = HealthStream<pb_v1::NodeWatchResourcesResponse>;
+
+    async fn node_watch_resources(
+        &self,
+        _: tonic::Request<pb_v1::NodeWatchResourcesRequest>,
+    ) -> Result<tonic::Response<Self::NodeWatchResourcesStream>, tonic::Status> {
+        Ok(tonic::Response::new(self.stream(to_v1)))
     }
 }
 
@@ -151,5 +207,20 @@ mod tests {
         assert!(broken.last_updated_time > 1_700_000_000);
         assert_eq!(message.devices[0].health(), pb::HealthStatus::Healthy);
         assert!(message.devices[0].message.is_empty());
+    }
+
+    #[test]
+    fn the_v1_message_says_what_the_v1alpha1_one_says() {
+        let list = DeviceList::new([
+            Device::new("gpu-0"),
+            Device::new("gpu-1").with_health(Health::unhealthy("XID 79")),
+        ]);
+        let alpha = health_message("node-a", &list);
+        let v1 = to_v1(alpha.clone());
+        // Field for field, number for number: the bytes on the wire are the same.
+        use prost::Message;
+        assert_eq!(alpha.encode_to_vec(), v1.encode_to_vec());
+        assert_eq!(v1.devices[1].health(), pb_v1::HealthStatus::Unhealthy);
+        assert_eq!(v1.devices[1].message, "XID 79");
     }
 }

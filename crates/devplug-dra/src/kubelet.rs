@@ -16,7 +16,7 @@ use super::service::{DraV1, DraV1beta1};
 use crate::device_health::DeviceHealthService;
 use devplug::host::{RefusedRetry, RegistrationSocket};
 use devplug_proto::constants::{
-    DRA_HEALTH_SERVICE, DRA_SOCKET_NAME, DRA_SUPPORTED_VERSIONS, PLUGIN_TYPE_DRA,
+    DRA_HEALTH_SERVICES, DRA_SOCKET_NAME, DRA_SUPPORTED_VERSIONS, PLUGIN_TYPE_DRA,
 };
 use devplug_proto::pluginregistration::PluginInfo;
 use std::path::{Path, PathBuf};
@@ -91,6 +91,11 @@ impl KubeletSide {
                 preparer.pool(),
                 preparer.devices(),
                 stop.clone(),
+            ))
+            .add_service(DeviceHealthService::server_v1(
+                preparer.pool(),
+                preparer.devices(),
+                stop.clone(),
             ));
         devplug_proto::uds::spawn_server(
             router,
@@ -104,7 +109,7 @@ impl KubeletSide {
             endpoint: endpoint.display().to_string(),
             supported_versions: DRA_SUPPORTED_VERSIONS
                 .iter()
-                .chain([&DRA_HEALTH_SERVICE])
+                .chain(DRA_HEALTH_SERVICES.iter())
                 .map(|v| (*v).to_owned())
                 .collect(),
         };

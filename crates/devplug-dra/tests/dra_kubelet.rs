@@ -233,7 +233,7 @@ async fn a_lost_cdi_folder_is_written_again_from_the_checkpoint() {
 
 #[tokio::test]
 async fn the_kubelet_hears_each_devices_health_on_the_health_stream() {
-    use devplug_proto::dra_health_v1alpha1::HealthStatus;
+    use devplug_proto::dra_health_v1::HealthStatus;
     let (_root, kubelet, dirs, files) = node().await;
     let list = DeviceList::new((0..2).map(|i| Device::new(format!("npu-{i}"))));
     let (tx, _) = watch::channel(list);
@@ -249,6 +249,8 @@ async fn the_kubelet_hears_each_devices_health_on_the_health_stream() {
     wait_registered(&mut side.registered(), "registered").await;
 
     let mut stream = kubelet.dra_watch_health(DRIVER).await.unwrap();
+    // Both versions are listed; the simulator picks v1 as a 1.37 kubelet does.
+    assert_eq!(stream.service(), kubelet_sim::HealthService::V1);
     let first = next_health(&mut stream).await;
     let seen: Vec<(String, String, HealthStatus)> = first
         .devices
@@ -284,12 +286,34 @@ async fn the_kubelet_hears_each_devices_health_on_the_health_stream() {
     });
     let recovered = next_health(&mut stream).await;
     assert_eq!(recovered.devices[1].health(), HealthStatus::Healthy);
+
+    // A 1.34-1.36 kubelet knows only v1alpha1: the same socket answers it with the same list.
+    use devplug_proto::dra_health_v1alpha1 as alpha;
+    let channel = devplug_proto::uds::connect(side.endpoint(), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let mut old = alpha::dra_resource_health_client::DraResourceHealthClient::new(channel)
+        .node_watch_resources(alpha::NodeWatchResourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let said = tokio::time::timeout(Duration::from_secs(5), old.message())
+        .await
+        .expect("a v1alpha1 message within 5 s")
+        .unwrap()
+        .unwrap();
+    let names: Vec<String> = said
+        .devices
+        .iter()
+        .map(|d| d.device.clone().unwrap().device_name)
+        .collect();
+    assert_eq!(names, ["npu-0", "npu-1"]);
     assert!(side.stop().await.is_empty());
 }
 
 async fn next_health(
-    stream: &mut tonic::Streaming<devplug_proto::dra_health_v1alpha1::NodeWatchResourcesResponse>,
-) -> devplug_proto::dra_health_v1alpha1::NodeWatchResourcesResponse {
+    stream: &mut kubelet_sim::HealthStream,
+) -> devplug_proto::dra_health_v1::NodeWatchResourcesResponse {
     let next = tokio::time::timeout(Duration::from_secs(5), stream.message()).await;
     next.expect("a message within 5 s").unwrap().unwrap()
 }

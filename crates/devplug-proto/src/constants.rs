@@ -62,10 +62,11 @@ pub const POD_RESOURCES_BURST: u32 = 10;
 /// kubelet takes the first one it supports. These are not the gRPC paths.
 pub const DRA_SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
 
-/// The name of the DRA device health service (`DRAResourceHealth`, package `v1alpha1`) that a
-/// DRA plugin lists in `supported_versions` beside [`DRA_SUPPORTED_VERSIONS`] when it serves it:
-/// newer kubelets open the health stream only for plugins that list it.
-pub const DRA_HEALTH_SERVICE: &str = "v1alpha1.DRAResourceHealth";
+/// The names of the DRA device health service (`DRAResourceHealth`), newest first, that a DRA
+/// plugin lists in `supported_versions` beside [`DRA_SUPPORTED_VERSIONS`] for each version it
+/// serves: kubelets open the health stream only for plugins that list it, and a 1.37 kubelet
+/// picks `v1` where both are listed (`v1alpha1` is read through 1.39; 1.34-1.36 know only it).
+pub const DRA_HEALTH_SERVICES: [&str; 2] = ["v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"];
 
 /// The kubelet's folder of plugin sockets; a DRA driver serves `<this>/<driver>/dra.sock`.
 pub const PLUGINS_PATH: &str = "/var/lib/kubelet/plugins/";

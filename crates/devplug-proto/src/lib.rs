@@ -19,8 +19,9 @@
 //! - [`dra_v1`] and [`dra_v1beta1`]: the kubelet's DRA plugin API (`DRAPlugin`), packages
 //!   `k8s.io.kubelet.pkg.apis.dra.v1` (Kubernetes 1.34+) and `…v1beta1` (1.32+), generated from
 //!   `proto/dra/*/api.proto`.
-//! - [`dra_health_v1alpha1`]: the kubelet's DRA device health stream (`DRAResourceHealth`,
-//!   package `v1alpha1`, Kubernetes 1.34+), generated from `proto/dra-health/v1alpha1/api.proto`.
+//! - [`dra_health_v1`] and [`dra_health_v1alpha1`]: the kubelet's DRA device health stream
+//!   (`DRAResourceHealth`, package `v1`, Kubernetes 1.37+, and `v1alpha1`, 1.34+), generated from
+//!   `proto/dra-health/*/api.proto`.
 //!
 //! Field names, numbers and the package names are the kubelet's (`k8s.io/kubelet/pkg/apis/…`),
 //! and are pinned by `tests/wire.rs`.
@@ -103,4 +104,17 @@ pub mod dra_v1beta1 {
 )]
 pub mod dra_health_v1alpha1 {
     include!("gen/v1alpha1.rs");
+}
+
+/// Generated code for the kubelet's DRA device health API, package `v1` (`DRAResourceHealth`,
+/// Kubernetes 1.37+).
+#[allow(
+    missing_docs,
+    clippy::all,
+    clippy::pedantic,
+    clippy::unwrap_used,
+    clippy::expect_used
+)]
+pub mod dra_health_v1 {
+    include!("gen/dra-health-v1/v1.rs");
 }

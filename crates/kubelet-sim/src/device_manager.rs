@@ -217,13 +217,7 @@ impl Kubelet {
     /// Opens `driver`'s device health stream (`DRAResourceHealth/NodeWatchResources`) on its
     /// chosen endpoint, as the kubelet does once the driver registers; each message lists
     /// devices with their health.
-    pub async fn dra_watch_health(
-        &self,
-        driver: &str,
-    ) -> Result<
-        tonic::Streaming<devplug_proto::dra_health_v1alpha1::NodeWatchResourcesResponse>,
-        DraError,
-    > {
+    pub async fn dra_watch_health(&self, driver: &str) -> Result<dra::HealthStream, DraError> {
         dra::watch_health(&self.shared, driver).await
     }
 

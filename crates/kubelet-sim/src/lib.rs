@@ -65,6 +65,6 @@ pub use config::{ClientKeying, SimConfig};
 pub use device_manager::{Kubelet, SimError};
 pub use dra::{
     ClaimError, ClaimResults, DraClaim, DraDevice, DraError, DraPluginRecord, DraService,
-    PreparedClaim,
+    HealthService, HealthStream, PreparedClaim,
 };
 pub use state::{Allocation, NodeState, RegistrationRecord, ResourceState, SimDevice};

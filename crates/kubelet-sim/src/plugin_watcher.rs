@@ -331,7 +331,8 @@ async fn register_dra(
         endpoint: endpoint.clone(),
         seen,
     };
-    match dra::add(shared, &info.name, &endpoint, path, service) {
+    let health = dra::HealthService::pick(&info.supported_versions);
+    match dra::add(shared, &info.name, &endpoint, path, service, health) {
         Ok(()) => notify(client, true, "").await,
         Err(err) => {
             let err = format!("RegisterPlugin error -- plugin registration failed with err: {err}");

@@ -40,11 +40,11 @@ pub(crate) mod types;
 use types::DraEndpoint;
 pub use types::{
     ClaimError, ClaimResults, DraClaim, DraDevice, DraError, DraPluginRecord, DraService,
-    PreparedClaim,
+    HealthService, PreparedClaim,
 };
 
 use crate::shared::Shared;
-use devplug_proto::{dra_health_v1alpha1, dra_v1, dra_v1beta1};
+use devplug_proto::{dra_health_v1, dra_health_v1alpha1, dra_v1, dra_v1beta1};
 use hyper_util::rt::TokioIo;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -106,6 +106,7 @@ pub(crate) fn add(
     endpoint: &Path,
     registration_socket: &Path,
     service: DraService,
+    health: Option<HealthService>,
 ) -> Result<(), String> {
     let channel = lazy_channel(endpoint);
     let record = DraPluginRecord {
@@ -113,6 +114,7 @@ pub(crate) fn add(
         endpoint: endpoint.to_path_buf(),
         registration_socket: registration_socket.to_path_buf(),
         service,
+        health,
         registered_at: Instant::now(),
     };
     let added = shared.modify(|node| {
@@ -272,24 +274,94 @@ fn check<T>(
 
 /// Opens the device health stream (`DRAResourceHealth/NodeWatchResources`) of `driver`'s
 /// chosen endpoint, as the kubelet does at registration with the `ResourceHealthStatus`
-/// feature. No deadline: the stream lives as long as the plugin.
-pub(crate) async fn watch_health(
-    shared: &Shared,
-    driver: &str,
-) -> Result<tonic::Streaming<dra_health_v1alpha1::NodeWatchResourcesResponse>, DraError> {
-    let (channel, _, _) = pick(shared, driver).await?;
-    let mut client =
-        dra_health_v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(channel);
-    client
-        .node_watch_resources(dra_health_v1alpha1::NodeWatchResourcesRequest {})
-        .await
-        .map(tonic::Response::into_inner)
-        .map_err(|status| DraError::Status {
-            driver: driver.to_owned(),
-            method: WATCH_HEALTH,
-            code: status.code(),
-            message: status.message().to_owned(),
-        })
+/// feature: in `v1` where the plugin lists it (a 1.37 kubelet's choice), else `v1alpha1`. No
+/// deadline: the stream lives as long as the plugin.
+pub(crate) async fn watch_health(shared: &Shared, driver: &str) -> Result<HealthStream, DraError> {
+    let (channel, _, endpoint) = pick(shared, driver).await?;
+    let listed = shared.read(|node| {
+        node.dra
+            .plugins
+            .iter()
+            .find(|p| p.record.driver == driver && p.record.endpoint == endpoint)
+            .and_then(|p| p.record.health)
+    });
+    // A plugin that lists none is asked in v1alpha1, as kubelets before 1.37 asked every plugin
+    // (an Unimplemented answer then says it has no stream).
+    let service = listed.unwrap_or(HealthService::V1alpha1);
+    let failed = |status: tonic::Status| DraError::Status {
+        driver: driver.to_owned(),
+        method: WATCH_HEALTH,
+        code: status.code(),
+        message: status.message().to_owned(),
+    };
+    let inner = match service {
+        HealthService::V1 => HealthInner::V1(
+            dra_health_v1::dra_resource_health_client::DraResourceHealthClient::new(channel)
+                .node_watch_resources(dra_health_v1::NodeWatchResourcesRequest {})
+                .await
+                .map_err(failed)?
+                .into_inner(),
+        ),
+        HealthService::V1alpha1 => HealthInner::V1alpha1(
+            dra_health_v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(channel)
+                .node_watch_resources(dra_health_v1alpha1::NodeWatchResourcesRequest {})
+                .await
+                .map_err(failed)?
+                .into_inner(),
+        ),
+    };
+    Ok(HealthStream { service, inner })
+}
+
+/// A driver's device health stream, in the version the kubelet opened; its messages in `v1`'s
+/// types whichever it was (v1 is v1alpha1 promoted: the same fields).
+pub struct HealthStream {
+    service: HealthService,
+    inner: HealthInner,
+}
+
+enum HealthInner {
+    V1(tonic::Streaming<dra_health_v1::NodeWatchResourcesResponse>),
+    V1alpha1(tonic::Streaming<dra_health_v1alpha1::NodeWatchResourcesResponse>),
+}
+
+impl HealthStream {
+    /// The version opened.
+    pub fn service(&self) -> HealthService {
+        self.service
+    }
+
+    /// The next message; `None` once the plugin ended the stream.
+    pub async fn message(
+        &mut self,
+    ) -> Result<Option<dra_health_v1::NodeWatchResourcesResponse>, tonic::Status> {
+        match &mut self.inner {
+            HealthInner::V1(stream) => stream.message().await,
+            HealthInner::V1alpha1(stream) => Ok(stream.message().await?.map(alpha_to_v1)),
+        }
+    }
+}
+
+/// A `v1alpha1` health message in `v1`'s types, field for field.
+fn alpha_to_v1(
+    message: dra_health_v1alpha1::NodeWatchResourcesResponse,
+) -> dra_health_v1::NodeWatchResourcesResponse {
+    dra_health_v1::NodeWatchResourcesResponse {
+        devices: message
+            .devices
+            .into_iter()
+            .map(|d| dra_health_v1::DeviceHealth {
+                device: d.device.map(|id| dra_health_v1::DeviceIdentifier {
+                    pool_name: id.pool_name,
+                    device_name: id.device_name,
+                }),
+                health: d.health,
+                last_updated_time: d.last_updated_time,
+                health_check_timeout_seconds: d.health_check_timeout_seconds,
+                message: d.message,
+            })
+            .collect(),
+    }
 }
 
 /// `NodePrepareResources` for `claims` on `driver`; claims that succeed are recorded as

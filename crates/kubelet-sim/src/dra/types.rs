@@ -2,7 +2,7 @@
 //! devices (with their `v1` and `v1beta1` wire forms), per-claim results and errors, and the
 //! records the node state keeps (registered endpoints, prepared claims, pods' claims).
 
-use devplug_proto::constants::DRA_SUPPORTED_VERSIONS;
+use devplug_proto::constants::{DRA_HEALTH_SERVICES, DRA_SUPPORTED_VERSIONS};
 use devplug_proto::{dra_v1, dra_v1beta1};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -39,6 +39,36 @@ impl DraService {
 impl std::fmt::Display for DraService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// A version of the device health service (`DRAResourceHealth`) the kubelet can open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum HealthService {
+    /// `v1.DRAResourceHealth` (kubelets 1.37+, which prefer it).
+    V1,
+    /// `v1alpha1.DRAResourceHealth` (kubelets 1.34+; 1.37-1.39 for drivers without v1).
+    V1alpha1,
+}
+
+impl HealthService {
+    /// Every version, newest first.
+    pub const ALL: [HealthService; 2] = [HealthService::V1, HealthService::V1alpha1];
+
+    /// The name a plugin lists in `supported_versions` (`"v1.DRAResourceHealth"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            HealthService::V1 => DRA_HEALTH_SERVICES[0],
+            HealthService::V1alpha1 => DRA_HEALTH_SERVICES[1],
+        }
+    }
+
+    /// The version a 1.37 kubelet opens for a plugin listing `supported`: `v1` where listed,
+    /// else `v1alpha1` where listed, else none (the plugin serves no health stream).
+    pub fn pick(supported: &[String]) -> Option<HealthService> {
+        HealthService::ALL
+            .into_iter()
+            .find(|h| supported.iter().any(|s| s == h.name()))
     }
 }
 
@@ -249,6 +279,8 @@ pub struct DraPluginRecord {
     pub registration_socket: PathBuf,
     /// The service version the kubelet chose.
     pub service: DraService,
+    /// The device health service it opens, if the plugin lists one.
+    pub health: Option<HealthService>,
     /// When the kubelet registered it.
     pub registered_at: Instant,
 }
@@ -290,4 +322,32 @@ pub(crate) struct DraState {
     pub(crate) prepared: BTreeMap<String, BTreeMap<String, PreparedClaim>>,
     /// Pod UID → the (driver, claim) pairs it references.
     pub(crate) pods: BTreeMap<String, BTreeSet<(String, DraClaim)>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_health_service_is_v1_where_listed_as_a_1_37_kubelet_picks_it() {
+        let listed =
+            |names: &[&str]| -> Vec<String> { names.iter().map(|n| (*n).to_owned()).collect() };
+        assert_eq!(
+            HealthService::pick(&listed(&[
+                "v1.DRAPlugin",
+                "v1alpha1.DRAResourceHealth",
+                "v1.DRAResourceHealth"
+            ])),
+            Some(HealthService::V1)
+        );
+        assert_eq!(
+            HealthService::pick(&listed(&[
+                "v1beta1.DRAPlugin",
+                "v1alpha1.DRAResourceHealth"
+            ])),
+            Some(HealthService::V1alpha1)
+        );
+        assert_eq!(HealthService::pick(&listed(&["v1.DRAPlugin"])), None);
+        assert_eq!(HealthService::V1.name(), "v1.DRAResourceHealth");
+    }
 }
