@@ -241,6 +241,23 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<(u64, u64)> {
 /// [`write_atomic`] with the file's permission bits (`0o600` for a file only its owner may
 /// read); the folder is made if missing, with the usual permissions.
 pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<(u64, u64)> {
+    write_atomic_inner(path, bytes, mode, true)
+}
+
+/// [`write_atomic`] without the fsync: a reader still sees the old file or the new one, but a
+/// power loss may leave either, or an empty file. For files something durable can write again
+/// (a DRA claim's CDI spec, kept whole in the synced checkpoint and restored from it at start
+/// when the file is missing or differs); it saves a disk flush on each write.
+pub fn write_atomic_unsynced(path: &Path, bytes: &[u8]) -> std::io::Result<(u64, u64)> {
+    write_atomic_inner(path, bytes, 0o644, false)
+}
+
+fn write_atomic_inner(
+    path: &Path,
+    bytes: &[u8],
+    mode: u32,
+    sync: bool,
+) -> std::io::Result<(u64, u64)> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
@@ -259,7 +276,9 @@ pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> std::io::Resul
         // The mode given at creation is narrowed by the umask; a stale temp file keeps its own.
         file.set_permissions(std::fs::Permissions::from_mode(mode))?;
         file.write_all(bytes)?;
-        file.sync_all()?;
+        if sync {
+            file.sync_all()?;
+        }
         let meta = file.metadata()?;
         std::fs::rename(&tmp, path)?;
         Ok((meta.dev(), meta.ino()))

@@ -34,12 +34,15 @@ pub(super) fn build(
     spec
 }
 
-/// Writes a claim's spec atomically.
+/// Writes a claim's spec atomically, without an fsync: the checkpoint, which is synced before
+/// the kubelet hears the claim is prepared, holds the same text, and [`restore_spec`] writes
+/// it again at start where the file is missing or differs (a power loss on a disk-backed CDI
+/// folder). One disk flush per prepare instead of two.
 pub(super) async fn write(path: PathBuf, json: String) -> Result<(), PrepareError> {
-    // On a blocking thread: the write is fsynced, and a slow disk must not stall the runtime.
+    // On a blocking thread: a slow disk must not stall the runtime.
     let written = tokio::task::spawn_blocking({
         let path = path.clone();
-        move || devplug::cdi::write_atomic(&path, json.as_bytes())
+        move || devplug::cdi::write_atomic_unsynced(&path, json.as_bytes())
     })
     .await
     .unwrap_or_else(|join| Err(std::io::Error::other(join.to_string())));
@@ -66,18 +69,23 @@ pub(super) fn remove(path: &Path) -> Result<(), PrepareError> {
 /// Writes a prepared claim's CDI spec again from the checkpoint when its file is gone: the
 /// checkpoint is on persistent disk, `/var/run/cdi` usually on a tmpfs that a reboot empties
 /// (and a failed unprepare can leave the claim without its file), and a container whose CDI
-/// device has no spec cannot start. `Ok(false)`: the file is there.
+/// device has no spec cannot start. A file that differs from the checkpoint's text (a write
+/// cut short by a power loss: specs are written without an fsync) is written again too.
+/// `Ok(false)`: the file is there, as the checkpoint has it.
 pub fn restore_spec(driver: &str, uid: &str, claim: &PreparedClaim) -> Result<bool, PrepareError> {
-    if claim.cdi_spec.exists() {
-        return Ok(false);
-    }
     let name = format!("{}/{}", claim.namespace, claim.name);
     let Some(json) = &claim.cdi_spec_json else {
+        if claim.cdi_spec.exists() {
+            return Ok(false);
+        }
         return Err(PrepareError::SpecLost {
             path: claim.cdi_spec.clone(),
             claim: name,
         });
     };
+    if std::fs::read(&claim.cdi_spec).is_ok_and(|on_disk| on_disk == json.as_bytes()) {
+        return Ok(false);
+    }
     devplug::cdi::write_atomic(&claim.cdi_spec, json.as_bytes()).map_err(|source| {
         PrepareError::RewriteSpec {
             path: claim.cdi_spec.clone(),
@@ -85,7 +93,7 @@ pub fn restore_spec(driver: &str, uid: &str, claim: &PreparedClaim) -> Result<bo
             source: Arc::new(source),
         }
     })?;
-    tracing::warn!(%driver, claim = %uid, spec = %claim.cdi_spec.display(), "the CDI spec of a prepared claim was missing (a reboot, or a failed unprepare); written again from the checkpoint");
+    tracing::warn!(%driver, claim = %uid, spec = %claim.cdi_spec.display(), "the CDI spec of a prepared claim was missing or not as the checkpoint has it (a reboot, a power loss, or a failed unprepare); written again from the checkpoint");
     Ok(true)
 }
 

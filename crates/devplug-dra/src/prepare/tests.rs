@@ -475,9 +475,18 @@ async fn prepare_writes_a_spec_per_claim_and_survives_a_restart() {
     let spec = std::fs::read_to_string(&spec_file).unwrap();
     assert!(spec.contains("NPU_VISIBLE_DEVICES=npu-0,NPU-1"), "{spec}");
 
+    // The spec on disk is the checkpoint's text: a start leaves it alone.
+    let checkpoint = Checkpoint::load(&files.checkpoint, "npu.example.com").unwrap();
+    let u1 = &checkpoint.claims["u1"];
+    assert!(!restore_spec("npu.example.com", "u1", u1).unwrap());
+    // Specs are written without an fsync: one a power loss cut short is written again from
+    // the checkpoint at the next start.
+    std::fs::write(&spec_file, "").unwrap();
+
     // A new process answers the repeat from the checkpoint, and can unprepare.
     drop(preparer);
     let again = Preparer::new("npu.example.com", "node-a", backend, claims, files).unwrap();
+    assert_eq!(std::fs::read_to_string(&spec_file).unwrap(), spec);
     let results = again.prepare(&[claim("u1")]).await;
     assert_eq!(results["u1"].as_ref().unwrap(), devices);
     let results = again.unprepare(&[claim("u1"), claim("u9")]).await;
