@@ -225,7 +225,10 @@ async fn breakdown(
     for (uid, claim) in &prepared {
         let json = claim.cdi_spec_json.clone().unwrap_or_default();
         let started = Instant::now();
-        devplug::cdi::write_atomic_unsynced(&spec_dir.join(format!("{uid}.json")), json.as_bytes())?;
+        devplug::cdi::write_atomic_unsynced(
+            &spec_dir.join(format!("{uid}.json")),
+            json.as_bytes(),
+        )?;
         spec.push(started.elapsed());
         checkpoint.claims.insert(uid.clone(), claim.clone());
         let started = Instant::now();
