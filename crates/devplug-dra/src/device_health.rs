@@ -140,26 +140,6 @@ impl DeviceHealthService {
     }
 }
 
-/// A `v1alpha1` message as `v1`: the same fields, numbers and values (v1 is v1alpha1 promoted).
-pub fn to_v1(message: pb::NodeWatchResourcesResponse) -> pb_v1::NodeWatchResourcesResponse {
-    pb_v1::NodeWatchResourcesResponse {
-        devices: message
-            .devices
-            .into_iter()
-            .map(|d| pb_v1::DeviceHealth {
-                device: d.device.map(|id| pb_v1::DeviceIdentifier {
-                    pool_name: id.pool_name,
-                    device_name: id.device_name,
-                }),
-                health: d.health,
-                last_updated_time: d.last_updated_time,
-                health_check_timeout_seconds: d.health_check_timeout_seconds,
-                message: d.message,
-            })
-            .collect(),
-    }
-}
-
 #[tonic::async_trait]
 impl pb::dra_resource_health_server::DraResourceHealth for DeviceHealthService {
     type NodeWatchResourcesStream = HealthStream<pb::NodeWatchResourcesResponse>;
@@ -180,7 +160,9 @@ impl pb_v1::dra_resource_health_server::DraResourceHealth for DeviceHealthServic
         &self,
         _: tonic::Request<pb_v1::NodeWatchResourcesRequest>,
     ) -> Result<tonic::Response<Self::NodeWatchResourcesStream>, tonic::Status> {
-        Ok(tonic::Response::new(self.stream(to_v1)))
+        Ok(tonic::Response::new(
+            self.stream(pb_v1::NodeWatchResourcesResponse::from),
+        ))
     }
 }
 
@@ -216,7 +198,7 @@ mod tests {
             Device::new("gpu-1").with_health(Health::unhealthy("XID 79")),
         ]);
         let alpha = health_message("node-a", &list);
-        let v1 = to_v1(alpha.clone());
+        let v1 = pb_v1::NodeWatchResourcesResponse::from(alpha.clone());
         // Field for field, number for number: the bytes on the wire are the same.
         use prost::Message;
         assert_eq!(alpha.encode_to_vec(), v1.encode_to_vec());

@@ -117,4 +117,29 @@ pub mod dra_health_v1alpha1 {
 )]
 pub mod dra_health_v1 {
     include!("gen/dra-health-v1/v1.rs");
+
+    use super::dra_health_v1alpha1 as alpha;
+
+    /// A `v1alpha1` health message as `v1`: the same fields, numbers and values (v1 is v1alpha1
+    /// promoted), so a server answers both from one message and a client reads both as one.
+    impl From<alpha::NodeWatchResourcesResponse> for NodeWatchResourcesResponse {
+        fn from(message: alpha::NodeWatchResourcesResponse) -> Self {
+            NodeWatchResourcesResponse {
+                devices: message
+                    .devices
+                    .into_iter()
+                    .map(|d| DeviceHealth {
+                        device: d.device.map(|id| DeviceIdentifier {
+                            pool_name: id.pool_name,
+                            device_name: id.device_name,
+                        }),
+                        health: d.health,
+                        last_updated_time: d.last_updated_time,
+                        health_check_timeout_seconds: d.health_check_timeout_seconds,
+                        message: d.message,
+                    })
+                    .collect(),
+            }
+        }
+    }
 }

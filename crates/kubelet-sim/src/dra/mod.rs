@@ -337,30 +337,8 @@ impl HealthStream {
     ) -> Result<Option<dra_health_v1::NodeWatchResourcesResponse>, tonic::Status> {
         match &mut self.inner {
             HealthInner::V1(stream) => stream.message().await,
-            HealthInner::V1alpha1(stream) => Ok(stream.message().await?.map(alpha_to_v1)),
+            HealthInner::V1alpha1(stream) => Ok(stream.message().await?.map(Into::into)),
         }
-    }
-}
-
-/// A `v1alpha1` health message in `v1`'s types, field for field.
-fn alpha_to_v1(
-    message: dra_health_v1alpha1::NodeWatchResourcesResponse,
-) -> dra_health_v1::NodeWatchResourcesResponse {
-    dra_health_v1::NodeWatchResourcesResponse {
-        devices: message
-            .devices
-            .into_iter()
-            .map(|d| dra_health_v1::DeviceHealth {
-                device: d.device.map(|id| dra_health_v1::DeviceIdentifier {
-                    pool_name: id.pool_name,
-                    device_name: id.device_name,
-                }),
-                health: d.health,
-                last_updated_time: d.last_updated_time,
-                health_check_timeout_seconds: d.health_check_timeout_seconds,
-                message: d.message,
-            })
-            .collect(),
     }
 }
 
