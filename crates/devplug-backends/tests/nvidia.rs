@@ -1141,6 +1141,37 @@ async fn a_mig_change_rediscovers_without_touching_the_other_resources_streams()
     counts(&kubelet, "nvidia.com/gpu", 1, 1).await;
 }
 
+/// A GPU lost while a MIG change is discovered (NVML cannot read it) does not fail the
+/// rediscovery: its MIG devices stay listed, Unhealthy, and the other GPUs' new layout is
+/// served.
+#[tokio::test]
+async fn a_gpu_lost_during_a_mig_rediscovery_stays_listed_unhealthy_and_the_others_are_served() {
+    let node = Node::new("a100-mig", true);
+    let (kubelet, _host, backends) = serve(
+        &node,
+        vec![("nvidia.com/mig-1g.5gb", node.mixed(Some("1g.5gb")))],
+    )
+    .await;
+    // GPU 0 has 2 of them, GPU 1 has 4.
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 6).await;
+    node.inject("lost 0");
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 4).await;
+    // GPU 2 into MIG mode with 7x 1g.5gb, while GPU 0 still does not answer.
+    node.inject("mig 2 all-1g");
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 13, 11).await;
+    let gpu0 = backends[0].devices().borrow().clone();
+    let unhealthy: Vec<&str> = gpu0
+        .devices()
+        .iter()
+        .filter(|d| !d.health.is_healthy())
+        .map(|d| d.id.as_str())
+        .collect();
+    assert_eq!(unhealthy.len(), 2, "{unhealthy:?}");
+    // GPU 0 answers again: all 13 healthy.
+    node.inject("found 0");
+    counts(&kubelet, "nvidia.com/mig-1g.5gb", 13, 13).await;
+}
+
 /// The driver's files, found by the version NVML reports under the root it was loaded from,
 /// reach the container through `Allocate` and the CDI spec alike, at host paths.
 #[tokio::test]

@@ -9,8 +9,8 @@
 use super::mig_ids::{instance_ids, InstanceEvents};
 use super::mig_instances;
 use super::seam::{
-    mig_profile, DriverInfo, GiProfile, GpuDriver, GpuInfo, GpuSession, MigInfo, MigPartitioner,
-    PcieLevel, RawEvent, RecoveryAction, SessionEnd, Snapshot, WaitError,
+    mig_profile, DriverInfo, GiProfile, GpuDriver, GpuInfo, GpuSession, LostGpu, MigInfo,
+    MigPartitioner, PcieLevel, RawEvent, RecoveryAction, SessionEnd, Snapshot, WaitError,
 };
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::TopologyLevel;
@@ -262,6 +262,71 @@ struct NvmlSession<'n> {
     mig_profiles: bool,
 }
 
+/// One GPU as discovery reads it, with its handle (for the PCIe levels); an error names the GPU
+/// and what could not be read.
+fn read_gpu(nvml: &Nvml, index: u32, read_profiles: bool) -> Result<(GpuInfo, Device<'_>), String> {
+    let device = nvml
+        .device_by_index(index)
+        .map_err(|e| format!("GPU {index}: {e}"))?;
+    let field = |what: &str, e: NvmlError| format!("GPU {index}: {what}: {e}");
+    let uuid = device.uuid().map_err(|e| field("uuid", e))?;
+    let name = device.name().map_err(|e| field("name", e))?;
+    let minor = device
+        .minor_number()
+        .map_err(|e| field("minor number", e))?;
+    let memory_bytes = device.memory_info().map(|m| m.total).unwrap_or(0);
+    let bus_id = sysfs_bus_id(&device.pci_info().map_err(|e| field("PCI info", e))?.bus_id);
+    let mut nvlinks = Vec::new();
+    for link in 0..MAX_LINKS {
+        let wrapper = device.link_wrapper_for(link);
+        match wrapper.is_active() {
+            Ok(true) => {
+                if let Ok(remote) = wrapper.remote_pci_info() {
+                    nvlinks.push(sysfs_bus_id(&remote.bus_id));
+                }
+            }
+            Ok(false) => {}
+            // No NVLink on this GPU, or no more links.
+            Err(_) => break,
+        }
+    }
+    let mig_mode = device.mig_mode();
+    let mig_capable = mig_mode.is_ok();
+    let mig_enabled = mig_mode.is_ok_and(|m| m.current == 1);
+    let compute_capability = device
+        .cuda_compute_capability()
+        .ok()
+        .and_then(|c| Some((u32::try_from(c.major).ok()?, u32::try_from(c.minor).ok()?)));
+    let (migs, mig_profiles) = if mig_enabled {
+        let profiles = if !read_profiles {
+            Vec::new()
+        } else {
+            mig_instances::profiles(&device).unwrap_or_else(|err| {
+            tracing::warn!(gpu = %uuid, %err, "cannot read the GPU's MIG profiles: no partitions of it are offered");
+            Vec::new()
+        })
+        };
+        (mig_devices(&device, &uuid, memory_bytes), profiles)
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let info = GpuInfo {
+        index,
+        uuid,
+        name,
+        minor,
+        memory_bytes,
+        bus_id,
+        nvlinks,
+        compute_capability,
+        mig_capable,
+        mig_enabled,
+        migs,
+        mig_profiles,
+    };
+    Ok((info, device))
+}
+
 fn level(l: TopologyLevel) -> PcieLevel {
     match l {
         TopologyLevel::Internal => PcieLevel::Internal,
@@ -299,67 +364,17 @@ impl GpuSession for NvmlSession<'_> {
             .map_err(|e| format!("device count: {e}"))?;
         let mut gpus = Vec::new();
         let mut devices = Vec::new();
+        let mut lost = Vec::new();
         for index in 0..count {
-            let device = nvml
-                .device_by_index(index)
-                .map_err(|e| format!("GPU {index}: {e}"))?;
-            let field = |what: &str, e: NvmlError| format!("GPU {index}: {what}: {e}");
-            let uuid = device.uuid().map_err(|e| field("uuid", e))?;
-            let name = device.name().map_err(|e| field("name", e))?;
-            let minor = device
-                .minor_number()
-                .map_err(|e| field("minor number", e))?;
-            let memory_bytes = device.memory_info().map(|m| m.total).unwrap_or(0);
-            let bus_id = sysfs_bus_id(&device.pci_info().map_err(|e| field("PCI info", e))?.bus_id);
-            let mut nvlinks = Vec::new();
-            for link in 0..MAX_LINKS {
-                let wrapper = device.link_wrapper_for(link);
-                match wrapper.is_active() {
-                    Ok(true) => {
-                        if let Ok(remote) = wrapper.remote_pci_info() {
-                            nvlinks.push(sysfs_bus_id(&remote.bus_id));
-                        }
-                    }
-                    Ok(false) => {}
-                    // No NVLink on this GPU, or no more links.
-                    Err(_) => break,
+            match read_gpu(nvml, index, self.mig_profiles) {
+                Ok((info, device)) => {
+                    gpus.push(info);
+                    devices.push(device);
                 }
+                // One GPU that does not answer (lost, fallen off the bus) leaves the others
+                // readable: discovery keeps it as it was last seen where it can.
+                Err(reason) => lost.push(LostGpu { index, reason }),
             }
-            let mig_mode = device.mig_mode();
-            let mig_capable = mig_mode.is_ok();
-            let mig_enabled = mig_mode.is_ok_and(|m| m.current == 1);
-            let compute_capability = device
-                .cuda_compute_capability()
-                .ok()
-                .and_then(|c| Some((u32::try_from(c.major).ok()?, u32::try_from(c.minor).ok()?)));
-            let (migs, mig_profiles) = if mig_enabled {
-                let profiles = if !self.mig_profiles {
-                    Vec::new()
-                } else {
-                    mig_instances::profiles(&device).unwrap_or_else(|err| {
-                    tracing::warn!(gpu = %uuid, %err, "cannot read the GPU's MIG profiles: no partitions of it are offered");
-                    Vec::new()
-                })
-                };
-                (mig_devices(&device, &uuid, memory_bytes), profiles)
-            } else {
-                (Vec::new(), Vec::new())
-            };
-            gpus.push(GpuInfo {
-                index,
-                uuid,
-                name,
-                minor,
-                memory_bytes,
-                bus_id,
-                nvlinks,
-                compute_capability,
-                mig_capable,
-                mig_enabled,
-                migs,
-                mig_profiles,
-            });
-            devices.push(device);
         }
         let n = devices.len();
         let mut pcie = vec![vec![None; n]; n];
@@ -374,7 +389,7 @@ impl GpuSession for NvmlSession<'_> {
                 pcie[j][i] = l;
             }
         }
-        Ok(Snapshot { gpus, pcie })
+        Ok(Snapshot { gpus, pcie, lost })
     }
 
     fn recovery_action(&mut self, index: u32) -> Result<Option<RecoveryAction>, String> {

@@ -123,6 +123,64 @@ pub struct Snapshot {
     /// `pcie[i][j]`: the level between GPUs `i` and `j` (by position in `gpus`); `None` where
     /// NVML could not tell.
     pub pcie: Vec<Vec<Option<PcieLevel>>>,
+    /// The GPUs NVML counts but could not read (lost: fallen off the bus), not in `gpus`.
+    pub lost: Vec<LostGpu>,
+}
+
+/// A GPU NVML counts but could not read at discovery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LostGpu {
+    /// Its NVML index.
+    pub index: u32,
+    /// What could not be read, and why.
+    pub reason: String,
+}
+
+impl Snapshot {
+    /// The snapshot with `known` (the GPUs an earlier discovery served) in the places of its
+    /// lost GPUs of the same index, in index order, their PCIe levels unknown, so that they stay
+    /// listed (and found lost by the health watch) while the others are served. A lost GPU that
+    /// `known` lacks is left out: the earlier discovery did not serve it either. With nothing
+    /// known (a first discovery) a lost GPU fails discovery, which is retried: it may be one
+    /// this resource serves.
+    pub fn with_lost_as_known(self, known: &[GpuInfo]) -> Result<Snapshot, String> {
+        let mut carried = Vec::new();
+        for lost in &self.lost {
+            match known.iter().find(|g| g.index == lost.index) {
+                Some(g) => carried.push(g.clone()),
+                None if known.is_empty() => return Err(lost.reason.clone()),
+                None => {}
+            }
+        }
+        if carried.is_empty() {
+            return Ok(self);
+        }
+        // Every GPU with its old position (None: carried), in index order.
+        let mut all: Vec<(GpuInfo, Option<usize>)> = self
+            .gpus
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| (g, Some(i)))
+            .chain(carried.into_iter().map(|g| (g, None)))
+            .collect();
+        all.sort_by_key(|(g, _)| g.index);
+        let pcie = all
+            .iter()
+            .map(|(_, a)| {
+                all.iter()
+                    .map(|(_, b)| {
+                        let (a, b) = ((*a)?, (*b)?);
+                        self.pcie.get(a)?.get(b).copied().flatten()
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(Snapshot {
+            gpus: all.into_iter().map(|(g, _)| g).collect(),
+            pcie,
+            lost: self.lost,
+        })
+    }
 }
 
 /// An event NVML delivered.

@@ -222,9 +222,14 @@ fn discover(
     settings: &NvidiaSettings,
     shared: &Shared,
 ) -> Result<Found, String> {
+    let known = known_gpus(&shared.view());
     let snapshot = session
         .snapshot()
+        .and_then(|s| s.with_lost_as_known(&known))
         .map_err(|e| format!("GPU discovery failed: {e}"))?;
+    for lost in &snapshot.lost {
+        tracing::warn!(index = lost.index, reason = %lost.reason, "a GPU does not answer at discovery; the others are served, it as it was last seen (Unhealthy) where this resource served it");
+    }
     let mut view = View::build(settings, &snapshot);
     let info = session.driver();
     view.driver_version.clone_from(&info.version);
@@ -267,6 +272,11 @@ fn discover(
         }
     }
     Ok((view, infos, layout(&snapshot)))
+}
+
+/// The GPUs `view` serves, as discovery read them.
+fn known_gpus(view: &View) -> Vec<GpuInfo> {
+    view.gpus.iter().map(|g| g.info.clone()).collect()
 }
 
 /// The driver's files to give containers, found from where NVML was loaded and the version
@@ -486,10 +496,12 @@ impl<'a> Monitor<'a> {
                 self.book.set_unknown(None);
                 // A MIG change between discovery and this registration sent its event to no
                 // one: look once more now that changes are watched.
+                // (Lost GPUs as the view has them, as discovery put them: not a change.)
                 if watch_mig
                     && self
                         .session
                         .snapshot()
+                        .and_then(|s| s.with_lost_as_known(&known_gpus(&self.view)))
                         .is_ok_and(|s| layout(&s) != self.layout)
                 {
                     tracing::info!("MIG layout changed during discovery; discovering again");

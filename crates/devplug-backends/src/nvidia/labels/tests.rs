@@ -24,6 +24,7 @@ fn view_of(settings: &NvidiaSettings, gpus: Vec<GpuInfo>) -> View {
         settings,
         &Snapshot {
             gpus,
+            lost: Vec::new(),
             pcie: vec![vec![None; n]; n],
         },
     );

@@ -41,6 +41,7 @@ fn mig_caps_from_mig_minors_and_what_is_left_out() {
     a.migs = vec![mig("MIG-a", "1g.5gb", 7), mig("MIG-b", "1g.5gb", 8)];
     let snapshot = Snapshot {
         gpus: vec![a, gpu(1, "NVIDIA A100-SXM4-40GB", &[])],
+        lost: Vec::new(),
         pcie: vec![vec![None; 2]; 2],
     };
     let settings = NvidiaSettings {
@@ -86,6 +87,7 @@ fn mig_caps_from_mig_minors_and_what_is_left_out() {
     // single with no GPU in MIG mode: the GPUs whole (as NVIDIA does).
     let plain = Snapshot {
         gpus: vec![gpu(0, "x", &[]), gpu(1, "x", &[])],
+        lost: Vec::new(),
         pcie: vec![vec![None; 2]; 2],
     };
     let view = View::build(&single, &plain);
@@ -125,6 +127,7 @@ fn dynamic_mig_publishes_partitions_that_consume_the_gpus_slices() {
     a.mig_profiles = a100_profiles();
     let snapshot = Snapshot {
         gpus: vec![a, gpu(1, "NVIDIA A100-SXM4-40GB", &[])],
+        lost: Vec::new(),
         pcie: vec![vec![None; 2]; 2],
     };
     let settings = NvidiaSettings {
@@ -204,6 +207,7 @@ fn models_replicas_and_weights() {
             ),
             gpu(2, "NVIDIA A100-SXM4-40GB", &[]),
         ],
+        lost: Vec::new(),
         pcie: vec![
             vec![None, Some(PcieLevel::Single), Some(PcieLevel::System)],
             vec![Some(PcieLevel::Single), None, Some(PcieLevel::System)],

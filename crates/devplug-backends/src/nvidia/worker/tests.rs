@@ -114,6 +114,7 @@ fn not_ready_with_the_reason_until_the_driver_opens_and_a_wake_retries_at_once()
         failures: VecDeque::from(["the NVIDIA driver is not loaded".to_owned()]),
         snapshot: Ok(Snapshot {
             gpus: vec![gpu(0), gpu(1)],
+            lost: Vec::new(),
             pcie: vec![vec![None; 2]; 2],
         }),
         events: events.clone(),
@@ -191,6 +192,7 @@ fn healthy_gpus_need_no_tick_a_faulted_one_does_until_it_recovers() {
         failures: VecDeque::new(),
         snapshot: Ok(Snapshot {
             gpus: vec![gpu(0)],
+            lost: Vec::new(),
             pcie: vec![vec![None]],
         }),
         events: events.clone(),
