@@ -1,6 +1,8 @@
 //! One backend device as the API's `Device`: the attributes and capacities that pass the API
 //! server's rules (the others are reported as [`Skipped`]), then [`NUMA_ATTRIBUTE`] from its
-//! first NUMA node when the backend gave none and there is room.
+//! first NUMA node when the backend gave none and there is room, and the standard
+//! [`NUMA_NODE_ATTRIBUTE`] (Kubernetes 1.37's `resource.kubernetes.io/numaNode`, which CEL and
+//! `matchAttribute` compare across drivers) likewise.
 
 use super::quantity::quantity;
 use super::spec::Skipped;
@@ -12,6 +14,11 @@ use std::collections::BTreeMap;
 
 /// The attribute added from a device's first NUMA node when the backend gives none.
 pub const NUMA_ATTRIBUTE: &str = "numa";
+
+/// The standard attribute of a device's NUMA node (KEP-6072, GA in Kubernetes 1.37 with no
+/// feature gate): the same name from every driver, so a claim can align a GPU and a NIC of two
+/// drivers with `matchAttribute: resource.kubernetes.io/numaNode`.
+pub const NUMA_NODE_ATTRIBUTE: &str = "resource.kubernetes.io/numaNode";
 
 /// One device as the API has it: attributes and capacities that pass the API server's rules,
 /// then `numa` when the backend gave none and there is room.
@@ -53,10 +60,12 @@ pub(super) fn api_device(device: &Device, name: String, skipped: &mut Vec<Skippe
             }
         }
     }
-    if !given.attributes.contains_key(NUMA_ATTRIBUTE) && room > 0 {
-        if let Some(&numa) = device.numa_nodes.first() {
+    let numa = device.numa_nodes.first().copied();
+    for name in [NUMA_ATTRIBUTE, NUMA_NODE_ATTRIBUTE] {
+        if let (Some(numa), false, true) = (numa, attributes.contains_key(name), room > 0) {
+            room = room.saturating_sub(1);
             attributes.insert(
-                NUMA_ATTRIBUTE.to_owned(),
+                name.to_owned(),
                 api::DeviceAttribute {
                     int: Some(numa),
                     ..Default::default()

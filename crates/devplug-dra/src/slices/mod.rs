@@ -72,7 +72,7 @@ mod spec;
 mod taint_clock;
 mod validate;
 
-pub use api_device::NUMA_ATTRIBUTE;
+pub use api_device::{NUMA_ATTRIBUTE, NUMA_NODE_ATTRIBUTE};
 pub use publisher::{delete_slices, SliceOptions, SlicePublisher};
 pub use shared::{Published, SliceCounters, SliceError};
 pub use spec::{

@@ -419,6 +419,15 @@ mod tests {
             "the backend's numa wins"
         );
         assert_eq!(attr(first, 3, "numa").int, Some(1));
+        // The standard attribute from the device's NUMA node, beside devplug's own.
+        assert_eq!(
+            attr(first, 0, "resource.kubernetes.io/numaNode").int,
+            Some(1)
+        );
+        assert_eq!(
+            attr(first, 1, "resource.kubernetes.io/numaNode").int,
+            Some(0)
+        );
         let d0 = &first.devices.as_ref().unwrap()[0];
         assert_eq!(
             d0.capacity.as_ref().unwrap()["memory"].value.0,
