@@ -43,6 +43,17 @@ const RECOVERY_PROBE: Duration = Duration::from_millis(500);
 /// The longest wait between two probes of an API server that does not answer.
 const RECOVERY_PROBE_MAX: Duration = Duration::from_secs(4);
 
+/// The middle of a watch's timeout: each watch asks the API server to end it after this,
+/// jittered over 75-125 % (180-300 s, below kube-rs's 290 s default's load-balancer margin at
+/// the top), once per driver: the watches of a fleet that started together (a rollout, the API
+/// server's return) would otherwise all end and list again in the same second every 290 s.
+const WATCH_TIMEOUT: Duration = Duration::from_secs(240);
+
+/// A watch's timeout in whole seconds, jittered ([`WATCH_TIMEOUT`]).
+fn watch_timeout() -> u32 {
+    u32::try_from(devplug::host::backoff::jittered(WATCH_TIMEOUT).as_secs()).unwrap_or(240)
+}
+
 /// A watch's events, as the watcher gives them.
 type Events<K> = BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>;
 
@@ -65,8 +76,12 @@ impl Watches {
         node: &str,
     ) -> Watches {
         let nodes: Api<Node> = Api::all(client);
-        let node_config = watcher::Config::default().fields(&format!("metadata.name={node}"));
-        let slice_config = watcher::Config::default().fields(&selector(driver, node));
+        let node_config = watcher::Config::default()
+            .fields(&format!("metadata.name={node}"))
+            .timeout(watch_timeout());
+        let slice_config = watcher::Config::default()
+            .fields(&selector(driver, node))
+            .timeout(watch_timeout());
         let node_events = Self::watch(&nodes, &node_config);
         let slice_events = Self::watch(&slices, &slice_config);
         Watches {
@@ -383,6 +398,16 @@ mod tests {
             b.next_delay();
         }
         b.next_delay()
+    }
+
+    #[test]
+    fn watch_timeouts_are_spread_between_3_and_5_minutes() {
+        let timeouts: std::collections::BTreeSet<u32> = (0..200).map(|_| watch_timeout()).collect();
+        assert!(
+            timeouts.iter().all(|t| (180..=300).contains(t)),
+            "{timeouts:?}"
+        );
+        assert!(timeouts.len() > 50, "{} distinct timeouts", timeouts.len());
     }
 
     #[test]
