@@ -32,9 +32,11 @@
 //!   someone is repaired at once) and a watch on the Node (its UID for the owner reference).
 //! - **Errors**: an API error is retried after 1 s, doubling to 60 s; a conflict (409) re-reads
 //!   the slices and tries again at once. Nothing panics.
-//! - **Shutdown**: [`SlicePublisher::shutdown`] deletes this driver's slices of the node (a
-//!   driver that stops takes its devices off the scheduler's list); dropping the publisher only stops it, leaving
-//!   the slices for the next instance to adopt.
+//! - **Shutdown**: [`SlicePublisher::stop`] (and dropping the publisher) stops publishing and
+//!   keeps the slices for the next instance to adopt, as upstream's kubelet-plugin helper does
+//!   (the kubelet wipes those of a driver gone for good 30 s after it unregistered);
+//!   [`SlicePublisher::remove`] deletes this driver's slices of the node (a driver removed for
+//!   good takes its devices off the scheduler's list at once).
 //!
 //! The module, one idea a file:
 //!

@@ -76,7 +76,8 @@ pub struct SlicePublisher {
 impl SlicePublisher {
     /// Starts publishing `devices` for `driver` on `node`. Stops when `stop` is cancelled or
     /// the publisher is dropped (the slices stay, for the next instance to adopt), or through
-    /// [`SlicePublisher::shutdown`] (the slices are deleted). Refuses a driver name the API
+    /// [`SlicePublisher::stop`] (the slices stay too) or [`SlicePublisher::remove`] (the slices
+    /// are deleted). Refuses a driver name the API
     /// server would refuse.
     pub fn spawn(
         client: kube::Client,
