@@ -758,6 +758,30 @@ async fn dra_health_shows_each_devices_health_and_reason() {
     assert_eq!(rows[1]["health"], "Unhealthy");
     assert_eq!(rows[1]["message"], "fan failure");
 
+    // That socket served v1alpha1 only (read after v1's Unimplemented); one serving only v1, as
+    // a driver written for 1.37 may, reads the same.
+    let (_tx, rx) = tokio::sync::watch::channel(DeviceList::new([
+        Device::new("board-a"),
+        Device::new("board-b").with_health(Health::unhealthy("fan failure")),
+    ]));
+    let v1_socket = dir.path().join("dra-v1.sock");
+    let router = tonic::transport::Server::builder().add_service(
+        devplug_dra::device_health::DeviceHealthService::server_v1("node-a", rx, stop.clone()),
+    );
+    devplug_proto::uds::spawn_server(
+        router,
+        devplug::host::bind_socket(&v1_socket).unwrap(),
+        stop.clone().cancelled_owned(),
+        "test health v1".into(),
+    );
+    let out = devplug(&["inspect", "--socket", path(&v1_socket), "--dra-health"]).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("node-a  board-b  Unhealthy  60s      fan failure"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
     // A device plugin's socket has no health stream.
     let ours = ours().await;
     let out = devplug(&["inspect", "--socket", path(&ours.socket), "--dra-health"]).await;
