@@ -1285,16 +1285,27 @@ async fn a_mix_of_driver_versions_is_refused_with_the_files_and_the_fix() {
     assert!(backend.allocate(&[first]).unwrap().mounts.is_empty());
 }
 
-/// A stand-in for the driver's `nvidia-cuda-mps-control`: `-f` records a start (GPU, folders,
-/// library path), makes the pipe folder's `control` and runs until it is gone; otherwise it
-/// reads one command from stdin, records it, and on `quit` removes `control`.
+/// A stand-in for the driver's `nvidia-cuda-mps-control`, as the real one behaves (checked on
+/// an H200, driver 580.159.04): `-f` records a start (GPU, folders, library path), refuses to
+/// run beside a daemon already on the folder, makes the pipe folder's `control` and runs until
+/// it is gone; otherwise, with no daemon on the folder, it exits 1 ("Cannot find MPS control
+/// daemon process"), else reads one command from stdin, records it, and on `quit` removes
+/// `control`.
 const FAKE_MPS_CONTROL: &str = r#"#!/bin/sh
 log="$(dirname "$0")/mps-calls.log"
 if [ "$1" = "-f" ]; then
   echo "start $CUDA_VISIBLE_DEVICES $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY $LD_LIBRARY_PATH" >> "$log"
+  if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
+    echo "An instance of this daemon is already running" >&2
+    exit 1
+  fi
   : > "$CUDA_MPS_PIPE_DIRECTORY/control"
   while [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; do sleep 0.05; done
 else
+  if [ ! -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
+    echo "Cannot find MPS control daemon process" >&2
+    exit 1
+  fi
   read -r cmd
   echo "$cmd $CUDA_MPS_PIPE_DIRECTORY" >> "$log"
   [ "$cmd" = quit ] && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
@@ -1412,6 +1423,87 @@ async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares(
             .contains("nvidia-cuda-mps-control was not found"),
         "{err}"
     );
+}
+
+/// devplug restarted alone (a host service) while a GPU's shares are in use: its MPS daemon
+/// outlived it, and the driver's program would refuse a second one on the same folder. The new
+/// devplug adopts the running daemon (no second start), serves shares on it, and tells it to
+/// quit when the last share goes.
+#[tokio::test]
+async fn a_restarted_devplug_adopts_the_mps_daemon_its_predecessor_left() {
+    use devplug_backends::nvidia::MpsShare;
+    use std::collections::BTreeMap;
+    use std::os::unix::fs::PermissionsExt;
+    let node = Node::new("pcie-4gpu", true);
+    std::fs::write(node.lib_dir.join("libcuda.so.570.86.15"), "cuda").unwrap();
+    let bin = node._tmp.path().join("driver/usr/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let control = bin.join("nvidia-cuda-mps-control");
+    std::fs::write(&control, FAKE_MPS_CONTROL).unwrap();
+    std::fs::set_permissions(&control, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mps_dir = node._tmp.path().join("mps");
+    let mut settings = node.settings();
+    settings.share = Some(MpsShare {
+        memory_step: "1Gi".into(),
+        dir: mps_dir.clone(),
+        host_dir: Some(PathBuf::from("/host/mps")),
+    });
+    let uuid = node.uuid(0);
+    let pipe = mps_dir.join(&uuid).join("pipe");
+    let share = BTreeMap::from([("cores".to_owned(), 50), ("memory".to_owned(), 1 << 30)]);
+    let starts = || {
+        std::fs::read_to_string(bin.join("mps-calls.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with("start"))
+            .count()
+    };
+
+    let first = NvidiaBackend::start("nvidia.com/gpu", &settings).unwrap();
+    tokio::time::timeout(WAIT, first.discovered())
+        .await
+        .unwrap();
+    first.prepare_share(&uuid, &share).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !pipe.join("control").exists() {
+        assert!(std::time::Instant::now() < deadline, "no daemon started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(starts(), 1);
+    // The first devplug goes without telling its daemon (killed); the daemon runs on.
+    drop(first);
+
+    let mut again = settings.clone();
+    again.cdi_dir = node.tree.path("cdi-2");
+    let second = NvidiaBackend::start("nvidia.com/gpu", &again).unwrap();
+    tokio::time::timeout(WAIT, second.discovered())
+        .await
+        .unwrap();
+    second.restore_shares(&uuid);
+    let edits = second.prepare_share(&uuid, &share).unwrap();
+    assert_eq!(edits.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "50");
+    let calls = std::fs::read_to_string(bin.join("mps-calls.log")).unwrap();
+    assert_eq!(
+        starts(),
+        1,
+        "the running daemon was adopted, not started again: {calls}"
+    );
+    assert!(
+        calls
+            .lines()
+            .any(|l| l == format!("get_server_list {}", pipe.display())),
+        "{calls}"
+    );
+    // Its last share gone, the adopted daemon is told to quit like an own one.
+    second.unprepare_shares(&uuid);
+    let calls = std::fs::read_to_string(bin.join("mps-calls.log")).unwrap();
+    assert!(
+        calls
+            .lines()
+            .any(|l| l == format!("quit {}", pipe.display())),
+        "{calls}"
+    );
+    assert!(!pipe.join("control").exists());
 }
 
 /// The nodes (container paths) and `NVIDIA_VISIBLE_DEVICES` of an allocation.

@@ -12,9 +12,17 @@
 //! `CUDA_MPS_PIPE_DIRECTORY`, its share of the SMs in `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and its
 //! memory in `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`0=<MiB>M`), as NVIDIA's MPS documentation
 //! names them. Clients come seconds after the daemon starts, when their containers start.
+//!
+//! A daemon an earlier devplug started is adopted, not started twice: where devplug runs as a
+//! host service and is restarted alone, its child daemon outlives it, and the driver's program
+//! refuses a second `-f` on a pipe folder that has one ("An instance of this daemon is already
+//! running", checked on an H200 with driver 580.159.04), which would fail every share. Before
+//! starting one, devplug asks the folder (`get_server_list` through the program's client mode,
+//! which exits 1 with "Cannot find MPS control daemon process" where none answers, also on the
+//! files a killed daemon left); one that answers is kept and told to quit like its own.
 
 use devplug::{ContainerEdits, Mount};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -44,7 +52,12 @@ pub struct MpsDaemons {
     dir: PathBuf,
     host_dir: PathBuf,
     running: Mutex<BTreeMap<String, Child>>,
+    /// GPUs whose daemon an earlier devplug started and this one adopted.
+    adopted: Mutex<BTreeSet<String>>,
 }
+
+/// How long the client mode may take to answer whether a daemon is there.
+const ASK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl MpsDaemons {
     /// Daemons with their folders under `dir` (devplug's view), `host_dir` on the host.
@@ -53,6 +66,7 @@ impl MpsDaemons {
             dir: dir.to_owned(),
             host_dir: host_dir.to_owned(),
             running: Mutex::new(BTreeMap::new()),
+            adopted: Mutex::new(BTreeSet::new()),
         }
     }
 
@@ -61,12 +75,49 @@ impl MpsDaemons {
         (gpu.join("pipe"), gpu.join("log"))
     }
 
-    /// The GPUs with a daemon started by this process and not stopped.
+    /// The GPUs with a daemon started (or adopted) by this process and not stopped.
     pub fn running(&self) -> Vec<String> {
-        self.running
+        let mut gpus: BTreeSet<String> = self
+            .running
             .lock()
             .map(|r| r.keys().cloned().collect())
-            .unwrap_or_default()
+            .unwrap_or_default();
+        gpus.extend(self.adopted.lock().map(|a| a.clone()).unwrap_or_default());
+        gpus.into_iter().collect()
+    }
+
+    /// Whether a daemon answers on GPU `uuid`'s pipe folder (`get_server_list`, exit 0).
+    fn answers(&self, program: &MpsProgram, uuid: &str) -> bool {
+        let (pipe, _) = self.folders(&self.dir, uuid);
+        if !pipe.is_dir() {
+            return false;
+        }
+        let Ok(mut child) = self
+            .command(program, &pipe)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+        else {
+            return false;
+        };
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = stdin.write_all(b"get_server_list\n");
+        }
+        let deadline = std::time::Instant::now() + ASK_TIMEOUT;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => return status.success(),
+                Ok(None) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                _ => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return false;
+                }
+            }
+        }
     }
 
     /// Starts the daemon of GPU `uuid` unless this process already did.
@@ -86,6 +137,23 @@ impl MpsDaemons {
             }
             running.remove(uuid);
         }
+        let mut adopted = self
+            .adopted
+            .lock()
+            .map_err(|_| "the MPS daemon table is poisoned".to_owned())?;
+        if self.answers(program, uuid) {
+            if adopted.insert(uuid.to_owned()) {
+                tracing::info!(gpu = uuid, "an MPS control daemon an earlier devplug started answers on this GPU's pipe folder; adopted, not started again");
+            }
+            return Ok(());
+        }
+        if adopted.remove(uuid) {
+            tracing::warn!(
+                gpu = uuid,
+                "the adopted MPS control daemon no longer answers; starting one"
+            );
+        }
+        drop(adopted);
         let (pipe, log) = self.folders(&self.dir, uuid);
         for folder in [&pipe, &log] {
             std::fs::create_dir_all(folder)
@@ -130,8 +198,14 @@ impl MpsDaemons {
         let Ok(mut running) = self.running.lock() else {
             return None;
         };
-        let mut daemon = running.remove(uuid)?;
         let (pipe, _) = self.folders(&self.dir, uuid);
+        let Some(mut daemon) = running.remove(uuid) else {
+            // An adopted daemon is not our child: told to quit, its parent reaps it.
+            if self.adopted.lock().is_ok_and(|mut a| a.remove(uuid)) {
+                self.tell_quit(program, &pipe, uuid);
+            }
+            return None;
+        };
         let quit = self
             .command(program, &pipe)
             .stdin(Stdio::piped())
@@ -181,6 +255,36 @@ impl MpsDaemons {
                 let _ = daemon.kill();
                 let _ = daemon.wait();
                 None
+            }
+        }
+    }
+
+    /// Tells the daemon on `pipe` to quit, logging what went wrong.
+    fn tell_quit(&self, program: &MpsProgram, pipe: &Path, uuid: &str) {
+        let quit = self
+            .command(program, pipe)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .and_then(|mut child| {
+                if let Some(mut stdin) = child.stdin.take() {
+                    stdin.write_all(b"quit\n")?;
+                }
+                child.wait_with_output()
+            });
+        match quit {
+            Ok(out) if out.status.success() => {
+                tracing::info!(
+                    gpu = uuid,
+                    "the adopted MPS control daemon was told to quit: no share left"
+                )
+            }
+            Ok(out) => tracing::warn!(gpu = uuid, status = %out.status,
+                stderr = %String::from_utf8_lossy(&out.stderr).trim(),
+                "the adopted MPS control daemon did not take quit"),
+            Err(err) => {
+                tracing::warn!(gpu = uuid, %err, "cannot tell the adopted MPS control daemon to quit")
             }
         }
     }
