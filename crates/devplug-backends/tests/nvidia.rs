@@ -1312,10 +1312,19 @@ else
 fi
 "#;
 
-#[tokio::test]
-async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares() {
+/// A 4-GPU node whose driver has the fake MPS control program, and settings that share GPUs
+/// by capacity through it.
+struct MpsNode {
+    node: Node,
+    /// The driver's programs (and the fake's call log).
+    bin: PathBuf,
+    control: PathBuf,
+    mps_dir: PathBuf,
+    settings: NvidiaSettings,
+}
+
+fn mps_node() -> MpsNode {
     use devplug_backends::nvidia::MpsShare;
-    use std::collections::BTreeMap;
     use std::os::unix::fs::PermissionsExt;
     let node = Node::new("pcie-4gpu", true);
     std::fs::write(node.lib_dir.join("libcuda.so.570.86.15"), "cuda").unwrap();
@@ -1331,6 +1340,25 @@ async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares(
         dir: mps_dir.clone(),
         host_dir: Some(PathBuf::from("/host/mps")),
     });
+    MpsNode {
+        node,
+        bin,
+        control,
+        mps_dir,
+        settings,
+    }
+}
+
+#[tokio::test]
+async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares() {
+    use std::collections::BTreeMap;
+    let MpsNode {
+        node,
+        bin,
+        control,
+        mps_dir,
+        settings,
+    } = mps_node();
     let backend = NvidiaBackend::start("nvidia.com/gpu", &settings).unwrap();
     tokio::time::timeout(WAIT, backend.discovered())
         .await
@@ -1431,23 +1459,14 @@ async fn gpus_shared_by_capacity_run_one_mps_daemon_each_while_they_have_shares(
 /// quit when the last share goes.
 #[tokio::test]
 async fn a_restarted_devplug_adopts_the_mps_daemon_its_predecessor_left() {
-    use devplug_backends::nvidia::MpsShare;
     use std::collections::BTreeMap;
-    use std::os::unix::fs::PermissionsExt;
-    let node = Node::new("pcie-4gpu", true);
-    std::fs::write(node.lib_dir.join("libcuda.so.570.86.15"), "cuda").unwrap();
-    let bin = node._tmp.path().join("driver/usr/bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    let control = bin.join("nvidia-cuda-mps-control");
-    std::fs::write(&control, FAKE_MPS_CONTROL).unwrap();
-    std::fs::set_permissions(&control, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let mps_dir = node._tmp.path().join("mps");
-    let mut settings = node.settings();
-    settings.share = Some(MpsShare {
-        memory_step: "1Gi".into(),
-        dir: mps_dir.clone(),
-        host_dir: Some(PathBuf::from("/host/mps")),
-    });
+    let MpsNode {
+        node,
+        bin,
+        mps_dir,
+        settings,
+        ..
+    } = mps_node();
     let uuid = node.uuid(0);
     let pipe = mps_dir.join(&uuid).join("pipe");
     let share = BTreeMap::from([("cores".to_owned(), 50), ("memory".to_owned(), 1 << 30)]);

@@ -202,23 +202,11 @@ impl MpsDaemons {
         let Some(mut daemon) = running.remove(uuid) else {
             // An adopted daemon is not our child: told to quit, its parent reaps it.
             if self.adopted.lock().is_ok_and(|mut a| a.remove(uuid)) {
-                self.tell_quit(program, &pipe, uuid);
+                self.tell_adopted_to_quit(program, &pipe, uuid);
             }
             return None;
         };
-        let quit = self
-            .command(program, &pipe)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .and_then(|mut child| {
-                if let Some(mut stdin) = child.stdin.take() {
-                    stdin.write_all(b"quit\n")?;
-                }
-                child.wait_with_output()
-            });
-        match quit {
+        match self.send_quit(program, &pipe) {
             Ok(out) if out.status.success() => {
                 // It exits once its servers and their clients have, which a stuck client can
                 // delay without end: reaped by a thread of its own (not left a zombie), so
@@ -259,10 +247,13 @@ impl MpsDaemons {
         }
     }
 
-    /// Tells the daemon on `pipe` to quit, logging what went wrong.
-    fn tell_quit(&self, program: &MpsProgram, pipe: &Path, uuid: &str) {
-        let quit = self
-            .command(program, pipe)
+    /// `quit` to the daemon on `pipe`, through the program's client mode.
+    fn send_quit(
+        &self,
+        program: &MpsProgram,
+        pipe: &Path,
+    ) -> std::io::Result<std::process::Output> {
+        self.command(program, pipe)
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -272,8 +263,12 @@ impl MpsDaemons {
                     stdin.write_all(b"quit\n")?;
                 }
                 child.wait_with_output()
-            });
-        match quit {
+            })
+    }
+
+    /// Tells the adopted daemon on `pipe` to quit, logging what went wrong.
+    fn tell_adopted_to_quit(&self, program: &MpsProgram, pipe: &Path, uuid: &str) {
+        match self.send_quit(program, pipe) {
             Ok(out) if out.status.success() => {
                 tracing::info!(
                     gpu = uuid,
