@@ -468,11 +468,12 @@ async fn walk(assets: &Path, dir: &Path) -> anyhow::Result<()> {
 
     step(
         11,
-        "devplug stops (sockets and the node's ResourceSlices removed), then the control plane",
+        "devplug's drivers are removed (sockets and the node's ResourceSlices; a plain stop would \
+         keep the slices for its next start), then the control plane stops",
     );
     let started = Instant::now();
-    let mut problems = driver.shutdown().await;
-    problems.extend(sharing.shutdown().await);
+    let mut problems = driver.remove().await;
+    problems.extend(sharing.remove().await);
     if !problems.is_empty() {
         anyhow::bail!("the DRA drivers did not clean up: {}", problems.join("; "));
     }
