@@ -127,21 +127,15 @@ impl FeatureSet {
         strict: bool,
     ) -> Vec<(String, anyhow::Error)> {
         let mut failed = Vec::new();
-        for i in 0..self.features.len() {
-            let Some(shown) = self.features.get_mut(i) else {
-                break;
-            };
+        for shown in self.features.iter_mut() {
             if shown.feature.stage() != stage {
                 continue;
             }
             let result = shown.feature.apply(desired).await;
-            self.show(i);
+            #[cfg(feature = "cluster")]
+            shown.show(&self.shared);
             if let Err(err) = result {
-                let name = self
-                    .features
-                    .get(i)
-                    .map_or("cluster feature", |s| s.feature.name());
-                failed.push((name.to_owned(), err));
+                failed.push((shown.feature.name().to_owned(), err));
                 if strict {
                     break;
                 }
@@ -149,35 +143,6 @@ impl FeatureSet {
         }
         failed
     }
-
-    /// Shows the counters of feature `i` from now on, or stops showing them once it stopped.
-    #[cfg(feature = "cluster")]
-    fn show(&mut self, i: usize) {
-        let Some(shown) = self.features.get_mut(i) else {
-            return;
-        };
-        let now = shown.feature.metrics();
-        let same = match (&shown.metrics, &now) {
-            (Some(a), Some(b)) => a.name == b.name && Arc::ptr_eq(&a.status, &b.status),
-            (None, None) => true,
-            _ => false,
-        };
-        if same {
-            return;
-        }
-        match (&shown.metrics, &now) {
-            // Replaced (a restart with other settings): the new counters; the policy's state
-            // stays until the new gate finds it again.
-            (_, Some(metrics)) => self.shared.register(metrics.name, metrics.status.clone()),
-            (Some(before), None) => self.shared.unregister(before.name),
-            (None, None) => {}
-        }
-        shown.metrics = now;
-    }
-
-    /// devplug-lite shows no cluster feature.
-    #[cfg(not(feature = "cluster"))]
-    fn show(&mut self, _: usize) {}
 
     /// Stops every feature, in the reverse of their order.
     pub async fn stop(&mut self) {
@@ -193,6 +158,21 @@ impl Shown {
             feature,
             metrics: None,
         }
+    }
+
+    /// Shows the feature's counters through `shared` from now on, or stops showing them once it
+    /// stopped. Replaced counters (a restart with other settings) are registered in place; the
+    /// policy's state stays until the new gate finds it again.
+    #[cfg(feature = "cluster")]
+    fn show(&mut self, shared: &crate::cluster_features::ClusterFeatures) {
+        let now = self.feature.metrics();
+        match (&self.metrics, &now) {
+            (Some(a), Some(b)) if a.name == b.name && Arc::ptr_eq(&a.status, &b.status) => return,
+            (_, Some(metrics)) => shared.register(metrics.name, metrics.status.clone()),
+            (Some(before), None) => shared.unregister(before.name),
+            (None, None) => return,
+        }
+        self.metrics = now;
     }
 }
 

@@ -83,15 +83,15 @@ impl DraDrivers {
         }
     }
 
-    /// Makes the running drivers those of `resources` (the `dra:` ones): stops the removed and
-    /// changed ones, starts the new and changed ones. `shared` gives a backend already built for
-    /// a resource's device plugin, so both serve one instance. Returns the resources that failed.
-    pub async fn serve(
+    /// Starts the drivers of `resources` (the `dra:` ones) that do not run, after
+    /// [`DraDrivers::stop_changed`] stopped the removed and changed ones. `shared` gives a
+    /// backend already built for a resource's device plugin, so both serve one instance.
+    /// Returns the resources that failed.
+    async fn serve(
         &mut self,
         resources: &[ResourceConfig],
         shared: &BTreeMap<String, BuiltBackend>,
     ) -> Vec<(String, anyhow::Error)> {
-        self.stop_changed(resources).await;
         let wanted = wanted(resources);
         let mut failed = Vec::new();
         for (name, resource) in wanted {
@@ -119,7 +119,7 @@ impl DraDrivers {
 
     /// Stops the drivers whose resource left `resources` or changed (before a changed
     /// resource's new backend is built: one instance at a time).
-    pub async fn stop_changed(&mut self, resources: &[ResourceConfig]) {
+    async fn stop_changed(&mut self, resources: &[ResourceConfig]) {
         let wanted = wanted(resources);
         let stale: Vec<String> = self
             .running

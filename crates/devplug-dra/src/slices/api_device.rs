@@ -20,13 +20,29 @@ pub const NUMA_ATTRIBUTE: &str = "numa";
 /// drivers with `matchAttribute: resource.kubernetes.io/numaNode`.
 pub const NUMA_NODE_ATTRIBUTE: &str = "resource.kubernetes.io/numaNode";
 
-/// One device as the API has it: attributes and capacities that pass the API server's rules,
-/// then `numa` when the backend gave none and there is room.
-pub(super) fn api_device(device: &Device, name: String, skipped: &mut Vec<Skipped>) -> api::Device {
+/// One device of `driver` as the API has it: attributes and capacities that pass the API
+/// server's rules, then `numa` when the backend gave none and there is room. A name qualified
+/// by the driver's own domain (`npu.example.com/model` of driver `npu.example.com`) is published
+/// unqualified (`model`): the API takes an unqualified name as the driver's, CEL reads both as
+/// `device.attributes["npu.example.com"].model`, and Kubernetes 1.38's validation refuses the
+/// qualified form. Where the device has both, the unqualified one stays.
+pub(super) fn api_device(
+    driver: &str,
+    device: &Device,
+    name: String,
+    skipped: &mut Vec<Skipped>,
+) -> api::Device {
+    use std::collections::btree_map::Entry;
     let given = device.dra_attributes();
     let mut attributes = BTreeMap::new();
     let mut capacity = BTreeMap::new();
     let mut room = MAX_PER_DEVICE;
+    let own = format!("{driver}/");
+    // The name to publish, and whether it was given so (not qualified by the driver's domain).
+    let published = |key: &str| match key.strip_prefix(own.as_str()) {
+        Some(bare) => (bare.to_owned(), false),
+        None => (key.to_owned(), true),
+    };
     let mut skip = |attribute: &str, reason: String| {
         skipped.push(Skipped {
             device: device.id.clone(),
@@ -35,28 +51,42 @@ pub(super) fn api_device(device: &Device, name: String, skipped: &mut Vec<Skippe
         });
     };
     for (key, value) in &given.attributes {
-        match check_attribute(key, value) {
-            Err(reason) => skip(key, reason),
-            Ok(()) if room == 0 => skip(key, too_many()),
-            Ok(()) => {
+        if let Err(reason) = check_attribute(key, value) {
+            skip(key, reason);
+            continue;
+        }
+        let (name, as_given) = published(key);
+        match attributes.entry(name) {
+            Entry::Occupied(mut kept) if as_given => {
+                kept.insert(api_attribute(value));
+            }
+            Entry::Occupied(_) => {}
+            Entry::Vacant(_) if room == 0 => skip(key, too_many()),
+            Entry::Vacant(new) => {
                 room = room.saturating_sub(1);
-                attributes.insert(key.clone(), api_attribute(value));
+                new.insert(api_attribute(value));
             }
         }
     }
     for (key, &value) in &given.capacity {
-        match check_capacity(key, value) {
-            Err(reason) => skip(key, reason),
-            Ok(()) if room == 0 => skip(key, too_many()),
-            Ok(()) => {
+        if let Err(reason) = check_capacity(key, value) {
+            skip(key, reason);
+            continue;
+        }
+        let one = api::DeviceCapacity {
+            value: quantity(value),
+            request_policy: given.shared.get(key).map(request_policy),
+        };
+        let (name, as_given) = published(key);
+        match capacity.entry(name) {
+            Entry::Occupied(mut kept) if as_given => {
+                kept.insert(one);
+            }
+            Entry::Occupied(_) => {}
+            Entry::Vacant(_) if room == 0 => skip(key, too_many()),
+            Entry::Vacant(new) => {
                 room = room.saturating_sub(1);
-                capacity.insert(
-                    key.clone(),
-                    api::DeviceCapacity {
-                        value: quantity(value),
-                        request_policy: given.shared.get(key).map(request_policy),
-                    },
-                );
+                new.insert(one);
             }
         }
     }

@@ -109,7 +109,7 @@ impl Run {
         } else {
             Unhealthy::LeaveOut
         };
-        self.content = pool_content(&list, unhealthy);
+        self.content = pool_content(&self.driver, &list, unhealthy);
         self.list = list;
         self.changed_at = Some(Instant::now());
         self.warn_skipped();

@@ -156,6 +156,7 @@ pub fn slice_specs(driver: &str, node: &str, generation: i64, list: &DeviceList)
     let key = unhealthy_taint_key(driver);
     let since = BTreeMap::new();
     let content = pool_content(
+        driver,
         list,
         Unhealthy::Taint {
             key: &key,
@@ -185,42 +186,16 @@ pub(super) fn spec(
             resource_slice_count: i64::try_from(count).unwrap_or(i64::MAX),
         },
         // The API server leaves an empty list out; so do we, or every comparison would differ.
-        devices: (!devices.is_empty()).then(|| {
-            devices
-                .iter()
-                .map(|d| without_own_domain(driver, d.clone()))
-                .collect()
-        }),
+        devices: (!devices.is_empty()).then(|| devices.to_vec()),
         ..Default::default()
     }
 }
 
-/// `device` with every attribute and capacity name qualified by the driver's own domain
-/// (`npu.example.com/model` from driver `npu.example.com`) published unqualified (`model`): the
-/// API takes an unqualified name as the driver's, CEL reads both as
-/// `device.attributes["npu.example.com"].model`, and Kubernetes 1.38's validation refuses the
-/// qualified form. Where the device has both, the unqualified one stays.
-fn without_own_domain(driver: &str, mut device: api::Device) -> api::Device {
-    fn strip<V>(driver: &str, map: &mut Option<BTreeMap<String, V>>) {
-        let Some(map) = map else { return };
-        let prefix = format!("{driver}/");
-        let qualified: Vec<String> = map
-            .keys()
-            .filter(|k| k.starts_with(&prefix))
-            .cloned()
-            .collect();
-        for key in qualified {
-            if let (Some(value), Some(bare)) = (map.remove(&key), key.strip_prefix(&prefix)) {
-                map.entry(bare.to_owned()).or_insert(value);
-            }
-        }
-    }
-    strip(driver, &mut device.attributes);
-    strip(driver, &mut device.capacity);
-    device
-}
-
-pub(super) fn pool_content(list: &DeviceList, unhealthy: Unhealthy<'_>) -> PoolContent {
+pub(super) fn pool_content(
+    driver: &str,
+    list: &DeviceList,
+    unhealthy: Unhealthy<'_>,
+) -> PoolContent {
     let mut skipped = Vec::new();
     let mut names_taken: BTreeMap<String, &str> = BTreeMap::new();
     let mut devices = Vec::with_capacity(list.len());
@@ -244,7 +219,7 @@ pub(super) fn pool_content(list: &DeviceList, unhealthy: Unhealthy<'_>) -> PoolC
             continue;
         }
         names_taken.insert(name.clone(), &device.id);
-        let mut api = api_device(device, name, &mut skipped);
+        let mut api = api_device(driver, device, name, &mut skipped);
         api.taints = taint.map(|t| vec![t]);
         devices.push(api);
     }
@@ -470,7 +445,7 @@ mod tests {
             Device::new("a"),
             Device::new("b").with_health(Health::unhealthy("XID 79: fallen off the bus")),
         ]);
-        let content = pool_content(&list, Unhealthy::LeaveOut);
+        let content = pool_content("npu.example.com", &list, Unhealthy::LeaveOut);
         assert_eq!(content.slices[0].len(), 1);
         assert_eq!(
             label_value("XID 79: fallen off the bus").as_deref(),
