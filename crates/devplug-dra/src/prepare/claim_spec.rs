@@ -97,6 +97,19 @@ pub fn restore_spec(driver: &str, uid: &str, claim: &PreparedClaim) -> Result<bo
     Ok(true)
 }
 
+/// [`restore_spec`] for a repeated prepare: only a missing file is written again, found with a
+/// stat rather than a read (the text was compared at start).
+pub(super) fn restore_missing_spec(
+    driver: &str,
+    uid: &str,
+    claim: &PreparedClaim,
+) -> Result<bool, PrepareError> {
+    if claim.cdi_spec.exists() {
+        return Ok(false);
+    }
+    restore_spec(driver, uid, claim)
+}
+
 /// Removes this driver's claim specs that no claim of the checkpoint owns: left by a claim
 /// unprepared while devplug was not running to see it (an uninstall, a checkpoint removed by
 /// hand). Only files devplug writes are touched: named `devplug-<driver>-*.json`, with the

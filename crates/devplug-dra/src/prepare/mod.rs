@@ -297,7 +297,7 @@ impl Preparer {
         released: &HashSet<String>,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
         if let Some(done) = state.claims.get(&claim.uid) {
-            restore_spec(&self.driver, &claim.uid, done)?;
+            claim_spec::restore_missing_spec(&self.driver, &claim.uid, done)?;
             return Ok(done.devices.clone());
         }
         let allocated = match allocation {

@@ -167,9 +167,7 @@ impl SlicePublisher {
         tracing::info!(driver = %self.driver, node = %self.node, deleted, "ResourceSlices removed");
         Ok(deleted)
     }
-}
 
-impl SlicePublisher {
     /// Stops the publishing task and waits for it.
     async fn stop_task(&mut self) {
         self.stop.cancel();
