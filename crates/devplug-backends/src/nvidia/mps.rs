@@ -104,20 +104,18 @@ impl MpsDaemons {
         if let Some(mut stdin) = child.stdin.take() {
             let _ = stdin.write_all(b"get_server_list\n");
         }
-        let deadline = std::time::Instant::now() + ASK_TIMEOUT;
-        loop {
-            match child.try_wait() {
-                Ok(Some(status)) => return status.success(),
-                Ok(None) if std::time::Instant::now() < deadline => {
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                }
-                _ => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return false;
-                }
-            }
+        // Its exit, waited for by a thread of its own (which reaps it whenever it ends); a client
+        // that has not answered within ASK_TIMEOUT counts as no daemon.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::Builder::new()
+            .name("mps-ask".into())
+            .spawn(move || {
+                let _ = tx.send(child.wait());
+            });
+        if waiter.is_err() {
+            return false;
         }
+        matches!(rx.recv_timeout(ASK_TIMEOUT), Ok(Ok(status)) if status.success())
     }
 
     /// Starts the daemon of GPU `uuid` unless this process already did.
