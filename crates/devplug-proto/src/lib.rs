@@ -19,6 +19,7 @@
 //! - [`dra_v1`] and [`dra_v1beta1`]: the kubelet's DRA plugin API (`DRAPlugin`), packages
 //!   `k8s.io.kubelet.pkg.apis.dra.v1` (Kubernetes 1.34+) and `…v1beta1` (1.32+), generated from
 //!   `proto/dra/*/api.proto`.
+//! - [`dra_health`]: a client of that stream in either version ([`dra_health::HealthStream`]).
 //! - [`dra_health_v1`] and [`dra_health_v1alpha1`]: the kubelet's DRA device health stream
 //!   (`DRAResourceHealth`, package `v1`, Kubernetes 1.37+, and `v1alpha1`, 1.34+), generated from
 //!   `proto/dra-health/*/api.proto`.
@@ -28,6 +29,7 @@
 
 pub mod authority;
 pub mod constants;
+pub mod dra_health;
 pub mod resource_name;
 mod topology;
 pub mod uds;

@@ -8,7 +8,6 @@ use super::client::{channel, InspectError};
 use super::render::table;
 use super::{emit, Emitted};
 use devplug_proto::dra_health_v1 as pb;
-use devplug_proto::dra_health_v1alpha1 as alpha;
 use serde::Serialize;
 use std::path::Path;
 use std::time::Duration;
@@ -90,10 +89,13 @@ pub async fn show(socket: &Path, timeout: Duration, watch: bool, json: bool) -> 
         what,
         path: socket.to_owned(),
     };
-    let mut stream = tokio::time::timeout(timeout, open(channel))
-        .await
-        .map_err(|_| timed_out("waiting for the health stream of"))?
-        .map_err(|status| unimplemented_or(socket, status))?;
+    let mut stream = tokio::time::timeout(
+        timeout,
+        devplug_proto::dra_health::HealthStream::open_newest(channel),
+    )
+    .await
+    .map_err(|_| timed_out("waiting for the health stream of"))?
+    .map_err(|status| unimplemented_or(socket, status))?;
     let mut first = true;
     loop {
         let next = if first {
@@ -119,38 +121,6 @@ pub async fn show(socket: &Path, timeout: Duration, watch: bool, json: bool) -> 
         if emit(&text)? == Emitted::Closed || !watch {
             return Ok(());
         }
-    }
-}
-
-/// A health stream in the version the driver serves; its messages in `v1`'s types.
-enum HealthStream {
-    V1(tonic::Streaming<pb::NodeWatchResourcesResponse>),
-    V1alpha1(tonic::Streaming<alpha::NodeWatchResourcesResponse>),
-}
-
-impl HealthStream {
-    async fn message(&mut self) -> Result<Option<pb::NodeWatchResourcesResponse>, tonic::Status> {
-        match self {
-            HealthStream::V1(stream) => stream.message().await,
-            HealthStream::V1alpha1(stream) => Ok(stream.message().await?.map(Into::into)),
-        }
-    }
-}
-
-/// Opens the stream in `v1`, or in `v1alpha1` where the driver does not serve `v1`.
-async fn open(channel: tonic::transport::Channel) -> Result<HealthStream, tonic::Status> {
-    let v1 = pb::dra_resource_health_client::DraResourceHealthClient::new(channel.clone())
-        .node_watch_resources(pb::NodeWatchResourcesRequest {})
-        .await;
-    match v1 {
-        Ok(response) => Ok(HealthStream::V1(response.into_inner())),
-        Err(status) if status.code() == tonic::Code::Unimplemented => {
-            let response = alpha::dra_resource_health_client::DraResourceHealthClient::new(channel)
-                .node_watch_resources(alpha::NodeWatchResourcesRequest {})
-                .await?;
-            Ok(HealthStream::V1alpha1(response.into_inner()))
-        }
-        Err(status) => Err(status),
     }
 }
 

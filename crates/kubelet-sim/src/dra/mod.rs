@@ -44,7 +44,8 @@ pub use types::{
 };
 
 use crate::shared::Shared;
-use devplug_proto::{dra_health_v1, dra_health_v1alpha1, dra_v1, dra_v1beta1};
+pub use devplug_proto::dra_health::HealthStream;
+use devplug_proto::{dra_v1, dra_v1beta1};
 use hyper_util::rt::TokioIo;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -288,58 +289,14 @@ pub(crate) async fn watch_health(shared: &Shared, driver: &str) -> Result<Health
     // A plugin that lists none is asked in v1alpha1, as kubelets before 1.37 asked every plugin
     // (an Unimplemented answer then says it has no stream).
     let service = listed.unwrap_or(HealthService::V1alpha1);
-    let failed = |status: tonic::Status| DraError::Status {
-        driver: driver.to_owned(),
-        method: WATCH_HEALTH,
-        code: status.code(),
-        message: status.message().to_owned(),
-    };
-    let inner = match service {
-        HealthService::V1 => HealthInner::V1(
-            dra_health_v1::dra_resource_health_client::DraResourceHealthClient::new(channel)
-                .node_watch_resources(dra_health_v1::NodeWatchResourcesRequest {})
-                .await
-                .map_err(failed)?
-                .into_inner(),
-        ),
-        HealthService::V1alpha1 => HealthInner::V1alpha1(
-            dra_health_v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(channel)
-                .node_watch_resources(dra_health_v1alpha1::NodeWatchResourcesRequest {})
-                .await
-                .map_err(failed)?
-                .into_inner(),
-        ),
-    };
-    Ok(HealthStream { service, inner })
-}
-
-/// A driver's device health stream, in the version the kubelet opened; its messages in `v1`'s
-/// types whichever it was (v1 is v1alpha1 promoted: the same fields).
-pub struct HealthStream {
-    service: HealthService,
-    inner: HealthInner,
-}
-
-enum HealthInner {
-    V1(tonic::Streaming<dra_health_v1::NodeWatchResourcesResponse>),
-    V1alpha1(tonic::Streaming<dra_health_v1alpha1::NodeWatchResourcesResponse>),
-}
-
-impl HealthStream {
-    /// The version opened.
-    pub fn service(&self) -> HealthService {
-        self.service
-    }
-
-    /// The next message; `None` once the plugin ended the stream.
-    pub async fn message(
-        &mut self,
-    ) -> Result<Option<dra_health_v1::NodeWatchResourcesResponse>, tonic::Status> {
-        match &mut self.inner {
-            HealthInner::V1(stream) => stream.message().await,
-            HealthInner::V1alpha1(stream) => Ok(stream.message().await?.map(Into::into)),
-        }
-    }
+    HealthStream::open(channel, service)
+        .await
+        .map_err(|status| DraError::Status {
+            driver: driver.to_owned(),
+            method: WATCH_HEALTH,
+            code: status.code(),
+            message: status.message().to_owned(),
+        })
 }
 
 /// `NodePrepareResources` for `claims` on `driver`; claims that succeed are recorded as

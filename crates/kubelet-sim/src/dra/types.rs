@@ -2,7 +2,7 @@
 //! devices (with their `v1` and `v1beta1` wire forms), per-claim results and errors, and the
 //! records the node state keeps (registered endpoints, prepared claims, pods' claims).
 
-use devplug_proto::constants::{DRA_HEALTH_SERVICES, DRA_SUPPORTED_VERSIONS};
+use devplug_proto::constants::DRA_SUPPORTED_VERSIONS;
 use devplug_proto::{dra_v1, dra_v1beta1};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -42,35 +42,8 @@ impl std::fmt::Display for DraService {
     }
 }
 
-/// A version of the device health service (`DRAResourceHealth`) the kubelet can open.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum HealthService {
-    /// `v1.DRAResourceHealth` (kubelets 1.37+, which prefer it).
-    V1,
-    /// `v1alpha1.DRAResourceHealth` (kubelets 1.34+; 1.37-1.39 for drivers without v1).
-    V1alpha1,
-}
-
-impl HealthService {
-    /// Every version, newest first.
-    pub const ALL: [HealthService; 2] = [HealthService::V1, HealthService::V1alpha1];
-
-    /// The name a plugin lists in `supported_versions` (`"v1.DRAResourceHealth"`).
-    pub fn name(self) -> &'static str {
-        match self {
-            HealthService::V1 => DRA_HEALTH_SERVICES[0],
-            HealthService::V1alpha1 => DRA_HEALTH_SERVICES[1],
-        }
-    }
-
-    /// The version a 1.37 kubelet opens for a plugin listing `supported`: `v1` where listed,
-    /// else `v1alpha1` where listed, else none (the plugin serves no health stream).
-    pub fn pick(supported: &[String]) -> Option<HealthService> {
-        HealthService::ALL
-            .into_iter()
-            .find(|h| supported.iter().any(|s| s == h.name()))
-    }
-}
+/// The version of the device health service the kubelet opens (`HealthService::pick`).
+pub use devplug_proto::dra_health::HealthService;
 
 /// A ResourceClaim as the kubelet names it to a DRA plugin.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
