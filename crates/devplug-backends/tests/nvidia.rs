@@ -1309,6 +1309,7 @@ else
   read -r cmd
   echo "$cmd $CUDA_MPS_PIPE_DIRECTORY" >> "$log"
   [ "$cmd" = quit ] && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+  exit 0
 fi
 "#;
 
