@@ -48,6 +48,8 @@ impl crate::endpoints::DriverView for devplug_dra::DraHealth {
                 *self.registered.borrow(),
                 devplug_dra::kubelet::Registered::Yes
             )),
+            status_writes: self.status.writes.load(Relaxed),
+            status_errors: self.status.errors.load(Relaxed),
             claims: self.claims.snapshot(),
         }
     }

@@ -51,6 +51,7 @@ pub enum DraStartError {
 
 /// A running DRA driver.
 pub struct DraDriver {
+    status: crate::device_status::DeviceStatusWriter,
     preparer: Arc<Preparer>,
     kubelet: KubeletSide,
     slices: SlicePublisher,
@@ -94,6 +95,13 @@ impl DraDriver {
         if !restored.is_empty() {
             tokio::spawn(crate::prepare::restore_shares(backend.clone(), restored));
         }
+        let status = crate::device_status::DeviceStatusWriter::spawn(
+            client.clone(),
+            &driver,
+            preparer.saved(),
+            backend.devices(),
+            stop.child_token(),
+        );
         let kubelet = KubeletSide::start(preparer.clone(), &settings.dirs).map_err(|source| {
             DraStartError::Sockets {
                 driver: driver.clone(),
@@ -102,6 +110,7 @@ impl DraDriver {
             }
         })?;
         Ok(DraDriver {
+            status,
             preparer,
             kubelet,
             slices,
@@ -125,6 +134,7 @@ impl DraDriver {
             driver: self.preparer.driver().to_owned(),
             counters: self.slices.shared_counters(),
             claims: self.preparer.metrics().clone(),
+            status: self.status.counters(),
             published: self.slices.published(),
             registered: self.kubelet.registered(),
             registry: self.kubelet.folder_health(),

@@ -17,6 +17,8 @@ pub struct DraHealth {
     pub counters: Arc<SliceCounters>,
     /// The counters of the kubelet's prepare and unprepare calls.
     pub claims: Arc<crate::claim_metrics::ClaimMetrics>,
+    /// The claims' device status writes.
+    pub status: Arc<crate::device_status::DeviceStatusCounters>,
     /// What the API server last confirmed (`None` until the first publish).
     pub published: watch::Receiver<Option<Published>>,
     /// What the kubelet last said about the registration.

@@ -15,6 +15,8 @@
 //! - `service.rs`: the `DRAPlugin` gRPC service, v1 and v1beta1, over [`prepare::Preparer`].
 //! - [`device_health`]: the kubelet's device health stream (`DRAResourceHealth`), so pods'
 //!   status shows their devices' health.
+//! - [`device_status`]: each prepared device in its claim's `status.devices`, with a `Ready`
+//!   condition that follows its health and the data an operator needs (UUID, PCI address...).
 //! - `driver.rs`: all of it for one backend, started and stopped as one ([`DraDriver`]).
 //! - [`kubelet`]: the driver's sockets and its plugin-watcher registration.
 //! - [`slices`]: the node's devices as ResourceSlices, event-driven, kept across a
@@ -26,6 +28,7 @@ pub mod checkpoint;
 pub mod claim_metrics;
 pub mod claims;
 pub mod device_health;
+pub mod device_status;
 mod driver;
 pub mod health;
 pub mod hold;

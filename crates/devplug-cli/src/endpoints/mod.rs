@@ -102,6 +102,10 @@ pub struct DriverCounters {
     pub resyncs: u64,
     /// 1 while the kubelet has the driver registered.
     pub registered: u64,
+    /// Claims whose device status (`status.devices`) was written.
+    pub status_writes: u64,
+    /// Device status writes refused or failed.
+    pub status_errors: u64,
     /// The kubelet's NodePrepareResources and NodeUnprepareResources calls (DRA drivers run
     /// only in the build with the API client).
     #[cfg(feature = "cluster")]

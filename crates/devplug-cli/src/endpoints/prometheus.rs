@@ -13,7 +13,7 @@ pub fn render_drivers(drivers: &[(String, DriverCounters)]) -> String {
         return out;
     }
     type Read = fn(&DriverCounters) -> u64;
-    let families: [(&str, &str, &str, Read); 6] = [
+    let families: [(&str, &str, &str, Read); 8] = [
         (
             "devplug_dra_registered",
             "gauge",
@@ -49,6 +49,18 @@ pub fn render_drivers(drivers: &[(String, DriverCounters)]) -> String {
             "counter",
             "Times the driver read its ResourceSlices and Node afresh (a watch failed, or a slice it knew was gone).",
             |c| c.resyncs,
+        ),
+        (
+            "devplug_dra_device_status_writes_total",
+            "counter",
+            "Claims whose device status (status.devices: a Ready condition and the device's data) the driver wrote.",
+            |c| c.status_writes,
+        ),
+        (
+            "devplug_dra_device_status_errors_total",
+            "counter",
+            "Device status writes the API server refused or that failed (the log says why).",
+            |c| c.status_errors,
         ),
     ];
     for (metric, kind, help, read) in families {

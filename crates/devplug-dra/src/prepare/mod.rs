@@ -71,6 +71,8 @@ pub struct Preparer {
     state: Mutex<Checkpoint>,
     read_deadline: Duration,
     metrics: Arc<ClaimMetrics>,
+    /// The prepared claims as last saved, for the device status writer.
+    saved: tokio::sync::watch::Sender<crate::device_status::PreparedClaims>,
 }
 
 impl Preparer {
@@ -89,7 +91,9 @@ impl Preparer {
                 tracing::error!(%driver, claim = %uid, error = %err, "a prepared claim's CDI spec is missing");
             }
         }
+        let saved = tokio::sync::watch::Sender::new(Arc::new(checkpoint.claims.clone()));
         Ok(Preparer {
+            saved,
             driver: driver.to_owned(),
             pool: pool.to_owned(),
             backend,
@@ -131,6 +135,11 @@ impl Preparer {
     /// The counters of the prepare and unprepare calls.
     pub fn metrics(&self) -> &Arc<ClaimMetrics> {
         &self.metrics
+    }
+
+    /// The prepared claims as last saved to the checkpoint, by UID, as they change.
+    pub fn saved(&self) -> tokio::sync::watch::Receiver<crate::device_status::PreparedClaims> {
+        self.saved.subscribe()
     }
 
     /// The prepared claims now, by UID.
@@ -438,6 +447,7 @@ impl Preparer {
     /// runtime that serves the kubelet, publishes the slices and watches the API server.
     async fn save(&self, state: &Checkpoint) -> Result<(), PrepareError> {
         let path = self.files.checkpoint.clone();
+        let claims = Arc::new(state.claims.clone());
         let state = state.clone();
         let written = tokio::task::spawn_blocking({
             let path = path.clone();
@@ -448,7 +458,9 @@ impl Preparer {
         written.map_err(|source| PrepareError::WriteCheckpoint {
             path,
             source: Arc::new(source),
-        })
+        })?;
+        self.saved.send_replace(claims);
+        Ok(())
     }
 
     /// The CDI kind of this driver's claim specs: `<driver>/claim`.

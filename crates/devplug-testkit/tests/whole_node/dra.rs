@@ -27,6 +27,16 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
             edited.join(" ")
         ));
         health_in_pod_status(&client, "dra-npu-demo", &device).await?;
+        let data =
+            device_status_in_claim(&client, "dra-npu-demo", DRIVER, ("True", "Prepared", ""))
+                .await?;
+        assert!(
+            data["cdiDevices"]
+                .as_array()
+                .is_some_and(|ids| !ids.is_empty())
+                && data["requests"] == serde_json::json!(["npu"]),
+            "the device's data names its CDI devices and request: {data}"
+        );
         remove_example(node, "basic")?;
         shared_by_capacity(node, &client).await?;
         partitioned(node, &client).await?;
@@ -77,6 +87,59 @@ async fn health_in_pod_status(
         started.elapsed().as_secs_f64()
     ));
     Ok(())
+}
+
+/// Waits (60 s) until the claim of pod `pod` (generated from its template: named after the pod)
+/// has one entry of `driver` in `status.devices` whose `Ready` condition has `want`'s status
+/// and reason and a message containing `want`'s third part; returns its `data`. Shown as a figure.
+async fn device_status_in_claim(
+    client: &kube::Client,
+    pod: &str,
+    driver: &str,
+    want: (&str, &str, &str),
+) -> Result<serde_json::Value, String> {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let started = Instant::now();
+    let mut seen = String::new();
+    while started.elapsed() < Duration::from_secs(60) {
+        let list = claims
+            .list(&Default::default())
+            .await
+            .map_err(|e| format!("list claims: {e}"))?;
+        let entry = list
+            .items
+            .into_iter()
+            .filter(|c| {
+                c.metadata
+                    .name
+                    .as_deref()
+                    .is_some_and(|n| n.starts_with(pod))
+            })
+            .flat_map(|c| c.status.and_then(|s| s.devices).unwrap_or_default())
+            .find(|d| d.driver == driver);
+        if let Some(entry) = entry {
+            let ready = entry
+                .conditions
+                .unwrap_or_default()
+                .into_iter()
+                .find(|c| c.type_ == "Ready")
+                .map(|c| (c.status, c.reason, c.message))
+                .unwrap_or_default();
+            let data = entry.data.map(|d| d.0).unwrap_or_default();
+            seen = format!("{} {:?} {data}", entry.device, ready);
+            if ready.0 == want.0 && ready.1 == want.1 && ready.2.contains(want.2) {
+                figure(&format!(
+                    "DRA device status in the claim (status.devices, written by devplug) within {:.1} s: {seen}",
+                    started.elapsed().as_secs_f64()
+                ));
+                return Ok(data);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Err(format!(
+        "the claim of {pod} has no {driver} entry in status.devices with Ready {want:?} in 60 s (last seen: {seen:?})"
+    ))
 }
 
 /// Every (status name, resource id, health) in the pod's `allocatedResourcesStatus`.
@@ -260,6 +323,7 @@ async fn taints_and_health(node: &Node, client: &kube::Client) -> Result<(), Str
         )
         .await
         .map_err(|e| format!("board-a Unhealthy (overheated) in the pod's status: {e}"))?;
+        device_status_in_claim(client, "board-user", "boards.example.com", ("False", "Unhealthy", "overheated")).await?;
         figure(&format!(
             "DRA health in the pod's status: board-a Unhealthy with its reason {:.1} s after its file said so: {:?}",
             broke.elapsed().as_secs_f64(),
@@ -275,6 +339,7 @@ async fn taints_and_health(node: &Node, client: &kube::Client) -> Result<(), Str
         )
         .await
         .map_err(|e| format!("board-a Healthy again in the pod's status: {e}"))?;
+        device_status_in_claim(client, "board-user", "boards.example.com", ("True", "Prepared", "")).await?;
         remove_example(node, "taints")
     }
     .await;

@@ -233,6 +233,18 @@ the kubelet's plugins/ folder and /var/run/cdi); empty otherwise.
 {{- end }}
 
 {{/*
+The driver names of the config's `dra:` resources, as a JSON list (for RBAC resourceNames and
+the admission policies' CEL).
+*/}}
+{{- define "devplug.draDrivers" -}}
+{{- $drivers := list }}
+{{- range (include "devplug.config" . | fromYaml).resources }}
+{{- if .dra }}{{ $drivers = append $drivers .dra.driver }}{{ end }}
+{{- end }}
+{{- $drivers | toJson }}
+{{- end }}
+
+{{/*
 "true" when the pods talk to the API server (advertise: or dra: resources, node events): they
 then get a token and NODE_NAME.
 */}}
