@@ -96,6 +96,7 @@ impl DeviceStatusWriter {
             counters: counters.clone(),
             written: BTreeMap::new(),
             since: BTreeMap::new(),
+            warned: false,
         };
         tokio::spawn(writer.run(prepared, devices, stop));
         DeviceStatusWriter { counters }
@@ -115,6 +116,8 @@ struct Writer {
     written: BTreeMap<String, Wanted>,
     /// Each entry's `Ready` and when it last changed, by (claim UID, device, share id).
     since: BTreeMap<EntryKey, (bool, Timestamp)>,
+    /// Whether a refusal was logged at WARN already (the next ones go to DEBUG).
+    warned: bool,
 }
 
 /// How a write ended.
@@ -204,8 +207,16 @@ impl Writer {
                     self.written.insert(uid, want);
                 }
                 Outcome::Refused(why) => {
-                    tracing::warn!(driver = %self.driver, claim = %format!("{}/{} ({uid})", want.namespace, want.name), error = %why,
-                        "the API server refused the claim's device status; the claim is prepared, its status.devices is not written");
+                    let claim = format!("{}/{} ({uid})", want.namespace, want.name);
+                    if self.warned {
+                        tracing::debug!(driver = %self.driver, %claim, error = %why, "the API server refused the claim's device status");
+                    } else {
+                        tracing::warn!(driver = %self.driver, %claim, error = %why,
+                            "the API server refused the claim's device status; the claim is prepared, its status.devices is not written \
+                             (the chart grants resourceclaims/status patch and resourceclaims/driver associated-node:patch; \
+                             later refusals are logged at DEBUG and counted in devplug_dra_device_status_errors_total)");
+                        self.warned = true;
+                    }
                     self.written.insert(uid, want);
                 }
                 Outcome::Retry(why) => {
