@@ -27,10 +27,18 @@ pub fn etcd_args(layout: &Layout) -> Vec<String> {
     ]
 }
 
+/// The feature gates of the node's control plane: Kubernetes 1.36's defaults and
+/// `DRADeviceTaintRules`, which 1.37 turns on (an administrator's DeviceTaintRule: the API
+/// server serves it, kube-scheduler heeds it, kube-controller-manager evicts for `NoExecute`).
+pub const FEATURE_GATES: &str = "--feature-gates=DRADeviceTaintRules=true";
+
 /// kube-apiserver's flags: Node and RBAC authorization and the default admission chain (the
 /// controller-manager makes the `default` service accounts).
 pub fn apiserver_args(layout: &Layout) -> Vec<String> {
     vec![
+        FEATURE_GATES.into(),
+        // DeviceTaintRule is served in resource.k8s.io/v1beta2, off by default in 1.36.
+        "--runtime-config=resource.k8s.io/v1beta2=true".into(),
         "--bind-address=127.0.0.1".into(),
         "--advertise-address=127.0.0.1".into(),
         format!("--secure-port={API_PORT}"),
@@ -62,6 +70,7 @@ pub fn apiserver_args(layout: &Layout) -> Vec<String> {
 /// templates).
 pub fn controller_manager_args(layout: &Layout) -> Vec<String> {
     vec![
+        FEATURE_GATES.into(),
         format!("--kubeconfig={}", layout.kubeconfig().display()),
         "--leader-elect=false".into(),
         "--bind-address=127.0.0.1".into(),
@@ -79,6 +88,7 @@ pub fn controller_manager_args(layout: &Layout) -> Vec<String> {
 /// kube-scheduler's flags.
 pub fn scheduler_args(layout: &Layout) -> Vec<String> {
     vec![
+        FEATURE_GATES.into(),
         format!("--kubeconfig={}", layout.kubeconfig().display()),
         "--leader-elect=false".into(),
         "--secure-port=0".into(),

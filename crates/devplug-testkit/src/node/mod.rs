@@ -360,6 +360,29 @@ impl Node {
         self.stop_process(name, Duration::from_secs(5))
     }
 
+    /// Whether kube-scheduler is still running (it exits on a panic).
+    pub fn scheduler_running(&self) -> bool {
+        self.processes
+            .lock()
+            .ok()
+            .and_then(|mut table| {
+                table
+                    .get_mut("kube-scheduler")
+                    .map(|c| matches!(c.try_wait(), Ok(None)))
+            })
+            .unwrap_or(false)
+    }
+
+    /// Stops kube-scheduler (if it still runs) and starts it again.
+    pub fn restart_scheduler(&self) -> Result<(), String> {
+        self.stop_process("kube-scheduler", Duration::from_secs(5))?;
+        self.spawn(
+            "kube-scheduler",
+            &self.requirements.assets.join("kube-scheduler"),
+            &config::scheduler_args(&self.layout),
+        )
+    }
+
     /// Starts the kubelet (after [`Node::stop_kubelet`]).
     pub fn start_kubelet(&self) -> Result<(), String> {
         self.spawn(
