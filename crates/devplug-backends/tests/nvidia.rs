@@ -841,6 +841,27 @@ async fn mig_mixed_serves_one_resource_per_profile_with_caps_nodes_env_and_cdi()
     counts(&kubelet, "nvidia.com/mig-1g.5gb", 6, 6).await;
     counts(&kubelet, "nvidia.com/mig-3g.20gb", 2, 2).await;
     counts(&kubelet, "nvidia.com/gpu", 1, 1).await;
+    // GFD's MIG attribute labels, read from NVML's attributes of each profile's MIG devices
+    // (the fake answers as an A100: 14 multiprocessors a slice; 3 slices share 3 copy
+    // engines and 2 decoders).
+    let labels = backends[1].node_labels().borrow().clone();
+    for (key, want) in [
+        ("mig-3g.20gb.count", "2"),
+        ("mig-3g.20gb.multiprocessors", "42"),
+        ("mig-3g.20gb.slices.gi", "3"),
+        ("mig-3g.20gb.slices.ci", "3"),
+        ("mig-3g.20gb.engines.copy", "3"),
+        ("mig-3g.20gb.engines.decoder", "2"),
+        ("mig-3g.20gb.engines.encoder", "0"),
+        ("mig-3g.20gb.engines.jpeg", "0"),
+        ("mig-3g.20gb.engines.ofa", "0"),
+    ] {
+        assert_eq!(
+            labels.get(&format!("nvidia.com/{key}")).map(String::as_str),
+            Some(want),
+            "{key}: {labels:?}"
+        );
+    }
     let (g0, g1) = (migs(&node, 0), migs(&node, 1));
     let small: BTreeSet<String> = [&g0[2], &g0[3], &g1[1], &g1[2], &g1[3], &g1[4]]
         .into_iter()

@@ -1,7 +1,8 @@
 //! The exported MIG queries of a GPU and its MIG device handles: MIG mode, the device slots,
 //! the handle of a slot, its parent, its GPU- and compute-instance ids and attributes.
 
-use crate::abi::{put, INVALID_ARGUMENT, MAX_MIG_DEVICES, NOT_FOUND, NOT_SUPPORTED};
+use crate::abi::{put, INVALID_ARGUMENT, MAX_MIG_DEVICES, NOT_FOUND, NOT_SUPPORTED, SMS_PER_SLICE};
+use crate::instances::engines;
 use crate::state::with_state;
 use nvml_wrapper_sys::bindings::{nvmlDeviceAttributes_t, nvmlDevice_t, nvmlReturn_t};
 use std::ffi::c_uint;
@@ -114,24 +115,36 @@ pub extern "C" fn nvmlDeviceGetAttributes_v2(
     attributes: *mut nvmlDeviceAttributes_t,
 ) -> nvmlReturn_t {
     with_state(|s| {
-        let (_, mig) = match s.mig(device) {
+        let (gpu, mig) = match s.mig(device) {
             Ok(found) => found,
             Err(_) => {
                 s.gpu(device)?;
                 return Err(NOT_SUPPORTED);
             }
         };
+        // As a real GPU: the multiprocessors of the compute instance's slices (at the rate of
+        // the GPU-instance profile of the same size, where the config has one) and the GPU
+        // instance's shared engines.
+        let ci_slices = mig.ci_slices.unwrap_or(mig.slices);
+        let per_slice = gpu
+            .config
+            .mig_profiles
+            .iter()
+            .find(|p| p.slices == mig.slices)
+            .and_then(|p| p.multiprocessors().checked_div(p.slices))
+            .unwrap_or(SMS_PER_SLICE);
+        let [copy, decoders, encoders, jpegs, ofas] = engines(mig.slices);
         put(
             attributes,
             nvmlDeviceAttributes_t {
-                multiprocessorCount: mig.slices.saturating_mul(14),
-                sharedCopyEngineCount: mig.slices,
-                sharedDecoderCount: 0,
-                sharedEncoderCount: 0,
-                sharedJpegCount: 0,
-                sharedOfaCount: 0,
+                multiprocessorCount: per_slice.saturating_mul(ci_slices),
+                sharedCopyEngineCount: copy,
+                sharedDecoderCount: decoders,
+                sharedEncoderCount: encoders,
+                sharedJpegCount: jpegs,
+                sharedOfaCount: ofas,
                 gpuInstanceSliceCount: mig.slices,
-                computeInstanceSliceCount: mig.ci_slices.unwrap_or(mig.slices),
+                computeInstanceSliceCount: ci_slices,
                 memorySizeMB: mig.memory_mib,
             },
         )

@@ -9,6 +9,7 @@
 //! (`gfd.timestamp`, `vgpu.*`, `imex.*`, the MIG engine counts), and why, is in docs/gpus.md.
 
 use super::seam::GpuInfo;
+use super::seam::MigAttributes;
 use super::settings::{MigStrategy, NvidiaSettings};
 use super::view::{UnitKind, View};
 use crate::NodeLabels;
@@ -108,8 +109,10 @@ pub(crate) fn node_labels(
                 });
                 let mut count = 0usize;
                 let mut memory = 0u64;
+                let mut attributes = None;
                 for (g, mig) in migs {
                     memory = mig.memory_bytes >> 20;
+                    attributes.get_or_insert(mig.attributes);
                     if health(&g.info.uuid, Some(mig.gi)).is_healthy() {
                         count = count.saturating_add(1);
                     }
@@ -118,6 +121,9 @@ pub(crate) fn node_labels(
                 put("gpu.count", count.to_string());
                 put("gpu.replicas", replicas.to_string());
                 put("gpu.memory", memory.to_string());
+                if let Some(attributes) = attributes {
+                    mig_attributes("gpu", &attributes, &mut put);
+                }
             }
             _ => {
                 put("gpu.product", product(&[model, "MIG", "INVALID"], false));
@@ -134,21 +140,23 @@ pub(crate) fn node_labels(
     put("gpu.memory", (first.memory_bytes >> 20).to_string());
     if settings.mig_strategy == MigStrategy::Mixed {
         // GFD's mixed strategy: a resource per MIG profile, `nvidia.com/mig-<profile>`.
-        let mut by_profile: BTreeMap<&str, (usize, u64, usize)> = BTreeMap::new();
+        let mut by_profile: BTreeMap<&str, (usize, u64, usize, MigAttributes)> = BTreeMap::new();
         for g in &view.gpus {
             if let UnitKind::Mig { mig, .. } = &g.kind {
                 let entry = by_profile.entry(mig.profile.as_str()).or_insert((
                     0,
                     mig.memory_bytes >> 20,
                     g.ids.len(),
+                    mig.attributes,
                 ));
                 if health(&g.info.uuid, Some(mig.gi)).is_healthy() {
                     entry.0 = entry.0.saturating_add(1);
                 }
             }
         }
-        for (profile, (count, memory, replicas)) in by_profile {
+        for (profile, (count, memory, replicas, attributes)) in by_profile {
             let key = format!("mig-{profile}");
+            mig_attributes(&key, &attributes, &mut put);
             put(
                 &format!("{key}.product"),
                 product(&[model, "MIG", profile], replicas > 1),
@@ -159,6 +167,25 @@ pub(crate) fn node_labels(
         }
     }
     labels
+}
+
+/// GFD's labels of a MIG device's attributes (its `migAttributeLabeler`), under `resource`
+/// (`gpu` with the single strategy, `mig-<profile>` with mixed): the first MIG device's, as GFD
+/// reads them; a profile's devices all have the same.
+fn mig_attributes(resource: &str, a: &MigAttributes, put: &mut impl FnMut(&str, String)) {
+    let values = [
+        ("multiprocessors", a.multiprocessors),
+        ("slices.gi", a.gi_slices),
+        ("slices.ci", a.ci_slices),
+        ("engines.copy", a.copy_engines),
+        ("engines.decoder", a.decoders),
+        ("engines.encoder", a.encoders),
+        ("engines.jpeg", a.jpeg_engines),
+        ("engines.ofa", a.ofa_engines),
+    ];
+    for (name, value) in values {
+        put(&format!("{resource}.{name}"), value.to_string());
+    }
 }
 
 /// Each physical GPU of the view once (a GPU with several MIG devices is one).

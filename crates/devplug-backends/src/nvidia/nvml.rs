@@ -232,6 +232,16 @@ fn mig_devices(gpu: &Device<'_>, parent: &str, parent_bytes: u64) -> Vec<MigInfo
                 gi,
                 ci,
                 memory_bytes: attrs.memory_size_mb.saturating_mul(1 << 20),
+                attributes: super::seam::MigAttributes {
+                    multiprocessors: attrs.multiprocessor_count,
+                    gi_slices: attrs.gpu_instance_slice_count,
+                    ci_slices: attrs.compute_instance_slice_count,
+                    copy_engines: attrs.shared_copy_engine_count,
+                    decoders: attrs.shared_decoder_count,
+                    encoders: attrs.shared_encoder_count,
+                    jpeg_engines: attrs.shared_jpeg_count,
+                    ofa_engines: attrs.shared_ofa_count,
+                },
             })
         };
         match read() {

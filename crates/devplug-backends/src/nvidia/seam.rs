@@ -61,6 +61,30 @@ pub struct MigInfo {
     pub ci: u32,
     /// Its memory in bytes.
     pub memory_bytes: u64,
+    /// What the MIG device has of the GPU (`nvmlDeviceGetAttributes_v2`), for the node labels.
+    pub attributes: MigAttributes,
+}
+
+/// A MIG device's share of its GPU as NVML reports it (`nvmlDeviceAttributes_t`): what GPU
+/// Feature Discovery labels as `multiprocessors`, `slices.gi`, `slices.ci` and `engines.*`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MigAttributes {
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// GPU-instance slices.
+    pub gi_slices: u32,
+    /// Compute-instance slices.
+    pub ci_slices: u32,
+    /// Copy engines.
+    pub copy_engines: u32,
+    /// Video decoders.
+    pub decoders: u32,
+    /// Video encoders.
+    pub encoders: u32,
+    /// JPEG engines.
+    pub jpeg_engines: u32,
+    /// Optical-flow accelerators.
+    pub ofa_engines: u32,
 }
 
 /// The profile name NVIDIA's plugin gives a MIG device (go-nvlib's rule): `<g>g.<m>gb` where

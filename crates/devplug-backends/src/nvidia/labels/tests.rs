@@ -204,6 +204,16 @@ fn a100_migs(sys: &Path) -> Vec<GpuInfo> {
                 gi,
                 ci: 0,
                 memory_bytes: 4864 << 20,
+                attributes: super::super::seam::MigAttributes {
+                    multiprocessors: 14,
+                    gi_slices: 1,
+                    ci_slices: 1,
+                    copy_engines: 1,
+                    decoders: 0,
+                    encoders: 0,
+                    jpeg_engines: 0,
+                    ofa_engines: 0,
+                },
             });
             minors.push_str(&format!(
                 "gpu{g}/gi{gi}/access {}\ngpu{g}/gi{gi}/ci0/access {}\n",
@@ -240,6 +250,19 @@ fn mig_single_names_the_profile_and_counts_mig_devices() {
     assert_eq!(got["nvidia.com/gpu.family"], "ampere");
     assert_eq!(got["nvidia.com/mig.strategy"], "single");
     assert_eq!(got["nvidia.com/mps.capable"], "false");
+    // The MIG device's attributes, as GFD's migAttributeLabeler writes them.
+    for (key, want) in [
+        ("multiprocessors", "14"),
+        ("slices.gi", "1"),
+        ("slices.ci", "1"),
+        ("engines.copy", "1"),
+        ("engines.decoder", "0"),
+        ("engines.encoder", "0"),
+        ("engines.jpeg", "0"),
+        ("engines.ofa", "0"),
+    ] {
+        assert_eq!(got[&format!("nvidia.com/gpu.{key}")], want, "{key}");
+    }
 }
 
 #[test]
@@ -258,6 +281,12 @@ fn mig_mixed_labels_each_profile_as_its_own_resource() {
     );
     assert_eq!(got["nvidia.com/mig-1g.5gb.memory"], "4864");
     assert_eq!(got["nvidia.com/mig-1g.5gb.replicas"], "1");
+    assert_eq!(got["nvidia.com/mig-1g.5gb.multiprocessors"], "14");
+    assert_eq!(got["nvidia.com/mig-1g.5gb.slices.gi"], "1");
+    assert_eq!(got["nvidia.com/mig-1g.5gb.engines.copy"], "1");
+    assert_eq!(got["nvidia.com/mig-1g.5gb.engines.ofa"], "0");
     assert_eq!(got["nvidia.com/gpu.product"], "NVIDIA-A100-SXM4-40GB");
     assert_eq!(got["nvidia.com/gpu.memory"], "40960");
+    // The whole GPUs' labels carry no MIG attributes (GFD's full-GPU labeler has none).
+    assert!(!got.contains_key("nvidia.com/gpu.multiprocessors"));
 }

@@ -29,6 +29,7 @@ fn mig(uuid: &str, profile: &str, gi: u32) -> MigInfo {
         gi,
         ci: 0,
         memory_bytes: 1,
+        attributes: Default::default(),
     }
 }
 
