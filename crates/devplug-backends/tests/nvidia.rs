@@ -674,11 +674,15 @@ async fn broken_nvml_events_read_as_health_unknown_until_the_event_set_is_rebuil
     counts(&kubelet, "nvidia.com/gpu", 4, 0).await;
     let why = reason(&backends[0], &node.uuid(0));
     assert!(why.contains("health unknown"), "{why}");
+    // And the resource is not ready, with the same reason (what /readyz shows).
+    let why = not_ready(&backends[0], "health unknown").await;
+    assert!(why.starts_with("NVIDIA GPUs: "), "{why}");
     // Registration keeps failing while it is broken (retried with backoff, not in a loop).
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert_eq!(kubelet.read(|n| n.capacity("nvidia.com/gpu")), (4, 0));
     node.inject("events ok");
     counts(&kubelet, "nvidia.com/gpu", 4, 4).await;
+    assert_eq!(backends[0].not_ready(), None);
     // And events flow through the rebuilt set.
     node.inject("xid 3 48 1");
     counts(&kubelet, "nvidia.com/gpu", 4, 3).await;

@@ -18,6 +18,8 @@ pub(crate) const GPU_IS_LOST: nvmlReturn_t = 15;
 pub(crate) const IN_USE: nvmlReturn_t = 19;
 pub(crate) const INSUFFICIENT_RESOURCES: nvmlReturn_t = 23;
 pub(crate) const UNKNOWN: nvmlReturn_t = 999;
+/// `NVML_ERROR_LIB_RM_VERSION_MISMATCH`: the library and the kernel module differ.
+pub(crate) const LIB_RM_VERSION_MISMATCH: nvmlReturn_t = 18;
 
 /// `NVML_NVLINK_MAX_LINKS`.
 pub(crate) const MAX_LINKS: u32 = 18;

@@ -26,6 +26,12 @@ pub struct Config {
     /// to the config file).
     #[serde(default)]
     pub init_log: Option<PathBuf>,
+    /// While this file exists, NVML is broken as after a driver upgrade without a reboot:
+    /// `nvmlInit` fails with `LIB_RM_VERSION_MISMATCH` and every other call with `UNKNOWN`
+    /// (relative paths are relative to the config file). Unlike the control file's faults it
+    /// outlives `nvmlShutdown`.
+    #[serde(default)]
+    pub broken_while: Option<PathBuf>,
     /// Whether the driver has the GPU recovery action (field 230 and event 0x8000).
     #[serde(default = "yes")]
     pub recovery_action: bool,

@@ -34,6 +34,11 @@
 //! | `mig <gpu> <layout>` | MIG on with the devices of `mig_layouts.<layout>`; sends `nvmlEventMigConfigChange` (0x100) |
 //! | `mig <gpu> off` | MIG off; sends the same event |
 //!
+//! **A broken driver.** While the file the config names in `broken_while` exists (relative
+//! paths as `control`), NVML fails as after a driver upgrade without a reboot: `nvmlInit` with
+//! `LIB_RM_VERSION_MISMATCH`, every other call (event waits too) with `UNKNOWN`. Removing the
+//! file mends it.
+//!
 //! **Counting inits.** If the config names an `init_log` file (relative paths as `control`),
 //! every successful `nvmlInit` appends one line to it, so a test can tell how often NVML was
 //! opened.

@@ -6,7 +6,7 @@
 
 use crate::abi::{
     GI_PROFILE_COUNT, GPU_IS_LOST, INVALID_ARGUMENT, MAX_MIG_DEVICES, NOT_SUPPORTED, SUCCESS,
-    UNINITIALIZED,
+    UNINITIALIZED, UNKNOWN,
 };
 use crate::config::{
     static_occupied, Config, GpuConfig, MigDeviceConfig, MigProfileConfig, Occupied,
@@ -220,6 +220,8 @@ pub(crate) struct State {
     pub(crate) users: u32,
     /// `events broken`: waits and registrations fail.
     pub(crate) events_broken: bool,
+    /// `broken_while`: every call fails while this file exists.
+    pub(crate) broken_while: Option<PathBuf>,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -252,7 +254,13 @@ impl State {
             init_log: None,
             users: 0,
             events_broken: false,
+            broken_while: None,
         }
+    }
+
+    /// Whether the `broken_while` file exists.
+    pub(crate) fn broken(&self) -> bool {
+        self.broken_while.as_ref().is_some_and(|p| p.exists())
     }
 
     pub(crate) fn gpu(&self, device: nvmlDevice_t) -> Result<&Gpu, nvmlReturn_t> {
@@ -426,6 +434,9 @@ pub(crate) fn with_state(f: impl FnOnce(&mut State) -> Result<(), nvmlReturn_t>)
     match guard.as_mut() {
         None => UNINITIALIZED,
         Some(state) => {
+            if state.broken() {
+                return UNKNOWN;
+            }
             state.poll_control();
             match f(state) {
                 Ok(()) => SUCCESS,

@@ -3,7 +3,8 @@
 
 use crate::abi::{
     put, put_str, DRIVER_NOT_LOADED, GPU_IS_LOST, INSUFFICIENT_RESOURCES, INSUFFICIENT_SIZE,
-    INVALID_ARGUMENT, IN_USE, NOT_FOUND, NOT_SUPPORTED, SUCCESS, TIMEOUT, UNINITIALIZED, UNKNOWN,
+    INVALID_ARGUMENT, IN_USE, LIB_RM_VERSION_MISMATCH, NOT_FOUND, NOT_SUPPORTED, SUCCESS, TIMEOUT,
+    UNINITIALIZED, UNKNOWN,
 };
 use crate::config::{version_pair, Config};
 use crate::state::{kept, lock, with_state, State};
@@ -47,12 +48,14 @@ pub(crate) fn load() -> Result<State, String> {
     };
     let control = config.control.as_ref().map(beside);
     let init_log = config.init_log.as_ref().map(beside);
+    let broken_while = config.broken_while.as_ref().map(beside);
     let control_offset = control
         .as_ref()
         .and_then(|c| std::fs::metadata(c).ok())
         .map_or(0, |m| usize::try_from(m.len()).unwrap_or(usize::MAX));
     let mut state = State::new(config, control, control_offset);
     state.init_log = init_log;
+    state.broken_while = broken_while;
     Ok(state)
 }
 
@@ -70,6 +73,12 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
         }
     }
     if let Some(state) = guard.as_mut() {
+        if state.broken() {
+            if state.users == 0 {
+                *guard = None;
+            }
+            return LIB_RM_VERSION_MISMATCH;
+        }
         state.users = state.users.saturating_add(1);
         if let Some(path) = &state.init_log {
             let logged = std::fs::OpenOptions::new()

@@ -548,3 +548,23 @@ fn static_mig_devices_still_answer_as_before() {
     );
     assert_eq!(mig_devices(gpu(2)).len(), 7);
 }
+
+#[test]
+fn a_broken_driver_fails_every_call_and_init_until_mended() {
+    let _serial = install(PARTITIONS);
+    let dir = tempfile::tempdir().unwrap();
+    let flag = dir.path().join("broken");
+    if let Some(state) = lock().as_mut() {
+        state.broken_while = Some(flag.clone());
+    }
+    let mut count = 0;
+    assert_eq!(nvmlDeviceGetCount_v2(&mut count), SUCCESS);
+    std::fs::write(&flag, "").unwrap();
+    assert_eq!(nvmlDeviceGetCount_v2(&mut count), UNKNOWN);
+    // A second init while broken fails and leaves the first user's state as it was.
+    assert_eq!(nvmlInit_v2(), LIB_RM_VERSION_MISMATCH);
+    assert_eq!(lock().as_ref().map(|s| s.users), Some(1));
+    std::fs::remove_file(&flag).unwrap();
+    assert_eq!(nvmlDeviceGetCount_v2(&mut count), SUCCESS);
+    assert_eq!(nvmlShutdown(), SUCCESS);
+}

@@ -121,6 +121,11 @@ impl HealthBook {
         self.unknown = reason;
     }
 
+    /// Why every GPU reads Unhealthy (NVML's events cannot be watched), if they do.
+    pub fn unknown(&self) -> Option<&str> {
+        self.unknown.as_deref()
+    }
+
     /// An XID on a GPU, with its recovery action as read right after (`None`: the driver
     /// has no recovery action). A recovery action other than NONE makes any XID count; else
     /// the policy's ignore list decides.

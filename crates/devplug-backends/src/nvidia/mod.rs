@@ -180,6 +180,7 @@ impl NvidiaBackend {
             view: RwLock::new(Arc::new(empty)),
             devices: watch::Sender::new(DeviceList::default()),
             not_ready: RwLock::new(Some("NVML not loaded yet".into())),
+            health_unknown: RwLock::new(None),
             cdi_ready: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             cdi: Mutex::new(cdi),
@@ -416,11 +417,19 @@ impl Backend for NvidiaBackend {
 
     /// Why the resource cannot serve GPUs now (NVML not loaded, driver not ready), if so.
     fn not_ready(&self) -> Option<String> {
-        self.shared
+        let not_ready = self
+            .shared
             .not_ready
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .clone()
+            .clone();
+        not_ready.or_else(|| {
+            self.shared
+                .health_unknown
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+        })
     }
 }
 

@@ -37,6 +37,9 @@ pub(crate) struct Shared {
     pub(crate) devices: watch::Sender<DeviceList>,
     /// Why the resource is not ready (NVML not open), if it is not.
     pub(crate) not_ready: RwLock<Option<String>>,
+    /// Why no GPU's health can be told (NVML's events fail), while that lasts: the resource
+    /// is not ready for it too.
+    pub(crate) health_unknown: RwLock<Option<String>>,
     /// True when the CDI spec for the published devices is on disk.
     pub(crate) cdi_ready: AtomicBool,
     /// Set to stop the thread.
@@ -441,7 +444,16 @@ impl<'a> Monitor<'a> {
         self.settings.health.enabled || self.watch_mig()
     }
 
+    /// Publishes the view with the book's health; while the book cannot tell any GPU's health
+    /// (NVML failing: a driver upgraded without a reboot, a sick driver), the resource is not
+    /// ready either, with that reason, so `/readyz` says why every GPU is Unhealthy.
     fn publish(&self) {
+        *self
+            .shared
+            .health_unknown
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) =
+            self.book.unknown().map(|why| format!("NVIDIA GPUs: {why}"));
         self.shared
             .publish(&self.view, |u, gi| self.book.unit_health(u, gi));
     }

@@ -505,6 +505,13 @@ pub fn labels_follow_the_gpus(node: &'static Node) -> Outcome {
             "a GPU lost → nvidia.com/gpu.count 8 → 7 on the Node: {:.2} s",
             lost_at.elapsed().as_secs_f64()
         ));
+        nvml_failure_fails_no_pod(
+            node,
+            &client,
+            &control.with_file_name("dgx1-v100.broken"),
+            7,
+        )
+        .await?;
 
         // The uninstall: the DaemonSet gone, then the post-delete Job's node-labels container
         // (its device-resources container waits out the kubelet's 5-minute grace: the
@@ -536,4 +543,151 @@ pub fn labels_follow_the_gpus(node: &'static Node) -> Outcome {
         );
         Ok(())
     })
+}
+
+/// NVML breaks (as after a driver upgrade without a reboot: `nvmlInit` fails with a version
+/// mismatch, every call with `UNKNOWN`) while a Deployment holds every healthy GPU, and two of
+/// its pods go at that moment (finished, or replaced by a rollout), so the Deployment makes new
+/// ones while the Node still advertises the GPUs. A plugin whose devices vanish or whose
+/// Allocate fails makes a storm of Failed pods (`UnexpectedAdmissionError`, replaced at once
+/// by the Deployment, refused again). Counted for 60 s: how many pods Failed, when the Node's
+/// allocatable fell, what `/readyz` said; then NVML mended: every pod Running again. `healthy`:
+/// the GPUs the Node has when it starts.
+async fn nvml_failure_fails_no_pod(
+    node: &Node,
+    client: &kube::Client,
+    broken: &Path,
+    healthy: i64,
+) -> Result<(), String> {
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::api::{Api, ListParams};
+    let ns = Namespace::create(node, "dp-nvml-fails")?;
+    // The Node's allocatable follows the lost GPU (the kubelet's status, after the labels).
+    support::wait_node_resource(client, GPU, Duration::from_secs(60), |a, _| {
+        a == Some(healthy)
+    })
+    .await?;
+    let replicas = healthy;
+    let deployment = serde_json::json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "gpu-users", "namespace": ns.name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": "gpu-users"}},
+            "template": {
+                "metadata": {"labels": {"app": "gpu-users"}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 0,
+                    "containers": [{
+                        "name": "c",
+                        "image": devplug_testkit::node::image::BUSYBOX_IMAGE,
+                        "imagePullPolicy": "Never",
+                        "command": ["sleep", "3600"],
+                        "resources": {"limits": {GPU: "1"}},
+                    }],
+                },
+            },
+        },
+    });
+    support::apply(node, &[deployment])?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+    let listed = || async {
+        pods.list(&ListParams::default().labels("app=gpu-users"))
+            .await
+            .map_err(|e| format!("list pods: {e}"))
+            .map(|l| l.items)
+    };
+    let phase = |p: &Pod| {
+        p.status
+            .as_ref()
+            .and_then(|s| s.phase.clone())
+            .unwrap_or_default()
+    };
+    let running = |items: &[Pod]| items.iter().filter(|p| phase(p) == "Running").count();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while running(&listed().await?) != usize::try_from(replicas).unwrap_or(0) {
+        if Instant::now() > deadline {
+            return Err(format!("{replicas} GPU pods not Running in 90 s"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    write(broken, b"")?;
+    let broke = Instant::now();
+    let names: Vec<String> = listed()
+        .await?
+        .iter()
+        .take(2)
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    let mut args = vec!["delete", "pod", "-n", ns.name.as_str(), "--wait=false"];
+    args.extend(names.iter().map(String::as_str));
+    node.kubectl(&args, None)?;
+    let mut failed: std::collections::BTreeSet<String> = Default::default();
+    // Pods that failed once the Node said it had no GPU (and 2 s for the scheduler to see it).
+    let mut failed_after_zero: std::collections::BTreeSet<String> = Default::default();
+    let mut allocatable_zero: Option<Duration> = None;
+    let mut readyz = String::new();
+    while broke.elapsed() < Duration::from_secs(60) {
+        let settled =
+            allocatable_zero.is_some_and(|at| broke.elapsed() > at + Duration::from_secs(2));
+        for p in listed().await? {
+            if phase(&p) == "Failed" {
+                let name = p.metadata.name.clone().unwrap_or_default();
+                if settled && !failed.contains(&name) {
+                    failed_after_zero.insert(name.clone());
+                }
+                failed.insert(name);
+            }
+        }
+        if allocatable_zero.is_none() && support::node_resource(client, GPU).await?.0 == Some(0) {
+            allocatable_zero = Some(broke.elapsed());
+        }
+        if !readyz.starts_with("503") {
+            if let Some((code, body)) = support::http_get(18081, "/readyz") {
+                readyz = format!("{code} {}", body.trim());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let items = listed().await?;
+    figure(&format!(
+        "NVML broken (version mismatch) while {replicas} pods held every GPU and 2 were replaced: \
+         {} pods Failed in 60 s; Node allocatable {GPU} 0 after {:?}; {} still Running, {} Pending; /readyz: {readyz}",
+        failed.len(),
+        allocatable_zero.map(|d| format!("{:.1} s", d.as_secs_f64())),
+        running(&items),
+        items.iter().filter(|p| phase(p) == "Pending").count(),
+    ));
+
+    std::fs::remove_file(broken).map_err(|e| format!("{}: {e}", broken.display()))?;
+    let mended = Instant::now();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while running(&listed().await?) != usize::try_from(replicas).unwrap_or(0) {
+        if Instant::now() > deadline {
+            return Err(format!(
+                "{replicas} GPU pods not Running 120 s after NVML was mended\n{}",
+                support::devplug_log_tail(node, 40)
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    figure(&format!(
+        "NVML mended: all {replicas} pods Running again {:.1} s later",
+        mended.elapsed().as_secs_f64()
+    ));
+    ns.delete(node)?;
+    // The storm ends once the Node says it has no GPU: the devices stay listed, Unhealthy, so
+    // the capacity does not come back until NVML does and the new pods wait Pending.
+    assert!(
+        failed_after_zero.is_empty(),
+        "pods Failed after the Node's allocatable fell to 0: {failed_after_zero:?}"
+    );
+    assert!(
+        allocatable_zero.is_some(),
+        "the Node's allocatable never fell to 0"
+    );
+    assert!(readyz.contains("NVML"), "/readyz names NVML: {readyz:?}");
+    Ok(())
 }
