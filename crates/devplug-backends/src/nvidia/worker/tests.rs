@@ -85,6 +85,7 @@ fn start(driver: Scripted) -> (Arc<Shared>, std::sync::mpsc::Sender<()>) {
         view: RwLock::new(Arc::new(empty)),
         devices: watch::Sender::new(DeviceList::default()),
         not_ready: RwLock::new(None),
+        health_unknown: RwLock::new(None),
         cdi_ready: AtomicBool::new(false),
         stop: AtomicBool::new(false),
         cdi: Mutex::new(None),
