@@ -270,15 +270,7 @@ async fn taints_and_health(node: &Node, client: &kube::Client) -> Result<(), Str
     let outcome = async {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let taints = node.kubectl(
-                &[
-                    "get",
-                    "resourceslices",
-                    "-o",
-                    "jsonpath={range .items[*].spec.devices[*]}{.name} {.taints[*].effect} {.taints[*].value}{\"\\n\"}{end}",
-                ],
-                None,
-            )?;
+            let taints = slice_taints(node)?;
             if taints.lines().any(|l| l == "board-b NoSchedule fan-failure") {
                 figure(&format!("taints example: board-b tainted in its ResourceSlice: {:?}", taints.lines().filter(|l| l.starts_with("board-")).collect::<Vec<_>>()));
                 break;
@@ -348,6 +340,20 @@ async fn taints_and_health(node: &Node, client: &kube::Client) -> Result<(), Str
     outcome
 }
 
+/// Every device of the node's ResourceSlices as a line `<name> <effects> <values>` of its
+/// taints (blank after the name for an untainted one).
+fn slice_taints(node: &Node) -> Result<String, String> {
+    node.kubectl(
+        &[
+            "get",
+            "resourceslices",
+            "-o",
+            "jsonpath={range .items[*].spec.devices[*]}{.name} {.taints[*].effect} {.taints[*].value}{\"\\n\"}{end}",
+        ],
+        None,
+    )
+}
+
 /// An administrator's DeviceTaintRule (`resource.k8s.io/v1beta2`, the `DRADeviceTaintRules`
 /// gate that Kubernetes 1.37 turns on) with `NoExecute` on board-a, which `board-user` uses:
 /// kube-controller-manager evicts the pod. devplug's own health taints keep working beside the
@@ -398,15 +404,7 @@ async fn device_taint_rule_evicts(
         write("board-b", "Healthy")?;
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let taints = node.kubectl(
-                &[
-                    "get",
-                    "resourceslices",
-                    "-o",
-                    "jsonpath={range .items[*].spec.devices[*]}{.name} {.taints[*].key}{\"\\n\"}{end}",
-                ],
-                None,
-            )?;
+            let taints = slice_taints(node)?;
             let boards: Vec<&str> = taints
                 .lines()
                 .filter(|l| l.starts_with("board-"))

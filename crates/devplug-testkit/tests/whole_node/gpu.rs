@@ -550,7 +550,7 @@ pub fn labels_follow_the_gpus(node: &'static Node) -> Outcome {
 /// its pods go at that moment (finished, or replaced by a rollout), so the Deployment makes new
 /// ones while the Node still advertises the GPUs. A plugin whose devices vanish or whose
 /// Allocate fails makes a storm of Failed pods (`UnexpectedAdmissionError`, replaced at once
-/// by the Deployment, refused again). Counted for 60 s: how many pods Failed, when the Node's
+/// by the Deployment, refused again). Counted for 30 s: how many pods Failed, when the Node's
 /// allocatable fell, what `/readyz` said; then NVML mended: every pod Running again. `healthy`:
 /// the GPUs the Node has when it starts.
 async fn nvml_failure_fails_no_pod(
@@ -629,7 +629,7 @@ async fn nvml_failure_fails_no_pod(
     let mut failed_after_zero: std::collections::BTreeSet<String> = Default::default();
     let mut allocatable_zero: Option<Duration> = None;
     let mut readyz = String::new();
-    while broke.elapsed() < Duration::from_secs(60) {
+    while broke.elapsed() < Duration::from_secs(30) {
         let settled =
             allocatable_zero.is_some_and(|at| broke.elapsed() > at + Duration::from_secs(2));
         for p in listed().await? {
@@ -654,7 +654,7 @@ async fn nvml_failure_fails_no_pod(
     let items = listed().await?;
     figure(&format!(
         "NVML broken (version mismatch) while {replicas} pods held every GPU and 2 were replaced: \
-         {} pods Failed in 60 s; Node allocatable {GPU} 0 after {:?}; {} still Running, {} Pending; /readyz: {readyz}",
+         {} pods Failed in 30 s; Node allocatable {GPU} 0 after {:?}; {} still Running, {} Pending; /readyz: {readyz}",
         failed.len(),
         allocatable_zero.map(|d| format!("{:.1} s", d.as_secs_f64())),
         running(&items),
