@@ -28,7 +28,8 @@ fn base_images() -> Vec<String> {
     let daemonset: DaemonSet = strict(&docs[0]).unwrap();
     daemonset
         .spec
-        .and_then(|s| s.template.spec)
+        .template
+        .spec
         .map(|s| s.containers.into_iter().filter_map(|c| c.image).collect())
         .unwrap_or_default()
 }

@@ -656,9 +656,8 @@ fn dra_examples_are_strictly_valid() {
             if let Object::DeviceClass(class) = object {
                 let selects = class
                     .spec
-                    .selectors
                     .iter()
-                    .flatten()
+                    .flat_map(|s| s.selectors.iter().flatten())
                     .filter_map(|s| s.cel.as_ref())
                     .any(|cel| {
                         cel.expression
@@ -757,8 +756,9 @@ fn monitoring_references(objects: &[Object], ds: &DaemonSet, spec: &PodSpec) -> 
     let empty = BTreeMap::new();
     let pod_labels = ds
         .spec
+        .template
+        .metadata
         .as_ref()
-        .and_then(|s| s.template.metadata.as_ref())
         .and_then(|m| m.labels.as_ref())
         .unwrap_or(&empty);
     let selects_pods = |selector: &BTreeMap<String, String>| {
@@ -879,7 +879,7 @@ fn monitoring_references(objects: &[Object], ds: &DaemonSet, spec: &PodSpec) -> 
 }
 
 fn pod_spec(d: &DaemonSet) -> Option<&PodSpec> {
-    d.spec.as_ref()?.template.spec.as_ref()
+    d.spec.template.spec.as_ref()
 }
 
 /// Cross-object checks for one release: the DaemonSet runs as the ServiceAccount, mounts the
@@ -951,7 +951,8 @@ fn references(objects: &[Object]) -> Vec<String> {
         return vec!["the DaemonSet has no pod spec".into()];
     };
     problems.extend(monitoring_references(objects, ds, spec));
-    if let Some(ds_spec) = &ds.spec {
+    {
+        let ds_spec = &ds.spec;
         let labels = ds_spec
             .template
             .metadata
@@ -1675,15 +1676,7 @@ fn the_wrong_binary_for_the_config_is_caught() {
         f(ds.unwrap(), cm.unwrap());
     };
     fn container(d: &mut DaemonSet) -> &mut Container {
-        &mut d
-            .spec
-            .as_mut()
-            .unwrap()
-            .template
-            .spec
-            .as_mut()
-            .unwrap()
-            .containers[0]
+        &mut d.spec.template.spec.as_mut().unwrap().containers[0]
     }
 
     // The full binary with nothing that needs it: memory wasted.
@@ -1773,7 +1766,7 @@ fn probes_that_miss_the_probe_listener_are_caught() {
         let mut objects = objects();
         for o in &mut objects {
             if let Object::DaemonSet(d) = o {
-                let spec = d.spec.as_mut().unwrap().template.spec.as_mut().unwrap();
+                let spec = d.spec.template.spec.as_mut().unwrap();
                 change(&mut spec.containers[0]);
             }
         }

@@ -115,6 +115,7 @@ pub(super) fn api_device(
                 .map(|c| api::DeviceCounterConsumption {
                     counter_set: c.set.clone(),
                     counters: counters(&c.counters),
+                    ..Default::default()
                 })
                 .collect()
         }),
