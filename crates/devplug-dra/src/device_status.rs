@@ -148,13 +148,13 @@ impl Writer {
                 backoff.next_delay()
             } else {
                 backoff.reset();
-                Duration::MAX
+                Duration::ZERO
             };
             tokio::select! {
                 () = stop.cancelled() => return,
                 changed = prepared.changed() => if changed.is_err() { return },
                 changed = devices.changed() => if changed.is_err() { return },
-                () = sleep(wait) => {}
+                () = tokio::time::sleep(wait), if retry => {}
             }
         }
     }
@@ -276,14 +276,6 @@ impl Writer {
             }
         }
     }
-}
-
-/// `tokio::time::sleep`, where `Duration::MAX` waits for ever (it would overflow the clock).
-async fn sleep(wait: Duration) {
-    if wait == Duration::MAX {
-        std::future::pending::<()>().await;
-    }
-    tokio::time::sleep(wait).await;
 }
 
 /// What every prepared claim of `driver` should have in `status.devices`, by claim UID.
