@@ -72,6 +72,7 @@ pub async fn figures(changes: usize, claims: usize) -> anyhow::Result<()> {
         dirs: KubeletDirs::beside(&device_plugins),
         cdi_dir: root.path().join("cdi"),
         no_execute_after: None,
+        device_metadata: false,
     };
     let driver = DraDriver::start(settings, backend, client.clone()).await?;
     let mut registered = driver.registered();

@@ -243,6 +243,7 @@ async fn walk(assets: &Path, dir: &Path) -> anyhow::Result<()> {
         dirs: dirs.clone(),
         cdi_dir: dir.join("cdi"),
         no_execute_after: None,
+        device_metadata: false,
     };
     let started = Instant::now();
     let driver = DraDriver::start(settings.clone(), npus, client.clone())

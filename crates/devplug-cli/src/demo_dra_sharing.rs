@@ -53,6 +53,7 @@ pub(crate) async fn walk(
         dirs: dirs.clone(),
         cdi_dir: cdi_dir.to_owned(),
         no_execute_after: None,
+        device_metadata: false,
     };
     let driver = DraDriver::start(driver_settings, backend, client.clone())
         .await

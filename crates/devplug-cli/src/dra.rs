@@ -198,6 +198,7 @@ impl DraDrivers {
             dirs: self.setup.dirs.clone(),
             cdi_dir: self.setup.cdi_dir.clone(),
             no_execute_after: dra.no_execute_after,
+            device_metadata: dra.device_metadata,
         };
         let driver = match DraDriver::start(settings, backend, client).await {
             Ok(driver) => driver,

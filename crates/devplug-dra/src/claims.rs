@@ -45,6 +45,10 @@ pub struct AllocatedDevice {
     /// The request tolerates the driver's `<driver>/unhealthy` taint (a toleration with that
     /// key, or one for every key): it may have the device while it is unhealthy.
     pub tolerates_unhealthy: bool,
+    /// The pod's name for the claim when it was made from a template (the claim's
+    /// `resource.kubernetes.io/pod-claim-name` annotation; the same for every device of the
+    /// claim): where its device metadata is mounted.
+    pub pod_claim_name: Option<String>,
 }
 
 /// Where the prepare path learns a claim's allocation.
@@ -150,6 +154,12 @@ pub fn our_devices(
                 })?;
                 consumed.insert(name.clone(), value);
             }
+            let pod_claim_name = found
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(crate::prepare::POD_CLAIM_NAME_ANNOTATION))
+                .cloned();
             let taint = crate::slices::unhealthy_taint_key(driver);
             let tolerates_unhealthy = r.tolerations.iter().flatten().any(|t| match &t.key {
                 Some(key) => *key == taint,
@@ -162,6 +172,7 @@ pub fn our_devices(
                 hold: Hold::from_parts(r.share_id.clone(), r.admin_access.unwrap_or(false)),
                 consumed,
                 tolerates_unhealthy,
+                pod_claim_name,
             })
         })
         .collect::<Result<_, String>>()?;

@@ -26,6 +26,8 @@ pub struct DraDriverSettings {
     pub cdi_dir: PathBuf,
     /// How long a device stays unhealthy before its taint turns `NoExecute` (none: never).
     pub no_execute_after: Option<std::time::Duration>,
+    /// Give each prepared claim's containers their device metadata files (KEP-5304).
+    pub device_metadata: bool,
 }
 
 /// Why a driver could not start.
@@ -82,13 +84,10 @@ impl DraDriver {
             checkpoint: settings.dirs.driver_dir(&driver).join("checkpoint.json"),
         };
         let claims = Arc::new(KubeClaims::new(client.clone(), driver.clone()));
-        let preparer = Arc::new(Preparer::new(
-            &driver,
-            &settings.node,
-            backend.clone(),
-            claims,
-            files,
-        )?);
+        let preparer = Arc::new(
+            Preparer::new(&driver, &settings.node, backend.clone(), claims, files)?
+                .with_device_metadata(settings.device_metadata),
+        );
         // Devices with shares prepared before a restart: the backend starts what serves them
         // again (an MPS daemon), once it has found its devices.
         let restored: Vec<String> = preparer.shared_devices().await.into_iter().collect();

@@ -53,6 +53,7 @@ fn device(request: &str, name: &str) -> AllocatedDevice {
         hold: devplug_dra::Hold::Exclusive,
         consumed: Default::default(),
         tolerates_unhealthy: false,
+        pod_claim_name: None,
     }
 }
 

@@ -70,6 +70,7 @@ impl ClaimSource for OneClaim {
                 hold: Hold::Exclusive,
                 consumed: Default::default(),
                 tolerates_unhealthy: false,
+                pod_claim_name: None,
             }]
         });
         Box::pin(async move { found.ok_or_else(|| "no such claim".to_owned()) })

@@ -57,6 +57,7 @@ pub async fn start(
         dirs: KubeletDirs::beside(&device_plugins),
         cdi_dir: root.path().join("cdi"),
         no_execute_after: None,
+        device_metadata: false,
     };
     let driver = start_driver(&settings, backend, client).await;
     DraNode {

@@ -150,6 +150,7 @@ impl ClaimSource for Claims {
             hold: devplug_dra::Hold::Exclusive,
             consumed: Default::default(),
             tolerates_unhealthy: false,
+            pod_claim_name: None,
         };
         let found = (claim.uid == "uid-1").then(|| vec![npu("npu-1"), npu("npu-2")]);
         Box::pin(async move { found.ok_or_else(|| format!("no claim {}", claim.uid)) })

@@ -57,6 +57,7 @@ impl SimNode {
             dirs: KubeletDirs::beside(&device_plugins),
             cdi_dir: root.path().join("cdi"),
             no_execute_after: None,
+            device_metadata: false,
         };
         Ok(SimNode {
             name: name.to_owned(),

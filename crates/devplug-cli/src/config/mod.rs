@@ -152,6 +152,12 @@ pub struct DraSettings {
     /// tolerate the taint; default: never.
     #[serde(default, deserialize_with = "crate::duration::deserialize_opt")]
     pub no_execute_after: Option<std::time::Duration>,
+    /// Give the containers of each claim a file per request naming their devices and the
+    /// attributes the ResourceSlice publishes (Kubernetes' device metadata, KEP-5304, read with
+    /// `k8s.io/dynamic-resource-allocation/devicemetadata`), at
+    /// `/var/run/kubernetes.io/dra-device-attributes/…`; default false.
+    #[serde(default)]
+    pub device_metadata: bool,
 }
 
 impl ResourceConfig {
@@ -309,7 +315,7 @@ mod tests {
     #[cfg(feature = "cluster")] // devplug-lite refuses `dra:` (its own test says so)
     fn dra_parses_and_decides_the_device_plugin() {
         let config = parse(
-            "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.example.com }\n  - name: example.com/both\n    virtual: { count: 2 }\n    dra: { driver: both.example.com, device_plugin: true, no_execute_after: 10m }\n  - name: example.com/dp\n    virtual: { count: 2 }\n",
+            "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.example.com }\n  - name: example.com/both\n    virtual: { count: 2 }\n    dra: { driver: both.example.com, device_plugin: true, no_execute_after: 10m, device_metadata: true }\n  - name: example.com/dp\n    virtual: { count: 2 }\n",
         )
         .unwrap();
         let serves: Vec<bool> = config
@@ -324,8 +330,13 @@ mod tests {
                 driver: "npu.example.com".into(),
                 device_plugin: false,
                 no_execute_after: None,
+                device_metadata: false,
             })
         );
+        assert!(config.resources[1]
+            .dra
+            .as_ref()
+            .is_some_and(|d| d.device_metadata));
         assert_eq!(
             config.resources[1]
                 .dra

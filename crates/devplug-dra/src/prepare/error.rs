@@ -102,6 +102,22 @@ pub enum PrepareError {
         /// Why.
         source: Arc<std::io::Error>,
     },
+    /// A device metadata file of the claim could not be written.
+    #[error("cannot write the device metadata file {}: {source}", path.display())]
+    WriteMetadata {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: Arc<std::io::Error>,
+    },
+    /// The claim's device metadata folder could not be removed.
+    #[error("cannot remove the device metadata folder {}: {source}", path.display())]
+    RemoveMetadata {
+        /// The folder.
+        path: PathBuf,
+        /// Why.
+        source: Arc<std::io::Error>,
+    },
     /// A prepared claim's spec file is gone, and the checkpoint does not hold its content.
     #[error(
         "the CDI spec {} of prepared claim {claim} is missing, and this checkpoint (from an \

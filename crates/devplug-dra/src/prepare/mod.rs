@@ -20,6 +20,7 @@
 
 mod claim_spec;
 mod conflicts;
+mod device_metadata;
 mod error;
 mod handover;
 mod plan;
@@ -27,6 +28,7 @@ mod plan;
 mod tests;
 
 pub use claim_spec::{remove_stale_specs, restore_spec, spec_path};
+pub use device_metadata::{CONTAINER_DIR as DEVICE_METADATA_DIR, POD_CLAIM_NAME_ANNOTATION};
 pub use error::PrepareError;
 pub(crate) use handover::restore_shares;
 
@@ -61,6 +63,17 @@ pub struct PrepareFiles {
     pub checkpoint: PathBuf,
 }
 
+impl PrepareFiles {
+    /// The folder of the claims' device metadata files: `dra-device-metadata` beside the
+    /// checkpoint, on the same persistent disk.
+    pub fn device_metadata_dir(&self) -> PathBuf {
+        self.checkpoint
+            .parent()
+            .unwrap_or(std::path::Path::new("."))
+            .join("dra-device-metadata")
+    }
+}
+
 /// Prepares and unprepares the claims of one driver.
 pub struct Preparer {
     driver: String,
@@ -70,6 +83,8 @@ pub struct Preparer {
     files: PrepareFiles,
     state: Mutex<Checkpoint>,
     read_deadline: Duration,
+    /// Whether each prepared claim gets its device metadata files (KEP-5304).
+    device_metadata: bool,
     metrics: Arc<ClaimMetrics>,
     /// The prepared claims as last saved, for the device status writer.
     saved: tokio::sync::watch::Sender<crate::device_status::PreparedClaims>,
@@ -86,6 +101,7 @@ impl Preparer {
     ) -> Result<Preparer, CheckpointError> {
         let checkpoint = Checkpoint::load(&files.checkpoint, driver)?;
         remove_stale_specs(&files.cdi_dir, driver, &checkpoint);
+        device_metadata::remove_stale_metadata(&files.device_metadata_dir(), driver, &checkpoint);
         for (uid, claim) in &checkpoint.claims {
             if let Err(err) = restore_spec(driver, uid, claim) {
                 tracing::error!(%driver, claim = %uid, error = %err, "a prepared claim's CDI spec is missing");
@@ -101,6 +117,7 @@ impl Preparer {
             files,
             state: Mutex::new(checkpoint),
             read_deadline: CLAIM_READ_DEADLINE,
+            device_metadata: false,
             metrics: Arc::default(),
         })
     }
@@ -109,6 +126,13 @@ impl Preparer {
     /// [`CLAIM_READ_DEADLINE`]).
     pub fn with_read_deadline(mut self, deadline: Duration) -> Preparer {
         self.read_deadline = deadline;
+        self
+    }
+
+    /// The same preparer writing, for each claim it prepares, a device metadata file per
+    /// request mounted into the containers that use it (KEP-5304; default off).
+    pub fn with_device_metadata(mut self, on: bool) -> Preparer {
+        self.device_metadata = on;
         self
     }
 
@@ -325,10 +349,24 @@ impl Preparer {
             requests,
             mut devices,
         } = plan::plan(&self.driver, &self.pool, claim, &allocated, &list)?;
-        let edits = handover::hand_over(&self.driver, &self.backend, requests).await?;
+        let mut edits = handover::hand_over(&self.driver, &self.backend, requests).await?;
+        let metadata = if self.device_metadata {
+            let about = device_metadata::MetadataClaim {
+                namespace: &claim.namespace,
+                name: &claim.name,
+                uid: &claim.uid,
+                pod_claim_name: allocated.iter().find_map(|d| d.pod_claim_name.as_deref()),
+            };
+            let root = self.files.device_metadata_dir();
+            let files = device_metadata::files(&self.driver, &root, &about, &devices, &list);
+            device_metadata::mount_into(&files, &mut edits);
+            files.into_iter().map(|f| (f.host_path, f.text)).collect()
+        } else {
+            Vec::new()
+        };
         let spec = claim_spec::build(&self.cdi_kind(), &claim.uid, &edits, &mut devices);
         let spec_json = spec.to_json();
-        if let Err(err) = self.finish(claim, &devices, &spec_json).await {
+        if let Err(err) = self.finish(claim, &devices, &spec_json, metadata).await {
             handover::release_after_failure(&self.driver, &self.backend, whole_ids(&devices)).await;
             return Err(err);
         }
@@ -346,13 +384,15 @@ impl Preparer {
         Ok(devices)
     }
 
-    /// After the backend gave the devices: its pre-start hook, when it asks for one, and the
-    /// claim's CDI spec file.
+    /// After the backend gave the devices: its pre-start hook, when it asks for one, the
+    /// claim's device metadata files (`metadata`: path and text; none when off), then its CDI
+    /// spec file, which mounts them.
     async fn finish(
         &self,
         claim: &ClaimRef,
         devices: &[PreparedDevice],
         spec_json: &str,
+        metadata: Vec<(PathBuf, String)>,
     ) -> Result<(), PrepareError> {
         if self.backend.options().pre_start_required {
             let ids: Vec<String> = devices.iter().map(|d| d.id.clone()).collect();
@@ -361,7 +401,18 @@ impl Preparer {
                 .await
                 .map_err(|e| PrepareError::PreStart(e.0))?;
         }
-        claim_spec::write(self.spec_path(&claim.uid), spec_json.to_owned()).await
+        let written = match metadata.is_empty() {
+            true => Ok(()),
+            false => device_metadata::write(metadata).await,
+        };
+        let written = match written {
+            Ok(()) => claim_spec::write(self.spec_path(&claim.uid), spec_json.to_owned()).await,
+            Err(err) => Err(err),
+        };
+        if written.is_err() {
+            let _ = device_metadata::remove(&self.files.device_metadata_dir(), &claim.uid);
+        }
+        written
     }
 
     /// Unprepares every claim; one result per distinct claim UID. Counted in [`Self::metrics`].
@@ -439,6 +490,7 @@ impl Preparer {
         // prepared and the kubelet's retry tries again.
         handover::release(&self.backend, whole_ids(&prepared.devices)).await?;
         claim_spec::remove(&prepared.cdi_spec)?;
+        device_metadata::remove(&self.files.device_metadata_dir(), &claim.uid)?;
         Ok(state.claims.remove(&claim.uid))
     }
 

@@ -118,6 +118,7 @@ mod tests {
             hold,
             consumed: BTreeMap::new(),
             tolerates_unhealthy: false,
+            pod_claim_name: None,
         }
     }
 

@@ -122,6 +122,7 @@ async fn an_unhealthy_device_is_prepared_only_for_a_claim_that_tolerates_its_tai
             "tolerant".to_owned(),
             vec![AllocatedDevice {
                 tolerates_unhealthy: true,
+                pod_claim_name: None,
                 ..allocated("a", "npu-0")
             }],
         ),
@@ -394,6 +395,7 @@ fn allocated(request: &str, device: &str) -> AllocatedDevice {
         hold: Hold::Exclusive,
         consumed: BTreeMap::new(),
         tolerates_unhealthy: false,
+        pod_claim_name: None,
     }
 }
 
@@ -628,4 +630,80 @@ async fn an_upgraded_driver_restores_every_claim_the_previous_release_checkpoint
     for uid in ["u1", "u2", "u3"] {
         assert!(!spec_path(&files.cdi_dir, "npu.example.com", uid).exists());
     }
+}
+
+#[tokio::test]
+async fn device_metadata_is_written_mounted_and_removed_with_the_claim() {
+    let dir = tempfile::tempdir().unwrap();
+    let list = DeviceList::new([Device::new("npu-0").with_numa_nodes([1])]);
+    let (tx, _) = watch::channel(list);
+    let from_template = AllocatedDevice {
+        pod_claim_name: Some("npu".into()),
+        ..allocated("npus/small", "npu-0")
+    };
+    let claims = Fixed(HashMap::from([("a".to_owned(), vec![from_template])]));
+    let files = files_in(dir.path());
+    let root = files.device_metadata_dir();
+    // A folder left by a claim unprepared while devplug was down goes at start.
+    std::fs::create_dir_all(root.join("stale/npus")).unwrap();
+    let preparer = Preparer::new(
+        "npu.example.com",
+        "node-a",
+        Arc::new(Npus(tx)),
+        Arc::new(claims),
+        files.clone(),
+    )
+    .unwrap()
+    .with_device_metadata(true);
+    assert!(!root.join("stale").exists());
+    assert!(preparer.prepare(&[claim("a")]).await["a"].is_ok());
+    let host = root.join("a/npus/metadata.json");
+    let text = std::fs::read_to_string(&host).unwrap();
+    let first: serde_json::Value = serde_json::Deserializer::from_str(&text)
+        .into_iter()
+        .next()
+        .unwrap()
+        .unwrap();
+    assert_eq!(first["podClaimName"], "npu");
+    assert_eq!(first["requests"][0]["name"], "npus/small");
+    assert_eq!(first["requests"][0]["devices"][0]["name"], "npu-0");
+    let spec: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(spec_path(&files.cdi_dir, "npu.example.com", "a")).unwrap(),
+    )
+    .unwrap();
+    let mount = &spec["devices"][0]["containerEdits"]["mounts"][0];
+    assert_eq!(mount["hostPath"], host.display().to_string());
+    assert_eq!(
+        mount["containerPath"],
+        "/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/npu/npus/npu.example.com-metadata.json"
+    );
+    assert!(mount["options"]
+        .as_array()
+        .unwrap()
+        .contains(&serde_json::json!("ro")));
+    assert!(preparer.unprepare(&[claim("a")]).await["a"].is_ok());
+    assert!(!root.join("a").exists(), "removed at unprepare");
+}
+
+#[tokio::test]
+async fn without_device_metadata_no_file_and_no_mount() {
+    let dir = tempfile::tempdir().unwrap();
+    let (tx, _) = watch::channel(DeviceList::new([Device::new("npu-0")]));
+    let claims = Fixed(HashMap::from([(
+        "a".to_owned(),
+        vec![allocated("npus", "npu-0")],
+    )]));
+    let files = files_in(dir.path());
+    let preparer = Preparer::new(
+        "npu.example.com",
+        "node-a",
+        Arc::new(Npus(tx)),
+        Arc::new(claims),
+        files.clone(),
+    )
+    .unwrap();
+    assert!(preparer.prepare(&[claim("a")]).await["a"].is_ok());
+    assert!(!files.device_metadata_dir().exists());
+    let spec = std::fs::read_to_string(spec_path(&files.cdi_dir, "npu.example.com", "a")).unwrap();
+    assert!(!spec.contains("mounts"), "{spec}");
 }

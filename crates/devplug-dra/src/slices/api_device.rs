@@ -123,6 +123,18 @@ pub(super) fn api_device(
     }
 }
 
+/// The attributes of `device` exactly as its ResourceSlice publishes them (device metadata
+/// hands a container the same).
+pub(crate) fn published_attributes(
+    driver: &str,
+    device: &Device,
+) -> BTreeMap<String, api::DeviceAttribute> {
+    let mut skipped = Vec::new();
+    api_device(driver, device, String::new(), &mut skipped)
+        .attributes
+        .unwrap_or_default()
+}
+
 /// Counters as the API has them.
 pub(super) fn counters(values: &BTreeMap<String, u64>) -> BTreeMap<String, api::Counter> {
     values

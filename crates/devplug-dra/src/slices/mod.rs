@@ -74,6 +74,7 @@ mod spec;
 mod taint_clock;
 mod validate;
 
+pub(crate) use api_device::published_attributes;
 pub use api_device::{NUMA_ATTRIBUTE, NUMA_NODE_ATTRIBUTE};
 pub use publisher::{delete_slices, SliceOptions, SlicePublisher};
 pub use shared::{Published, SliceCounters, SliceError};

@@ -17,7 +17,10 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
         let client = node.client().await?;
         let release = install_and_wait_for_slice(node).await?;
         let (device, out) = run_example(node, &client, "basic", "dra-npu-demo").await?;
-        let edited: Vec<&str> = out.lines().filter(|l| l.contains(&device)).collect();
+        let edited: Vec<&str> = out
+            .lines()
+            .filter(|l| l.contains(&device) && l.contains('='))
+            .collect();
         assert!(
             !edited.is_empty(),
             "no env names the allocated device {device}:\n{out}"
@@ -26,6 +29,7 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
             "DRA container env from the CDI spec: {}",
             edited.join(" ")
         ));
+        device_metadata_in_container(node, &client, "dra-npu-demo", &device).await?;
         health_in_pod_status(&client, "dra-npu-demo", &device).await?;
         let data =
             device_status_in_claim(&client, "dra-npu-demo", DRIVER, ("True", "Prepared", ""))
@@ -53,6 +57,76 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
         release.delete_objects(node)?;
         Ok(())
     })
+}
+
+/// The basic example's container read its device metadata file (KEP-5304, the driver's
+/// `device_metadata: true`) where upstream's readers look, after its env: a stream of v1beta1
+/// then v1alpha1 `DeviceMetadata`, naming the claim, the pod's name for it, the request and
+/// the allocated device with the attributes its slice publishes.
+async fn device_metadata_in_container(
+    node: &Node,
+    client: &kube::Client,
+    pod: &str,
+    device: &str,
+) -> Result<(), String> {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let claim = claims
+        .list(&Default::default())
+        .await
+        .map_err(|e| format!("list claims: {e}"))?
+        .items
+        .into_iter()
+        .find_map(|c| c.metadata.name.filter(|n| n.starts_with(pod)))
+        .ok_or_else(|| format!("no ResourceClaim made for pod {pod}"))?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let objects = loop {
+        let log = node
+            .container_log("default", pod, "demo")
+            .unwrap_or_default();
+        let start = log.find("\n{").map(|i| i + 1).unwrap_or(log.len());
+        let objects: Vec<serde_json::Value> = serde_json::Deserializer::from_str(&log[start..])
+            .into_iter::<serde_json::Value>()
+            .map_while(Result::ok)
+            .collect();
+        if objects.len() == 2 {
+            break objects;
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "the container of {pod} printed no device metadata stream in 30 s:\n{log}"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let versions: Vec<&str> = objects
+        .iter()
+        .filter_map(|o| o["apiVersion"].as_str())
+        .collect();
+    assert_eq!(
+        versions,
+        [
+            "metadata.resource.k8s.io/v1beta1",
+            "metadata.resource.k8s.io/v1alpha1"
+        ]
+    );
+    let first = &objects[0];
+    assert_eq!(first["kind"], "DeviceMetadata");
+    assert_eq!(first["metadata"]["name"], claim.as_str());
+    assert_eq!(first["podClaimName"], "npu", "{first}");
+    assert_eq!(first["requests"][0]["name"], "npu", "{first}");
+    let got = &first["requests"][0]["devices"][0];
+    assert_eq!(got["driver"], DRIVER);
+    assert_eq!(got["name"], device);
+    assert!(
+        got["attributes"]["resource.kubernetes.io/numaNode"]["int"].is_i64(),
+        "the device's attributes as its slice has them: {got}"
+    );
+    figure(&format!(
+        "DRA device metadata read in the container: {} {}",
+        versions.join(" + "),
+        got
+    ));
+    Ok(())
 }
 
 /// The kubelet shows the health devplug streams (`DRAResourceHealth`) in the pod's status: the

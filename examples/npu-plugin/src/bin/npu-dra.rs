@@ -38,6 +38,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         dirs: KubeletDirs::beside(Path::new(devplug::DEFAULT_KUBELET_DIR)),
         cdi_dir: devplug::cdi::DEFAULT_CDI_DIR.into(),
         no_execute_after: None,
+        device_metadata: false,
     };
     let client = kube::Client::try_default().await?;
     let driver = DraDriver::start(settings, Arc::new(Npus::discover(4)), client).await?;
