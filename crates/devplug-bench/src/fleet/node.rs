@@ -32,6 +32,8 @@ pub struct SimNode {
     pub settings: DraDriverSettings,
     /// The driver, while it runs.
     pub driver: Option<DraDriver>,
+    /// The running driver's backend (to break and mend its devices).
+    backend: Option<Arc<VirtualBackend>>,
     /// The node's kubelet folders and CDI folder.
     pub root: tempfile::TempDir,
     variant: Variant,
@@ -63,6 +65,7 @@ impl SimNode {
             name: name.to_owned(),
             settings,
             driver: None,
+            backend: None,
             root,
             variant,
             devices,
@@ -76,20 +79,41 @@ impl SimNode {
 
     /// Starts the driver with `client` (a new backend each time, as a new process has).
     pub async fn start_driver(&mut self, client: kube::Client) -> anyhow::Result<()> {
-        let backend: Arc<dyn ClaimBackend> = Arc::new(VirtualBackend::new(&backend_settings(
+        let backend = Arc::new(VirtualBackend::new(&backend_settings(
             self.variant,
             self.devices,
         ))?);
-        let driver = DraDriver::start(self.settings.clone(), backend, client)
+        let serving: Arc<dyn ClaimBackend> = backend.clone();
+        let driver = DraDriver::start(self.settings.clone(), serving, client)
             .await
             .with_context(|| format!("the driver of {}", self.name))?;
         self.driver = Some(driver);
+        self.backend = Some(backend);
         Ok(())
+    }
+
+    /// Changes the health of device `id` of the running driver's backend, as a device that
+    /// breaks or recovers; false when nothing changed.
+    pub fn set_health(&self, id: &str, health: devplug::Health) -> bool {
+        self.backend
+            .as_ref()
+            .is_some_and(|b| b.set_health(id, health))
+    }
+
+    /// The slice specs the running driver would publish now, in the form
+    /// [`devplug_dra::slices::slice_specs`] makes at generation 0 (none without a driver).
+    pub fn wanted_slices(&self) -> Vec<k8s_openapi::api::resource::v1::ResourceSliceSpec> {
+        let Some(backend) = &self.backend else {
+            return Vec::new();
+        };
+        let list = devplug::Backend::devices(backend.as_ref()).borrow().clone();
+        devplug_dra::slices::slice_specs(&self.settings.driver, &self.name, 0, &list).specs
     }
 
     /// Stops the driver as devplug stops at SIGTERM: sockets removed; the slices, the
     /// checkpoint and CDI specs kept. Returns what could not be cleaned up.
     pub async fn stop_driver(&mut self) -> Vec<String> {
+        self.backend = None;
         match self.driver.take() {
             Some(driver) => driver.shutdown().await,
             None => Vec::new(),
@@ -99,6 +123,7 @@ impl SimNode {
     /// Stops the driver for good, its slices deleted (the stand-in kubelet does not wipe a gone
     /// driver's slices as the kubelet does). Returns what could not be cleaned up.
     pub async fn remove_driver(&mut self) -> Vec<String> {
+        self.backend = None;
         match self.driver.take() {
             Some(driver) => driver.remove().await,
             None => Vec::new(),

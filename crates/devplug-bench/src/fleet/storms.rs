@@ -1,17 +1,23 @@
 //! The storms a fleet has: (a) every driver restarts at once (a DaemonSet rollout of every
 //! node), (b) the API server is away for a while, (c) etcd compacts its history while the
-//! drivers watch. For each: how long until every node's slices are right again, and the
-//! drivers' request peak.
+//! drivers watch. For each: how long until every node's slices are right again, as the
+//! drivers say and as the API server has them (an admin's watch compares every node's slices
+//! with what its driver would publish), and the drivers' request peak. So that "right" means
+//! something after (b) and (c), device `dev-0` of every node breaks while the API server is
+//! away and mends at the compaction: the slices must follow.
 
 use super::api_count::ClientFactory;
 use super::figures::{fmt, rate, report, Sampler};
 use super::node::SimNode;
 use super::setup::Plane;
-use super::slices::{all_published, slice_count};
+use super::slices::{all_published, all_right, slice_count};
 use anyhow::Context;
 use futures_util::future::join_all;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// The device of every node that breaks during storm (b) and mends during (c).
+const BREAKS: &str = "dev-0";
 
 pub(super) async fn run(
     plane: &mut Plane,
@@ -27,6 +33,7 @@ pub(super) async fn run(
     // with a new client, reading its checkpoint.
     let from = sampler.now();
     let started = sampler.mark();
+    let stopped_at = Instant::now();
     let stops = join_all(nodes.iter_mut().map(SimNode::stop_driver)).await;
     anyhow::ensure!(
         stops.iter().all(Vec::is_empty),
@@ -40,6 +47,11 @@ pub(super) async fn run(
     report(
         "storm (a) every driver restarts: stop of all → every node's slices published again",
         format!("{} (publish after start {})", fmt(total), fmt(took)),
+    );
+    let right = all_right(admin, nodes, stopped_at, Duration::from_secs(600)).await?;
+    report(
+        "storm (a): stop of all → every node's slices right at the API server (admin's watch)",
+        fmt(right),
     );
     report(
         "storm (a): driver API requests",
@@ -67,11 +79,22 @@ pub(super) async fn run(
     };
     let before = resyncs(nodes);
     plane.plane.stop_api_server().map_err(anyhow::Error::msg)?;
+    let broke = nodes
+        .iter()
+        .filter(|n| {
+            n.set_health(
+                BREAKS,
+                devplug::Health::unhealthy("broke while the API server was away (storm b)"),
+            )
+        })
+        .count();
+    anyhow::ensure!(broke == n, "{BREAKS} broke on {broke} of {n} nodes");
     let down_from = sampler.now();
     tokio::time::sleep(api_down).await;
     let down_requests = sampler.now() - down_from;
     let back_from = sampler.now();
     let restart = sampler.mark();
+    let restarted_at = Instant::now();
     // The API server started again while every node is watched for its resync (its slices
     // and Node read afresh) and a publish that succeeded after it: drivers may resync before
     // the API server's /readyz says ok.
@@ -98,16 +121,18 @@ pub(super) async fn run(
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
-    let ready = async {
+    let ready_and_right = async {
         plane
             .plane
             .start_api_server()
             .await
             .map_err(anyhow::Error::msg)?;
-        anyhow::Ok(restart.elapsed())
+        let ready = restart.elapsed();
+        let right = all_right(admin, nodes, restarted_at, limit).await?;
+        anyhow::Ok((ready, right))
     };
-    let (ready, recovered) = tokio::join!(ready, resynced);
-    let (ready, recovered) = (ready?, recovered?);
+    let (ready_and_right, recovered) = tokio::join!(ready_and_right, resynced);
+    let ((ready, right), recovered) = (ready_and_right?, recovered?);
     report(
         &format!(
             "storm (b) API server away {:.0} s: its start → every node resynced and published",
@@ -118,6 +143,12 @@ pub(super) async fn run(
             fmt(recovered),
             fmt(ready)
         ),
+    );
+    report(
+        &format!(
+            "storm (b): its start → every node's slices right at the API server ({BREAKS} broke on every node while it was away)"
+        ),
+        fmt(right),
     );
     report(
         "storm (b): driver API requests while it was away (probes that found no server)",
@@ -153,7 +184,20 @@ pub(super) async fn run(
         &format!("{{\"revision\":\"{revision}\",\"physical\":true}}"),
     )
     .await?;
-    tokio::time::sleep(Duration::from_secs(15)).await;
+    let compacted_at = Instant::now();
+    let mended = nodes
+        .iter()
+        .filter(|n| n.set_health(BREAKS, devplug::Health::Healthy))
+        .count();
+    anyhow::ensure!(mended == n, "{BREAKS} mended on {mended} of {n} nodes");
+    let right = all_right(admin, nodes, compacted_at, Duration::from_secs(300)).await?;
+    report(
+        &format!(
+            "storm (c): the compaction → every node's slices right at the API server ({BREAKS} mended on every node)"
+        ),
+        fmt(right),
+    );
+    tokio::time::sleep(Duration::from_secs(15).saturating_sub(compacted_at.elapsed())).await;
     let after = resyncs(nodes);
     let errors_after: u64 = nodes
         .iter()

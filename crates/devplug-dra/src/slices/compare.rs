@@ -23,7 +23,7 @@ pub(super) fn is_newer(a: &ResourceSlice, b: &ResourceSlice) -> bool {
 
 /// A spec read from the API server, in the form [`slice_specs`](super::slice_specs) makes:
 /// capacities in canonical form, empty lists and maps left out.
-pub(super) fn normalized(spec: &api::ResourceSliceSpec) -> api::ResourceSliceSpec {
+pub fn normalized(spec: &api::ResourceSliceSpec) -> api::ResourceSliceSpec {
     let mut spec = spec.clone();
     if spec.devices.as_ref().is_some_and(Vec::is_empty) {
         spec.devices = None;

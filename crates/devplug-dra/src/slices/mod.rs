@@ -76,6 +76,7 @@ mod validate;
 
 pub(crate) use api_device::published_attributes;
 pub use api_device::{NUMA_ATTRIBUTE, NUMA_NODE_ATTRIBUTE};
+pub use compare::normalized as normalized_spec;
 pub use publisher::{delete_slices, SliceOptions, SlicePublisher};
 pub use shared::{Published, SliceCounters, SliceError};
 pub use spec::{
