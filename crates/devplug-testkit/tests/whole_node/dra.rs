@@ -42,6 +42,7 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
             "the device's data names its CDI devices and request: {data}"
         );
         remove_example(node, "basic")?;
+        device_metadata_removed().await?;
         shared_by_capacity(node, &client).await?;
         partitioned(node, &client).await?;
         taints_and_health(node, &client).await?;
@@ -127,6 +128,36 @@ async fn device_metadata_in_container(
         got
     ));
     Ok(())
+}
+
+/// Once the basic example's pod is gone, the kubelet has unprepared its claim and devplug has
+/// removed the claim's device metadata folder (waiting up to 30 s for the unprepare).
+async fn device_metadata_removed() -> Result<(), String> {
+    let dir = std::path::Path::new(devplug_testkit::node::KUBELET_ROOT)
+        .join("plugins")
+        .join(DRIVER)
+        .join("dra-device-metadata");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left: Vec<String> = std::fs::read_dir(&dir)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if left.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "the device metadata of unprepared claims is still in {}: {left:?}",
+                dir.display()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// The kubelet shows the health devplug streams (`DRAResourceHealth`) in the pod's status: the
