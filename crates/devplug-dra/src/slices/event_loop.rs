@@ -103,6 +103,18 @@ impl Watches {
             .boxed()
     }
 
+    /// A watch that failed is parked (its stream yields nothing) until [`Watches::restart`]:
+    /// while the API server does not answer, the driver's probe alone asks it, with its own
+    /// backoff, instead of each watch retrying beside it (three requests where one tells).
+    fn park_node(&mut self) {
+        self.node_events = futures_util::stream::pending().boxed();
+    }
+
+    /// [`Watches::park_node`] for the slices' watch.
+    fn park_slices(&mut self) {
+        self.slice_events = futures_util::stream::pending().boxed();
+    }
+
     /// Both watches started again, from fresh lists.
     fn restart(&mut self) {
         self.node_events = Self::watch(&self.nodes, &self.node_config);
@@ -184,11 +196,21 @@ impl Run {
                     }
                 },
                 event = watches.node_events.next() => match event {
-                    Some(event) => self.node_event(event, &mut state),
+                    Some(event) => {
+                        if event.is_err() {
+                            watches.park_node();
+                        }
+                        self.node_event(event, &mut state);
+                    }
                     None => return,
                 },
                 event = watches.slice_events.next() => match event {
-                    Some(event) => self.slice_event(event, &mut state),
+                    Some(event) => {
+                        if event.is_err() {
+                            watches.park_slices();
+                        }
+                        self.slice_event(event, &mut state);
+                    }
                     None => return,
                 },
                 () = tokio::time::sleep_until(due), if state.retry_at.is_some() => {
@@ -212,8 +234,11 @@ impl Run {
                 self.forget_watched(&mut state);
                 continue;
             }
+            // While the API server is probed (a watch failed), the probe alone asks it: a
+            // publish waits for its answer, and the resync that follows publishes.
             if !state.dirty
                 || state.retry_at.is_some()
+                || state.probe_at.is_some()
                 || !self.cache.ready
                 || !state.node_listed
                 || self.node_uid.is_none()
