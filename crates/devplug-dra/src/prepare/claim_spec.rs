@@ -159,18 +159,25 @@ pub fn remove_stale_specs(cdi_dir: &Path, driver: &str, checkpoint: &Checkpoint)
 
 /// The CDI spec file of a claim: `<cdi_dir>/devplug-<driver>-<uid>.json`.
 pub fn spec_path(cdi_dir: &Path, driver: &str, uid: &str) -> PathBuf {
-    let clean = |s: &str| -> String {
-        s.chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || "-_.".contains(c) {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect()
-    };
-    cdi_dir.join(format!("devplug-{}-{}.json", clean(driver), clean(uid)))
+    cdi_dir.join(format!(
+        "devplug-{}-{}.json",
+        path_segment(driver),
+        path_segment(uid)
+    ))
+}
+
+/// `name` as one segment of a file name or path: characters other than ASCII letters,
+/// digits, `-`, `_` and `.` as `_` (names the API server checked have none of them).
+pub(super) fn path_segment(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 /// The CDI device name of one request of a claim: `<uid>-<request>`, with characters CDI does

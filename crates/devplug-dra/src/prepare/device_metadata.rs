@@ -22,6 +22,7 @@
 //! that use the request see it. Written and synced before the spec that mounts them; removed
 //! at unprepare, and at start for claims the checkpoint no longer holds.
 
+use super::claim_spec::path_segment as clean;
 use super::error::PrepareError;
 use crate::checkpoint::{Checkpoint, PreparedDevice};
 use devplug::{DeviceList, Mount};
@@ -67,20 +68,6 @@ pub fn claim_dir(root: &Path, uid: &str) -> PathBuf {
 /// The base name of a request (`gpus` for the sub-request `gpus/small`).
 fn base_request(request: &str) -> &str {
     request.split('/').next().unwrap_or(request)
-}
-
-/// Characters a path segment may not hold (names the API server checked have none of them).
-fn clean(segment: &str) -> String {
-    segment
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
 }
 
 /// The file the container reads for `request` of `claim`.

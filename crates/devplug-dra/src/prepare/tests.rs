@@ -66,14 +66,7 @@ async fn a_checkpoint_that_cannot_be_written_undoes_the_whole_call() {
         ("b".to_owned(), vec![allocated("x", "npu-1")]),
         ("c".to_owned(), vec![allocated("x", "npu-2")]),
     ]));
-    let preparer = Preparer::new(
-        "npu.example.com",
-        "node-a",
-        Arc::new(Npus(tx)),
-        Arc::new(claims),
-        files.clone(),
-    )
-    .unwrap();
+    let preparer = npu_preparer(tx, claims, &files);
     assert!(preparer.prepare(&[claim("a")]).await["a"].is_ok());
     // The checkpoint's folder turns into a file: no write can succeed.
     let folder = dir.path().join("driver");
@@ -646,15 +639,7 @@ async fn device_metadata_is_written_mounted_and_removed_with_the_claim() {
     let root = files.device_metadata_dir();
     // A folder left by a claim unprepared while devplug was down goes at start.
     std::fs::create_dir_all(root.join("stale/npus")).unwrap();
-    let preparer = Preparer::new(
-        "npu.example.com",
-        "node-a",
-        Arc::new(Npus(tx)),
-        Arc::new(claims),
-        files.clone(),
-    )
-    .unwrap()
-    .with_device_metadata(true);
+    let preparer = npu_preparer(tx, claims, &files).with_device_metadata(true);
     assert!(!root.join("stale").exists());
     assert!(preparer.prepare(&[claim("a")]).await["a"].is_ok());
     let host = root.join("a/npus/metadata.json");
@@ -694,16 +679,21 @@ async fn without_device_metadata_no_file_and_no_mount() {
         vec![allocated("npus", "npu-0")],
     )]));
     let files = files_in(dir.path());
-    let preparer = Preparer::new(
+    let preparer = npu_preparer(tx, claims, &files);
+    assert!(preparer.prepare(&[claim("a")]).await["a"].is_ok());
+    assert!(!files.device_metadata_dir().exists());
+    let spec = std::fs::read_to_string(spec_path(&files.cdi_dir, "npu.example.com", "a")).unwrap();
+    assert!(!spec.contains("mounts"), "{spec}");
+}
+
+/// A preparer of npu.example.com on node-a over the NPUs `tx` lists and `claims`.
+fn npu_preparer(tx: watch::Sender<DeviceList>, claims: Fixed, files: &PrepareFiles) -> Preparer {
+    Preparer::new(
         "npu.example.com",
         "node-a",
         Arc::new(Npus(tx)),
         Arc::new(claims),
         files.clone(),
     )
-    .unwrap();
-    assert!(preparer.prepare(&[claim("a")]).await["a"].is_ok());
-    assert!(!files.device_metadata_dir().exists());
-    let spec = std::fs::read_to_string(spec_path(&files.cdi_dir, "npu.example.com", "a")).unwrap();
-    assert!(!spec.contains("mounts"), "{spec}");
+    .unwrap()
 }

@@ -70,15 +70,11 @@ async fn device_metadata_in_container(
     pod: &str,
     device: &str,
 ) -> Result<(), String> {
-    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-    let claim = claims
-        .list(&Default::default())
-        .await
-        .map_err(|e| format!("list claims: {e}"))?
-        .items
-        .into_iter()
-        .find_map(|c| c.metadata.name.filter(|n| n.starts_with(pod)))
-        .ok_or_else(|| format!("no ResourceClaim made for pod {pod}"))?;
+    let claim = pod_claim(client, pod)
+        .await?
+        .metadata
+        .name
+        .unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs(30);
     let objects = loop {
         let log = node
@@ -691,8 +687,23 @@ async fn run_example_of(
         "DRA pod ({name} example) created → Running: {:.1} s",
         took.as_secs_f64()
     ));
+    let results = pod_claim(client, pod)
+        .await?
+        .status
+        .and_then(|s| s.allocation)
+        .and_then(|a| a.devices)
+        .and_then(|d| d.results)
+        .unwrap_or_default();
+    assert_eq!(results.len(), 1, "one device allocated: {results:?}");
+    assert_eq!(results[0].driver, driver);
+    let device = results[0].device.clone();
+    Ok((device, printed_env(node, pod).await))
+}
+
+/// The ResourceClaim made for `pod` from its template (in `default`, named after the pod).
+async fn pod_claim(client: &kube::Client, pod: &str) -> Result<ResourceClaim, String> {
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-    let claim = claims
+    claims
         .list(&Default::default())
         .await
         .map_err(|e| format!("list claims: {e}"))?
@@ -704,17 +715,7 @@ async fn run_example_of(
                 .as_deref()
                 .is_some_and(|n| n.starts_with(pod))
         })
-        .ok_or_else(|| format!("no ResourceClaim made for pod {pod}"))?;
-    let results = claim
-        .status
-        .and_then(|s| s.allocation)
-        .and_then(|a| a.devices)
-        .and_then(|d| d.results)
-        .unwrap_or_default();
-    assert_eq!(results.len(), 1, "one device allocated: {results:?}");
-    assert_eq!(results[0].driver, driver);
-    let device = results[0].device.clone();
-    Ok((device, printed_env(node, pod).await))
+        .ok_or_else(|| format!("no ResourceClaim made for pod {pod}"))
 }
 
 /// Applies the DRA example `name` unchanged and waits (90 s each) until its `pods` run; how
