@@ -401,14 +401,13 @@ impl Preparer {
                 .await
                 .map_err(|e| PrepareError::PreStart(e.0))?;
         }
-        let written = match metadata.is_empty() {
-            true => Ok(()),
-            false => device_metadata::write(metadata).await,
-        };
-        let written = match written {
-            Ok(()) => claim_spec::write(self.spec_path(&claim.uid), spec_json.to_owned()).await,
-            Err(err) => Err(err),
-        };
+        let written = async {
+            if !metadata.is_empty() {
+                device_metadata::write(metadata).await?;
+            }
+            claim_spec::write(self.spec_path(&claim.uid), spec_json.to_owned()).await
+        }
+        .await;
         if written.is_err() {
             let _ = device_metadata::remove(&self.files.device_metadata_dir(), &claim.uid);
         }
