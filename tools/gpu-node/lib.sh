@@ -293,6 +293,7 @@ gpus:
     name: NVIDIA H100 80GB HBM3 (fake)
     memory_mib: 81559
     bus_id: "00000000:00:05.0"
+    compute_capability: "9.0"
     numa: 0
 EOF
     # Not an ELF file: the pods' dynamic loader refuses it, as on a node without a GPU.
