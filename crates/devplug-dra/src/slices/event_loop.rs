@@ -39,9 +39,16 @@ const RETRY_MAX: Duration = Duration::from_secs(60);
 /// whose API server restarted) would otherwise ask it in step, 2 requests a second each, while it
 /// starts (500 simulated nodes: docs/benchmarks.md, "A fleet of DRA nodes"). Also the longest a
 /// probe waits for its answer.
+/// While nothing listens at the server's address, the waits stop at [`NO_SERVER_PROBE_MAX`].
 const RECOVERY_PROBE: Duration = Duration::from_millis(500);
 /// The longest wait between two probes of an API server that does not answer.
 const RECOVERY_PROBE_MAX: Duration = Duration::from_secs(4);
+/// The longest wait between two probes while nothing listens at the API server's address (a
+/// connection refused: the server is down, and a probe costs it nothing, not even a TLS
+/// handshake): so that a driver's slices are right within about a second of the server's
+/// return whatever the outage's length. A server that accepts but answers with errors or not
+/// at all (starting, or its etcd away) is spared, with the waits up to [`RECOVERY_PROBE_MAX`].
+const NO_SERVER_PROBE_MAX: Duration = Duration::from_secs(1);
 
 /// The middle of a watch's timeout: each watch asks the API server to end it after this,
 /// jittered over 75-125 % (180-300 s, below kube-rs's 290 s default's load-balancer margin at
@@ -142,6 +149,8 @@ struct LoopState {
     // Set while a watch is failing: when to ask the API server again, and the wait before.
     probe_at: Option<Instant>,
     probe: Backoff,
+    /// The waits between probes while nothing listens at the server's address.
+    no_server: Backoff,
 }
 
 impl LoopState {
@@ -157,6 +166,7 @@ impl LoopState {
             dirty: true,
             probe_at: None,
             probe: Backoff::new(RECOVERY_PROBE, RECOVERY_PROBE_MAX).jittered(),
+            no_server: Backoff::new(RECOVERY_PROBE, NO_SERVER_PROBE_MAX).jittered(),
         }
     }
 }
@@ -344,18 +354,26 @@ impl Run {
     /// Asks the API server whether it answers again (a read of our Node): if it does, a
     /// resync; if not, the next probe after a longer wait. Breaks when stopped meanwhile.
     async fn probe(&mut self, stop: &CancellationToken, state: &mut LoopState) -> ControlFlow<()> {
-        let answered = tokio::select! {
+        let read = tokio::select! {
             () = stop.cancelled() => return ControlFlow::Break(()),
-            read = tokio::time::timeout(RECOVERY_PROBE, self.reread_node()) => matches!(read, Ok(Ok(()))),
+            read = tokio::time::timeout(RECOVERY_PROBE, self.reread_node()) => read,
         };
-        if answered {
-            tracing::info!(driver = %self.driver, node = %self.node, "the API server answers again; reading our slices and Node afresh");
-            state.probe_at = None;
-            state.probe.reset();
-            self.counters.resyncs.fetch_add(1, Relaxed);
-            self.restart_watches = true;
-        } else {
-            state.probe_at = Some(Instant::now() + state.probe.next_delay());
+        match read {
+            Ok(Ok(())) => {
+                tracing::info!(driver = %self.driver, node = %self.node, "the API server answers again; reading our slices and Node afresh");
+                state.probe_at = None;
+                state.probe.reset();
+                state.no_server.reset();
+                self.counters.resyncs.fetch_add(1, Relaxed);
+                self.restart_watches = true;
+            }
+            Ok(Err(err)) if no_server_listening(&err) => {
+                state.probe_at = Some(Instant::now() + state.no_server.next_delay());
+            }
+            // An error from a server that answered, or no answer in time: spared.
+            Ok(Err(_)) | Err(_) => {
+                state.probe_at = Some(Instant::now() + state.probe.next_delay());
+            }
         }
         ControlFlow::Continue(())
     }
@@ -412,6 +430,21 @@ impl Run {
     }
 }
 
+/// Whether `err` says that nothing listens at the API server's address (a connection refused),
+/// found among its causes.
+fn no_server_listening(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(err);
+    while let Some(e) = cause {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::ConnectionRefused {
+                return true;
+            }
+        }
+        cause = e.source();
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -453,7 +486,51 @@ mod tests {
             let distinct: std::collections::BTreeSet<_> = waits.iter().collect();
             assert!(distinct.len() > 100, "{} distinct waits", distinct.len());
         }
+        let waits: Vec<Duration> = (0..200).map(|_| wait_after(|s| s.no_server, 10)).collect();
+        assert!(
+            waits.iter().all(|w| *w >= NO_SERVER_PROBE_MAX.mul_f64(0.75)
+                && *w < NO_SERVER_PROBE_MAX.mul_f64(1.25)),
+            "{waits:?}"
+        );
         let first = wait_after(|s| s.probe, 0);
         assert!(first >= RECOVERY_PROBE.mul_f64(0.75) && first < RECOVERY_PROBE.mul_f64(1.25));
+    }
+
+    /// A request to an address where nothing listens is told apart from a server that answers
+    /// with an error: only the first is probed again within a second.
+    #[tokio::test]
+    async fn a_refused_connection_is_no_server_and_an_error_answer_is_not() {
+        // A port that was free a moment ago: nothing listens there.
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = free.local_addr().unwrap().port();
+        drop(free);
+        let err = get_node(port).await.unwrap_err();
+        assert!(no_server_listening(&err), "{err:?}");
+
+        // A server that answers every request with an error (a 500: kube's client retries a 503).
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let mut buf = [0u8; 4096];
+                let _ = conn.read(&mut buf).await;
+                let body = r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"etcd away","reason":"InternalError","code":500}"#;
+                let answer = format!(
+                    "HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = conn.write_all(answer.as_bytes()).await;
+            }
+        });
+        let err = get_node(port).await.unwrap_err();
+        assert!(!no_server_listening(&err), "{err:?}");
+        server.abort();
+    }
+
+    async fn get_node(port: u16) -> Result<Option<Node>, kube::Error> {
+        let url = format!("http://127.0.0.1:{port}").parse().unwrap();
+        let client = kube::Client::try_from(kube::Config::new(url)).unwrap();
+        kube::Api::<Node>::all(client).get_opt("n").await
     }
 }
