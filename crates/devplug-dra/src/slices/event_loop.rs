@@ -18,6 +18,7 @@ use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::core::PartialObjectMeta;
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::Api;
 use std::ops::ControlFlow;
@@ -64,13 +65,19 @@ fn watch_timeout() -> u32 {
 /// A watch's events, as the watcher gives them.
 type Events<K> = BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>;
 
+/// Our Node as its watch gives it: the metadata alone (its UID is all the loop needs; a whole
+/// Node, its status and image list included, is tens of KiB an event, and its status changes
+/// often).
+type NodeMeta = PartialObjectMeta<Node>;
+
 /// The watches of our Node and of our slices, and how to start them again.
 struct Watches {
-    nodes: Api<Node>,
+    /// Asks for metadata alone (kube-rs: an `Api` of `PartialObjectMeta`).
+    nodes: Api<NodeMeta>,
     node_config: watcher::Config,
     slices: Api<ResourceSlice>,
     slice_config: watcher::Config,
-    node_events: Events<Node>,
+    node_events: Events<NodeMeta>,
     slice_events: Events<ResourceSlice>,
 }
 
@@ -82,7 +89,7 @@ impl Watches {
         driver: &str,
         node: &str,
     ) -> Watches {
-        let nodes: Api<Node> = Api::all(client);
+        let nodes: Api<NodeMeta> = Api::all(client);
         let node_config = watcher::Config::default()
             .fields(&format!("metadata.name={node}"))
             .timeout(watch_timeout());
@@ -265,7 +272,7 @@ impl Run {
     /// resync), a failed one (a probe of the API server).
     fn node_event(
         &mut self,
-        event: Result<watcher::Event<Node>, watcher::Error>,
+        event: Result<watcher::Event<NodeMeta>, watcher::Error>,
         state: &mut LoopState,
     ) {
         let event = match event {

@@ -175,7 +175,7 @@ impl Run {
     pub(super) async fn reread_node(&mut self) -> Result<(), kube::Error> {
         let nodes: Api<Node> = Api::all(self.api.clone().into_client());
         self.node_uid = nodes
-            .get_opt(&self.node)
+            .get_metadata_opt(&self.node)
             .await?
             .and_then(|n| n.metadata.uid);
         Ok(())
