@@ -183,6 +183,29 @@ async fn the_charts_dra_permissions_are_scoped_to_the_node() {
         "{why}"
     );
 
+    // The publisher's read of its Node (its probe of a lost API server, a resync): allowed by
+    // the role, which lets it list and watch Nodes but not get one.
+    let uid = nodes.get(&node_a).await.unwrap().metadata.uid;
+    assert_eq!(
+        devplug_dra::slices::read_node_uid(a.clone(), &node_a)
+            .await
+            .unwrap(),
+        uid
+    );
+    assert_eq!(
+        devplug_dra::slices::read_node_uid(a.clone(), "no-such-node")
+            .await
+            .unwrap(),
+        None
+    );
+    let why = refused(
+        Api::<kube::core::PartialObjectMeta<Node>>::all(a.clone())
+            .get_metadata_opt(&node_a)
+            .await,
+        "a get of the Node under the DRA role",
+    );
+    assert!(why.contains("forbidden"), "{why}");
+
     // Node A's devplug does its whole job on its own node: publish, change, remove.
     let list = DeviceList::new((0..3).map(|i| Device::new(format!("npu-{i}"))));
     let (tx, rx) = watch::channel(list.clone());

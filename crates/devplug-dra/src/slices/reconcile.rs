@@ -14,7 +14,6 @@ use super::spec::{pool_content, unhealthy_taint_key, PoolContent, Unhealthy};
 use super::taint_clock::TaintClock;
 use devplug::DeviceList;
 use futures_util::future::join_all;
-use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1 as api;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::{DeleteParams, ListParams, PostParams};
@@ -173,11 +172,8 @@ impl Run {
 
     /// Reads our Node afresh: its UID, or `None` when it does not exist.
     pub(super) async fn reread_node(&mut self) -> Result<(), kube::Error> {
-        let nodes: Api<Node> = Api::all(self.api.clone().into_client());
-        self.node_uid = nodes
-            .get_metadata_opt(&self.node)
-            .await?
-            .and_then(|n| n.metadata.uid);
+        self.node_uid =
+            super::shared::read_node_uid(self.api.clone().into_client(), &self.node).await?;
         Ok(())
     }
 

@@ -68,3 +68,24 @@ pub enum SliceError {
 pub(super) fn selector(driver: &str, node: &str) -> String {
     format!("spec.nodeName={node},spec.driver={driver}")
 }
+
+/// The UID of the Node `node`, or `None` when there is none: what the publisher reads when it
+/// probes a lost API server and after a resync. A list of the one Node (field selector
+/// `metadata.name`, its metadata alone), not a get: the chart's DRA role may list and watch
+/// Nodes (the slices' watch of the Node) but not get one, and a refused read would count as an
+/// API server that does not answer, for ever.
+pub async fn read_node_uid(
+    client: kube::Client,
+    node: &str,
+) -> Result<Option<String>, kube::Error> {
+    use k8s_openapi::api::core::v1::Node;
+    let nodes: kube::Api<kube::core::PartialObjectMeta<Node>> = kube::Api::all(client);
+    let listed = nodes
+        .list(
+            &kube::api::ListParams::default()
+                .fields(&format!("metadata.name={node}"))
+                .limit(1),
+        )
+        .await?;
+    Ok(listed.items.into_iter().find_map(|n| n.metadata.uid))
+}
