@@ -141,30 +141,7 @@ async fn on_the_charts_dra_role(
     admin: &kube::Client,
     plane: &api_server::ControlPlane,
 ) -> kube::Client {
-    use devplug_testkit::rendered;
-    let docs = rendered::release("dra");
-    let dra: Vec<serde_json::Value> = docs
-        .iter()
-        .filter(|d| {
-            d["kind"] == "ServiceAccount"
-                || d["metadata"]["name"]
-                    .as_str()
-                    .is_some_and(|n| n.ends_with("-dra") || n.ends_with("-dra-slices"))
-        })
-        .cloned()
-        .collect();
-    assert!(
-        rendered::apply_permissions(admin, &dra).await >= 4,
-        "the chart's DRA role, its binding and the slices' policy"
-    );
-    let binding = dra
-        .iter()
-        .find(|d| d["kind"] == "ClusterRoleBinding")
-        .and_then(|d| d["metadata"]["name"].as_str())
-        .expect("the chart's DRA binding")
-        .to_owned();
-    let (namespace, account) = rendered::bound_account(&dra, &binding);
-    let accounts = Api::namespaced(admin.clone(), &namespace);
+    let (accounts, account) = devplug_testkit::rendered::apply_dra_role(admin).await;
     let token = api_server::node_token(&accounts, &account, Some(NODE)).await;
     api_server::client_for_token(plane.server(), "node", &token).await
 }

@@ -85,3 +85,39 @@ pub fn bound_account(docs: &[Value], binding_name: &str) -> (String, String) {
         subject["name"].as_str().unwrap_or_default().to_owned(),
     )
 }
+
+/// The chart's DRA permissions alone, as a node's devplug has them when its config has only
+/// `dra:` resources: the `dra` release's service accounts, its DRA ClusterRole and binding
+/// (`<release>-dra`) and the slices' admission policy and binding (`<release>-dra-slices`),
+/// applied with `admin`. Returns the bound account's namespace API and name, for tokens bound to
+/// a node ([`crate::api_server::node_token`]). The release's driver is `npu.example.com`.
+/// Panics on an error (a test helper).
+pub async fn apply_dra_role(
+    admin: &kube::Client,
+) -> (
+    kube::Api<k8s_openapi::api::core::v1::ServiceAccount>,
+    String,
+) {
+    let dra: Vec<Value> = release("dra")
+        .into_iter()
+        .filter(|d| {
+            d["kind"] == "ServiceAccount"
+                || d["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.ends_with("-dra") || n.ends_with("-dra-slices"))
+        })
+        .collect();
+    let binding = dra
+        .iter()
+        .find(|d| d["kind"] == "ClusterRoleBinding")
+        .and_then(|d| d["metadata"]["name"].as_str())
+        .unwrap_or_else(|| panic!("the dra release renders no DRA ClusterRoleBinding"))
+        .to_owned();
+    let created = apply_permissions(admin, &dra).await;
+    assert!(
+        created >= 4,
+        "the DRA role, its binding and the slices' policy and binding: {created} created"
+    );
+    let (namespace, account) = bound_account(&dra, &binding);
+    (kube::Api::namespaced(admin.clone(), &namespace), account)
+}

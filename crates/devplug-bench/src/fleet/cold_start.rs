@@ -2,7 +2,7 @@
 //! published (how long, how many requests, the CPU, descriptors and memory it took); then the
 //! quiet window after it.
 
-use super::api_count::{self, ClientFactory};
+use super::api_count::DriverClients;
 use super::figures::{cpu_now, fmt, rate, report, report_cpu, Sampler};
 use super::limits::open_files;
 use super::metrics;
@@ -23,7 +23,7 @@ pub(super) struct Fleet {
     /// The drivers' request count, sampled.
     pub(super) sampler: Sampler,
     /// The drivers' clients, counted.
-    pub(super) drivers: ClientFactory,
+    pub(super) drivers: DriverClients,
 }
 
 /// Starts every node's driver at once and waits until every node's slices are published.
@@ -37,7 +37,8 @@ pub(super) async fn start(cluster: &Cluster, options: &FleetOptions) -> anyhow::
         ..
     } = cluster;
     // Cold start: every node's driver at once.
-    let drivers = ClientFactory::new(kubeconfig, api_count::DRIVER_USER_AGENT).await?;
+    let drivers = DriverClients::new(plane.plane.server(), admin, kubeconfig, names).await?;
+    report("the drivers' credentials", &drivers.identity);
     let (sampler, sampler_task) = Sampler::start(drivers.count());
     let mut nodes: Vec<SimNode> = names
         .iter()
@@ -47,8 +48,8 @@ pub(super) async fn start(cluster: &Cluster, options: &FleetOptions) -> anyhow::
     let fds_before = open_files();
     let cpu_before = cpu_now(plane.dir.path());
     let started = sampler.mark();
-    for node in &mut nodes {
-        node.start_driver(drivers.client()?).await?;
+    for (i, node) in nodes.iter_mut().enumerate() {
+        node.start_driver(drivers.client(i)?).await?;
     }
     let cold = all_published(&nodes, Duration::from_secs(600)).await?;
     let cold_at = sampler.mark();

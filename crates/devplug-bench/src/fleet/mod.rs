@@ -35,8 +35,9 @@ pub use setup::{start_plane, Plane};
 
 use std::time::Duration;
 
-/// The driver every simulated node runs.
-pub const DRIVER: &str = "fleet.devplug.example.com";
+/// The driver every simulated node runs: the chart's example driver, the one its rendered DRA
+/// role and slices policy name (the drivers run under them where the chart is rendered).
+pub const DRIVER: &str = "npu.example.com";
 
 /// How each device is handed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

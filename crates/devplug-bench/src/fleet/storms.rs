@@ -6,7 +6,7 @@
 //! something after (b) and (c), device `dev-0` of every node breaks while the API server is
 //! away and mends at the compaction: the slices must follow.
 
-use super::api_count::ClientFactory;
+use super::api_count::DriverClients;
 use super::figures::{fmt, rate, report, Sampler};
 use super::node::SimNode;
 use super::setup::Plane;
@@ -23,7 +23,7 @@ pub(super) async fn run(
     plane: &mut Plane,
     admin: &kube::Client,
     nodes: &mut [SimNode],
-    drivers: &ClientFactory,
+    drivers: &DriverClients,
     sampler: &Sampler,
     api_down: Duration,
 ) -> anyhow::Result<()> {
@@ -39,8 +39,8 @@ pub(super) async fn run(
         stops.iter().all(Vec::is_empty),
         "driver shutdown: {stops:?}"
     );
-    for node in nodes.iter_mut() {
-        node.start_driver(drivers.client()?).await?;
+    for (i, node) in nodes.iter_mut().enumerate() {
+        node.start_driver(drivers.client(i)?).await?;
     }
     let took = all_published(nodes, Duration::from_secs(600)).await?;
     let total = started.elapsed();
