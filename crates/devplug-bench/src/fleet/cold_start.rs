@@ -39,6 +39,14 @@ pub(super) async fn start(cluster: &Cluster, options: &FleetOptions) -> anyhow::
     // Cold start: every node's driver at once.
     let drivers = DriverClients::new(plane.plane.server(), admin, kubeconfig, names).await?;
     report("the drivers' credentials", &drivers.identity);
+    report(
+        "the nodes' CDI folders",
+        if super::node::cdi_on_tmpfs() {
+            "on tmpfs (/dev/shm), as a node's /var/run/cdi; checkpoints on disk"
+        } else {
+            "on disk (no writable /dev/shm), with the checkpoints"
+        },
+    );
     let (sampler, sampler_task) = Sampler::start(drivers.count());
     let mut nodes: Vec<SimNode> = names
         .iter()

@@ -24,6 +24,17 @@ const LEASE_NAMESPACE: &str = "kube-node-lease";
 /// How often a kubelet renews its lease (its default: a quarter of the 40 s lease).
 pub const LEASE_RENEW: Duration = Duration::from_secs(10);
 
+/// Where the nodes' CDI folders go: a tmpfs, as a node's `/var/run/cdi`.
+const TMPFS: &str = "/dev/shm";
+
+/// Whether the nodes' CDI folders are on tmpfs (`/dev/shm` there and writable).
+pub fn cdi_on_tmpfs() -> bool {
+    tempfile::Builder::new()
+        .prefix("devplug-fleet-probe-")
+        .tempdir_in(TMPFS)
+        .is_ok()
+}
+
 /// A simulated node's driver and where its files are.
 pub struct SimNode {
     /// The Node's name (also the driver's pool).
@@ -34,8 +45,11 @@ pub struct SimNode {
     pub driver: Option<DraDriver>,
     /// The running driver's backend (to break and mend its devices).
     backend: Option<Arc<VirtualBackend>>,
-    /// The node's kubelet folders and CDI folder.
+    /// The node's kubelet folders (the checkpoint's disk).
     pub root: tempfile::TempDir,
+    /// The node's CDI folder: on tmpfs where `/dev/shm` is one, as a node's `/var/run/cdi` is
+    /// (else in `root`); held for its removal at drop.
+    _cdi: Option<tempfile::TempDir>,
     variant: Variant,
     devices: usize,
 }
@@ -53,11 +67,18 @@ impl SimNode {
             .tempdir()?;
         let device_plugins = root.path().join("device-plugins");
         std::fs::create_dir_all(&device_plugins)?;
+        let cdi = tempfile::Builder::new()
+            .prefix("devplug-fleet-cdi-")
+            .tempdir_in(TMPFS)
+            .ok();
+        let cdi_dir = cdi
+            .as_ref()
+            .map_or_else(|| root.path().join("cdi"), |d| d.path().to_owned());
         let settings = DraDriverSettings {
             driver: driver.to_owned(),
             node: name.to_owned(),
             dirs: KubeletDirs::beside(&device_plugins),
-            cdi_dir: root.path().join("cdi"),
+            cdi_dir,
             no_execute_after: None,
             device_metadata: false,
         };
@@ -67,6 +88,7 @@ impl SimNode {
             driver: None,
             backend: None,
             root,
+            _cdi: cdi,
             variant,
             devices,
         })
