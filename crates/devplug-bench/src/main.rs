@@ -6,7 +6,9 @@
 //! restart → streaming by registration route and the PodResources call cost, `devplug-bench dra`
 //! the DRA figures (slice publish latency, NodePrepareResources; needs `KUBEBUILDER_ASSETS`),
 //! `devplug-bench fleet --nodes N` N simulated nodes' DRA drivers against a real control plane
-//! (`--variant whole|share|partitions`, `--churn-secs S`, `--storms`; docs/benchmarks.md).
+//! (`--variant whole|share|partitions`, `--churn-secs S`, `--storms`, `--rolling-restart`;
+//! `DEVPLUG_HELM_RENDERED` puts each driver on its own node's token under the chart's DRA role;
+//! docs/benchmarks.md).
 //! `devplug-bench --help` and `devplug-bench fleet --help` list the groups and the flags.
 //! Figures depend on the machine; this is not a test and asserts nothing.
 
@@ -87,6 +89,10 @@ struct FleetArgs {
     /// Run the storms: every driver restarted, the API server away, etcd compacted.
     #[arg(long)]
     storms: bool,
+    /// Restart every driver in turn during the churn (from a third of it), as a DaemonSet's
+    /// update does; the churn's pods created before and during it are compared.
+    #[arg(long)]
+    rolling_restart: bool,
     /// How long the API server stays away in its storm, in seconds (default 30).
     #[arg(long, value_name = "S")]
     api_down_secs: Option<u64>,
@@ -160,6 +166,7 @@ async fn fleet(args: FleetArgs, cpu_before: Option<measure::MachineCpu>) -> anyh
     let mut options = FleetOptions::new(args.nodes);
     options.variant = args.variant;
     options.storms = args.storms;
+    options.rolling_restart = args.rolling_restart;
     if let Some(secs) = args.churn_secs {
         options.churn = Duration::from_secs(secs);
     }

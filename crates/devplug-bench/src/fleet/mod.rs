@@ -24,6 +24,7 @@ pub mod kubelet;
 mod limits;
 pub mod metrics;
 pub mod node;
+mod rollout;
 mod setup;
 mod slices;
 mod storms;
@@ -81,6 +82,8 @@ pub struct FleetOptions {
     pub churn_rate: f64,
     /// Whether to run the storms (driver restart, API server away, etcd compaction).
     pub storms: bool,
+    /// Whether to restart every driver in turn during the churn (from a third of it).
+    pub rolling_restart: bool,
     /// How long the API server stays away in its storm.
     pub api_down: Duration,
     /// Pod creations in flight at once during the fill.
@@ -104,6 +107,7 @@ impl FleetOptions {
             churn: Duration::from_secs(120),
             churn_rate: 5.0,
             storms: false,
+            rolling_restart: false,
             api_down: Duration::from_secs(30),
             in_flight: 20,
             idle: Duration::from_secs(10),
@@ -140,15 +144,22 @@ pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
         &created,
     )
     .await?;
-    churn::run(
+    let churn = churn::run(
         &options,
         &cluster,
         &fleet.sampler,
         &kubelets,
         &created,
         &filled,
-    )
-    .await?;
+    );
+    if options.rolling_restart && !options.churn.is_zero() {
+        let rollout = rollout::run(&mut fleet.nodes, &fleet.drivers, options.churn / 3);
+        let (churned, rolled) = tokio::join!(churn, rollout);
+        churned?;
+        rollout::report_window(&rolled?, &created, &kubelets);
+    } else {
+        churn.await?;
+    }
     control_plane::report_workload(&cluster.plane, &cluster.admin, &sched_before).await;
 
     if options.storms {

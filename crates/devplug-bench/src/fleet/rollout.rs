@@ -1,0 +1,84 @@
+//! A rolling restart of every node's driver while the churn creates pods, as a DaemonSet's
+//! update does (one node at a time, each driver back with its slices published before the
+//! next stops): whether it leaves a gap, measured as the startup of the pods created during it
+//! beside those created before it. The drivers keep their slices at a stop, so the scheduler
+//! should see every node's devices throughout; a pod that lands on the node whose driver is
+//! away waits for it (the kubelet stand-in retries its prepare, as the kubelet does).
+
+use super::api_count::DriverClients;
+use super::figures::{fmt, percentiles, report};
+use super::kubelet::Kubelets;
+use super::node::SimNode;
+use super::workload;
+use std::time::{Duration, Instant};
+
+/// When the rollout ran.
+pub(super) struct Window {
+    from: Instant,
+    to: Instant,
+    drivers: usize,
+}
+
+/// After `wait`, restarts every node's driver in turn (stop, start on its own client, wait for
+/// its slices); returns when it ran.
+pub(super) async fn run(
+    nodes: &mut [SimNode],
+    drivers: &DriverClients,
+    wait: Duration,
+) -> anyhow::Result<Window> {
+    tokio::time::sleep(wait).await;
+    let from = Instant::now();
+    for (i, node) in nodes.iter_mut().enumerate() {
+        let problems = node.stop_driver().await;
+        anyhow::ensure!(
+            problems.is_empty(),
+            "{}: driver shutdown: {problems:?}",
+            node.name
+        );
+        node.start_driver(drivers.client(i)?).await?;
+        super::slices::all_published(std::slice::from_mut(node), Duration::from_secs(60)).await?;
+    }
+    Ok(Window {
+        from,
+        to: Instant::now(),
+        drivers: nodes.len(),
+    })
+}
+
+/// Reports the rollout and the startup of the churn's pods created before it and during it.
+pub(super) fn report_window(window: &Window, created: &workload::Created, kubelets: &Kubelets) {
+    report(
+        "rolling restart during the churn: every driver stopped and started in turn, each until its slices were published",
+        format!(
+            "{} drivers in {} ({} a driver)",
+            window.drivers,
+            fmt(window.to - window.from),
+            fmt((window.to - window.from) / u32::try_from(window.drivers.max(1)).unwrap_or(1))
+        ),
+    );
+    let (before, during) = {
+        let Ok(created) = created.lock() else {
+            return;
+        };
+        let churned = created
+            .iter()
+            .filter(|(name, _)| name.starts_with("churn-"));
+        let mut before = Vec::new();
+        let mut during = Vec::new();
+        for (name, at) in churned {
+            if *at < window.from {
+                before.push(name.clone());
+            } else if *at <= window.to {
+                during.push(name.clone());
+            }
+        }
+        (before, during)
+    };
+    for (what, names) in [("before it", before), ("during it", during)] {
+        let (mut lat, missing) = workload::latencies(created, &kubelets.observed.running, &names);
+        report(
+            &format!("rolling restart: churn pods created {what}: startup (created → Running)"),
+            format!("{} ({missing} not Running)", percentiles(&mut lat)),
+        );
+    }
+}
