@@ -9,7 +9,7 @@ use super::{workload, FleetOptions};
 use std::time::{Duration, Instant};
 
 /// Churns the filled fleet (nothing when `options.churn` is zero); fails when a new pod is not
-/// Running in time.
+/// Running in time. Returns the names of the pods it created.
 pub(super) async fn run(
     options: &FleetOptions,
     cluster: &Cluster,
@@ -17,7 +17,7 @@ pub(super) async fn run(
     kubelets: &Kubelets,
     created: &workload::Created,
     filled: &Filled,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<String>> {
     let (plane, admin) = (&cluster.plane, &cluster.admin);
     let (target, fill_names, fill_prepares) = (filled.target, &filled.names, filled.prepares);
     let mut running = kubelets.running.clone();
@@ -92,5 +92,5 @@ pub(super) async fn run(
             percentiles(&mut times),
         );
     }
-    Ok(())
+    Ok(churn_names)
 }

@@ -39,19 +39,19 @@ pub(super) async fn start(cluster: &Cluster, options: &FleetOptions) -> anyhow::
     // Cold start: every node's driver at once.
     let drivers = DriverClients::new(plane.plane.server(), admin, kubeconfig, names).await?;
     report("the drivers' credentials", &drivers.identity);
-    report(
-        "the nodes' CDI folders",
-        if super::node::cdi_on_tmpfs() {
-            "on tmpfs (/dev/shm), as a node's /var/run/cdi; checkpoints on disk"
-        } else {
-            "on disk (no writable /dev/shm), with the checkpoints"
-        },
-    );
     let (sampler, sampler_task) = Sampler::start(drivers.count());
     let mut nodes: Vec<SimNode> = names
         .iter()
         .map(|name| SimNode::new(name, DRIVER, options.variant, options.devices))
         .collect::<anyhow::Result<_>>()?;
+    report(
+        "the nodes' CDI folders",
+        if nodes.iter().all(SimNode::cdi_on_tmpfs) {
+            "on tmpfs (/dev/shm), as a node's /var/run/cdi; checkpoints on disk"
+        } else {
+            "on disk where no writable /dev/shm, with the checkpoints"
+        },
+    );
     let rss_before = metrics::process_usage("self").map_or(0, |(_, rss)| rss);
     let fds_before = open_files();
     let cpu_before = cpu_now(plane.dir.path());

@@ -155,8 +155,7 @@ pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
     if options.rolling_restart && !options.churn.is_zero() {
         let rollout = rollout::run(&mut fleet.nodes, &fleet.drivers, options.churn / 3);
         let (churned, rolled) = tokio::join!(churn, rollout);
-        churned?;
-        rollout::report_window(&rolled?, &created, &kubelets);
+        rollout::report_window(&rolled?, &churned?, &created, &kubelets);
     } else {
         churn.await?;
     }

@@ -27,14 +27,6 @@ pub const LEASE_RENEW: Duration = Duration::from_secs(10);
 /// Where the nodes' CDI folders go: a tmpfs, as a node's `/var/run/cdi`.
 const TMPFS: &str = "/dev/shm";
 
-/// Whether the nodes' CDI folders are on tmpfs (`/dev/shm` there and writable).
-pub fn cdi_on_tmpfs() -> bool {
-    tempfile::Builder::new()
-        .prefix("devplug-fleet-probe-")
-        .tempdir_in(TMPFS)
-        .is_ok()
-}
-
 /// A simulated node's driver and where its files are.
 pub struct SimNode {
     /// The Node's name (also the driver's pool).
@@ -49,7 +41,7 @@ pub struct SimNode {
     pub root: tempfile::TempDir,
     /// The node's CDI folder: on tmpfs where `/dev/shm` is one, as a node's `/var/run/cdi` is
     /// (else in `root`); held for its removal at drop.
-    _cdi: Option<tempfile::TempDir>,
+    cdi: Option<tempfile::TempDir>,
     variant: Variant,
     devices: usize,
 }
@@ -88,10 +80,15 @@ impl SimNode {
             driver: None,
             backend: None,
             root,
-            _cdi: cdi,
+            cdi,
             variant,
             devices,
         })
+    }
+
+    /// Whether its CDI folder is on tmpfs.
+    pub fn cdi_on_tmpfs(&self) -> bool {
+        self.cdi.is_some()
     }
 
     /// The driver's `DRAPlugin` socket, as the kubelet finds it.

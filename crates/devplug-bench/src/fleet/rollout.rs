@@ -53,10 +53,19 @@ pub(super) async fn run(
     })
 }
 
-/// Reports the rollout and the startup of the churn's pods created before it and during it.
-pub(super) fn report_window(window: &Window, created: &workload::Created, kubelets: &Kubelets) {
+/// Reports the rollout and the startup of the churn's pods (`churned`) created before it and
+/// during it.
+pub(super) fn report_window(
+    window: &Window,
+    churned: &[String],
+    created: &workload::Created,
+    kubelets: &Kubelets,
+) {
     report(
-        "rolling restart during the churn: every driver stopped and started in turn, each until its slices were published, 1 s apart",
+        &format!(
+            "rolling restart during the churn: every driver stopped and started in turn, each until its slices were published, {} apart",
+            fmt(PAUSE)
+        ),
         format!(
             "{} drivers in {}",
             window.drivers,
@@ -67,16 +76,13 @@ pub(super) fn report_window(window: &Window, created: &workload::Created, kubele
         let Ok(created) = created.lock() else {
             return;
         };
-        let churned = created
-            .iter()
-            .filter(|(name, _)| name.starts_with("churn-"));
         let mut before = Vec::new();
         let mut during = Vec::new();
-        for (name, at) in churned {
-            if *at < window.from {
-                before.push(name.clone());
-            } else if *at <= window.to {
-                during.push(name.clone());
+        for name in churned {
+            match created.get(name) {
+                Some(at) if *at < window.from => before.push(name.clone()),
+                Some(at) if *at <= window.to => during.push(name.clone()),
+                _ => {}
             }
         }
         (before, during)
