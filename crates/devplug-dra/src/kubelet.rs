@@ -21,8 +21,15 @@ use devplug_proto::constants::{
 use devplug_proto::pluginregistration::PluginInfo;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+
+/// How long a stop waits for the kubelet's calls in flight (a `NodePrepareResources` starting
+/// an MPS daemon, say) to finish: half the chart's termination grace period (10 s), so the rest
+/// of the shutdown still fits in it.
+pub const IN_FLIGHT_LIMIT: Duration = Duration::from_secs(5);
 
 pub use devplug::host::Registered;
 
@@ -72,6 +79,7 @@ pub struct KubeletSide {
     registration: RegistrationSocket,
     stop: CancellationToken,
     endpoint: PathBuf,
+    server: JoinHandle<()>,
 }
 
 impl KubeletSide {
@@ -97,7 +105,7 @@ impl KubeletSide {
                 preparer.devices(),
                 stop.clone(),
             ));
-        devplug_proto::uds::spawn_server(
+        let server = devplug_proto::uds::spawn_server(
             router,
             listener,
             stop.clone().cancelled_owned(),
@@ -125,6 +133,7 @@ impl KubeletSide {
             registration,
             stop,
             endpoint,
+            server,
         })
     }
 
@@ -144,10 +153,27 @@ impl KubeletSide {
     }
 
     /// Stops serving and removes both sockets; returns what could not be removed, with why.
+    ///
+    /// The calls in flight finish first (for up to [`IN_FLIGHT_LIMIT`]): a prepare or unprepare
+    /// the kubelet made before the stop writes its checkpoint before this returns, so a driver
+    /// started next in this process (the config's reload, a restart) reads what it did. A call
+    /// still running after the limit is cut short and named in the result; the kubelet repeats
+    /// it, and both calls are idempotent.
     pub async fn stop(self) -> Vec<String> {
         // The registration socket first: the kubelet deregisters us, then the endpoint goes.
         let mut left: Vec<String> = self.registration.stop().await.into_iter().collect();
         self.stop.cancel();
+        let mut server = self.server;
+        if tokio::time::timeout(IN_FLIGHT_LIMIT, &mut server)
+            .await
+            .is_err()
+        {
+            server.abort();
+            left.push(format!(
+                "{}: calls still in flight after {IN_FLIGHT_LIMIT:?} were cut short (the kubelet repeats them)",
+                self.endpoint.display()
+            ));
+        }
         match std::fs::remove_file(&self.endpoint) {
             Ok(()) => {}
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}

@@ -5,19 +5,25 @@
 //! and the DRA driver's kubelet side all share the one thread. While the kubelet's
 //! `NodePrepareResources` waits on the slow backend, a device plugin's `Allocate` is called over
 //! and over; each must come back at its usual speed.
+//!
+//! And a driver stopped while that prepare waits (a SIGTERM, or the config's reload stopping it
+//! to start it again) returns only once the prepare is done and its checkpoint written: a driver
+//! started next in the same process reads that checkpoint, and must find the claim in it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a panic in a test is a failed test
 
 use devplug::backend::BoxFuture;
 use devplug::{AllocateError, Backend, ContainerEdits, Device, DeviceList, Host, ResourceSettings};
+use devplug_dra::checkpoint::Checkpoint;
 use devplug_dra::claims::{AllocatedDevice, ClaimRef, ClaimSource};
 use devplug_dra::kubelet::{KubeletDirs, KubeletSide, Registered};
 use devplug_dra::prepare::{PrepareFiles, Preparer};
 use devplug_dra::{ClaimBackend, Hold};
 use kubelet_sim::DraClaim;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
 const DRIVER: &str = "gpu.example.com";
 const RESOURCE: &str = "example.com/npu";
@@ -35,12 +41,16 @@ impl Backend for Quick {
     }
 }
 
-/// A claim backend whose prepare blocks its thread for [`PREPARE_TAKES`].
-struct Slow(watch::Sender<DeviceList>);
+/// A claim backend whose prepare blocks its thread for [`PREPARE_TAKES`], saying when it
+/// starts.
+struct Slow {
+    devices: watch::Sender<DeviceList>,
+    entered: Arc<Notify>,
+}
 
 impl Backend for Slow {
     fn devices(&self) -> watch::Receiver<DeviceList> {
-        self.0.subscribe()
+        self.devices.subscribe()
     }
     fn allocate(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
         Ok(ContainerEdits::default().env("GPU_VISIBLE_DEVICES", ids.join(",")))
@@ -49,6 +59,7 @@ impl Backend for Slow {
 
 impl ClaimBackend for Slow {
     fn prepare_devices(&self, ids: &[String]) -> Result<ContainerEdits, AllocateError> {
+        self.entered.notify_one();
         std::thread::sleep(PREPARE_TAKES);
         self.allocate(ids)
     }
@@ -77,6 +88,40 @@ impl ClaimSource for OneClaim {
     }
 }
 
+/// The DRA driver over [`Slow`], registered through the plugin watcher: its kubelet side, its
+/// checkpoint's path, and the backend's "prepare started" signal.
+async fn slow_driver(root: &Path, device_plugins: &Path) -> (KubeletSide, PathBuf, Arc<Notify>) {
+    let dirs = KubeletDirs::beside(device_plugins);
+    let gpus = DeviceList::new([Device::new("gpu-0")]);
+    let entered = Arc::new(Notify::new());
+    let checkpoint = dirs.driver_dir(DRIVER).join("checkpoint.json");
+    let backend = Slow {
+        devices: watch::channel(gpus).0,
+        entered: entered.clone(),
+    };
+    let preparer = Preparer::new(
+        DRIVER,
+        "node-a",
+        Arc::new(backend),
+        Arc::new(OneClaim),
+        PrepareFiles {
+            cdi_dir: root.join("cdi"),
+            checkpoint: checkpoint.clone(),
+        },
+    )
+    .unwrap();
+    let side = KubeletSide::start(Arc::new(preparer), &dirs).unwrap();
+    let mut registered = side.registered();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        registered.wait_for(|r| *r == Registered::Yes),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    (side, checkpoint, entered)
+}
+
 #[tokio::test]
 async fn a_slow_claim_backend_does_not_delay_another_resources_allocate() {
     let (root, device_plugins, kubelet) = devplug_testkit::dra_node::kubelet().await;
@@ -98,28 +143,7 @@ async fn a_slow_claim_backend_does_not_delay_another_resources_allocate() {
         .unwrap();
 
     // The DRA driver over the slow backend, registered through the plugin watcher.
-    let dirs = KubeletDirs::beside(&device_plugins);
-    let gpus = DeviceList::new([Device::new("gpu-0")]);
-    let preparer = Preparer::new(
-        DRIVER,
-        "node-a",
-        Arc::new(Slow(watch::channel(gpus).0)),
-        Arc::new(OneClaim),
-        PrepareFiles {
-            cdi_dir: root.path().join("cdi"),
-            checkpoint: dirs.driver_dir(DRIVER).join("checkpoint.json"),
-        },
-    )
-    .unwrap();
-    let side = KubeletSide::start(Arc::new(preparer), &dirs).unwrap();
-    let mut registered = side.registered();
-    tokio::time::timeout(
-        Duration::from_secs(10),
-        registered.wait_for(|r| *r == Registered::Yes),
-    )
-    .await
-    .unwrap()
-    .unwrap();
+    let (side, _, _) = slow_driver(root.path(), &device_plugins).await;
 
     let claims = [DraClaim::new("ns", "claim-1", "uid-1")];
     let started = Instant::now();
@@ -179,5 +203,38 @@ async fn a_slow_claim_backend_does_not_delay_another_resources_allocate() {
     );
     drop(side);
     host.shutdown().await;
+    kubelet.stop().await;
+}
+
+#[tokio::test]
+async fn a_stopped_driver_finishes_the_prepare_in_flight_first() {
+    let (root, device_plugins, kubelet) = devplug_testkit::dra_node::kubelet().await;
+    let (side, checkpoint, entered) = slow_driver(root.path(), &device_plugins).await;
+
+    let claims = [DraClaim::new("ns", "claim-1", "uid-1")];
+    let prepare = kubelet.dra_prepare(DRIVER, &claims);
+    let stop = async {
+        // Once the backend is in the prepare: stop the driver, then read the checkpoint as the
+        // driver started next would.
+        entered.notified().await;
+        let asked = Instant::now();
+        let problems = side.stop().await;
+        let took = asked.elapsed();
+        (
+            took,
+            problems,
+            Checkpoint::load(&checkpoint, DRIVER).unwrap(),
+        )
+    };
+    let (answer, (stop_took, problems, saved)) = tokio::join!(prepare, stop);
+    assert!(problems.is_empty(), "{problems:?}");
+    assert!(
+        saved.claims.contains_key("uid-1"),
+        "the stop returned before the prepare in flight wrote its checkpoint (after {stop_took:?})"
+    );
+    // The kubelet got the answer of the call it made before the stop.
+    let answer = answer.unwrap();
+    assert!(answer["uid-1"].is_ok(), "{answer:?}");
+    println!("the stop returned after {stop_took:?}, the prepare in flight done and saved");
     kubelet.stop().await;
 }
