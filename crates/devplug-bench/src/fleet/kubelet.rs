@@ -13,7 +13,7 @@ use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::watcher;
 use kube::Api;
 use serde_json::json;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -48,6 +48,13 @@ struct Worker {
     channel: Option<Channel>,
     /// Prepared claims of each pod UID on this node.
     prepared: HashMap<String, Vec<dra_v1::Claim>>,
+    /// Claims of each pod UID whose `NodePrepareResources` got no answer (the socket failed
+    /// mid-call): the driver may have prepared them, so a deletion unprepares them too, as the
+    /// kubelet does for a claim in its cache.
+    attempted: HashMap<String, Vec<dra_v1::Claim>>,
+    /// Pods (by UID) whose claims were unprepared for their deletion: a retry of an older
+    /// event of theirs, still queued, must not prepare them again.
+    finished: HashSet<String>,
     client: kube::Client,
     observed: Arc<Observed>,
     running: watch::Sender<usize>,
@@ -78,6 +85,8 @@ impl Kubelets {
                 endpoint: endpoint.clone(),
                 channel: None,
                 prepared: HashMap::new(),
+                attempted: HashMap::new(),
+                finished: HashSet::new(),
                 client: client.clone(),
                 observed: observed.clone(),
                 running: running_tx.clone(),
@@ -143,18 +152,33 @@ impl Worker {
         let Some(uid) = pod.metadata.uid.clone() else {
             return;
         };
+        if self.finished.contains(&uid) {
+            return;
+        }
         let gone = pod
             .metadata
             .annotations
             .as_ref()
             .is_some_and(|a| a.contains_key(GONE));
         if gone || pod.metadata.deletion_timestamp.is_some() {
-            if let Some(claims) = self.prepared.remove(&uid) {
-                self.unprepare(claims).await;
+            let claims = self
+                .prepared
+                .remove(&uid)
+                .or_else(|| self.attempted.remove(&uid));
+            if let Some(claims) = claims {
+                if let Err(claims) = self.unprepare(claims).await {
+                    // As the kubelet: the pod is not removed while its claims are prepared;
+                    // the unprepare is tried again (the driver may be restarting).
+                    self.prepared.insert(uid, claims);
+                    self.again(pod);
+                    return;
+                }
             }
-            if !gone {
-                self.final_delete(&pod, &uid).await;
+            if !gone && !self.final_delete(&pod, &uid).await {
+                self.again(pod);
+                return;
             }
+            self.finished.insert(uid);
             return;
         }
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
@@ -166,27 +190,22 @@ impl Worker {
                 self.prepared.insert(uid, claims);
                 self.mark_running(&pod).await;
             }
-            Ok(None) => {
-                // Claims not allocated or reserved yet: try again shortly.
-                let retry = self.retry.clone();
-                tokio::spawn(async move {
-                    tokio::time::sleep(RETRY).await;
-                    let _ = retry.send(pod);
-                });
-            }
+            // Claims not allocated or reserved yet: try again shortly.
+            Ok(None) => self.again(pod),
             Err(err) => {
-                self.observed
-                    .failures
-                    .lock()
-                    .map(|mut f| f.push(format!("{}: {err}", self.node)))
-                    .ok();
-                let retry = self.retry.clone();
-                tokio::spawn(async move {
-                    tokio::time::sleep(RETRY).await;
-                    let _ = retry.send(pod);
-                });
+                self.fail(err.to_string());
+                self.again(pod);
             }
         }
+    }
+
+    /// The pod's event handled again after [`RETRY`].
+    fn again(&self, pod: Pod) {
+        let retry = self.retry.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(RETRY).await;
+            let _ = retry.send(pod);
+        });
     }
 
     /// The pod's claims read and prepared; `None` when one is not allocated and reserved for
@@ -255,9 +274,11 @@ impl Worker {
             Ok(answer) => answer.into_inner(),
             Err(status) => {
                 self.channel = None;
+                self.attempted.insert(uid.to_owned(), claims);
                 anyhow::bail!("NodePrepareResources: {status}");
             }
         };
+        self.attempted.remove(uid);
         if let Ok(mut times) = self.observed.prepare_times.lock() {
             times.push(took);
         }
@@ -280,7 +301,9 @@ impl Worker {
         Ok(Some(claims))
     }
 
-    async fn unprepare(&mut self, claims: Vec<dra_v1::Claim>) {
+    /// `NodeUnprepareResources` for `claims`; on any failure the claims come back, to be tried
+    /// again.
+    async fn unprepare(&mut self, claims: Vec<dra_v1::Claim>) -> Result<(), Vec<dra_v1::Claim>> {
         let result = async {
             let channel = match &self.channel {
                 Some(channel) => channel.clone(),
@@ -297,7 +320,8 @@ impl Worker {
         .await;
         match result {
             Ok(answer) => {
-                for claim in &claims {
+                let mut failed = Vec::new();
+                for claim in claims {
                     match answer.claims.get(&claim.uid) {
                         Some(r) if r.error.is_empty() => {
                             if let Ok(mut un) = self.observed.unprepared.lock() {
@@ -305,13 +329,22 @@ impl Worker {
                                 *n = n.saturating_add(1);
                             }
                         }
-                        other => self.fail(format!("unprepare {}: {other:?}", claim.name)),
+                        other => {
+                            self.fail(format!("unprepare {}: {other:?}", claim.name));
+                            failed.push(claim);
+                        }
                     }
+                }
+                if failed.is_empty() {
+                    Ok(())
+                } else {
+                    Err(failed)
                 }
             }
             Err(err) => {
                 self.channel = None;
                 self.fail(format!("unprepare: {err}"));
+                Err(claims)
             }
         }
     }
@@ -350,10 +383,10 @@ impl Worker {
     }
 
     /// The kubelet's last word on a deleted pod: removed for good once its containers (none
-    /// here) stopped and its claims were unprepared.
-    async fn final_delete(&self, pod: &Pod, uid: &str) {
+    /// here) stopped and its claims were unprepared. False when it failed (to be tried again).
+    async fn final_delete(&self, pod: &Pod, uid: &str) -> bool {
         let (Some(name), Some(namespace)) = (&pod.metadata.name, &pod.metadata.namespace) else {
-            return;
+            return true;
         };
         let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
         let params = DeleteParams {
@@ -365,9 +398,12 @@ impl Worker {
             ..DeleteParams::default()
         };
         match api.delete(name, &params).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(s)) if s.is_not_found() || s.code == 409 => {}
-            Err(err) => self.fail(format!("pod {name} not deleted: {err}")),
+            Ok(_) => true,
+            Err(kube::Error::Api(s)) if s.is_not_found() || s.code == 409 => true,
+            Err(err) => {
+                self.fail(format!("pod {name} not deleted: {err}"));
+                false
+            }
         }
     }
 }

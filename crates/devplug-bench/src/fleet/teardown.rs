@@ -41,10 +41,20 @@ pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> a
             leftovers += driver.prepared().await.len();
         }
     }
-    anyhow::ensure!(
-        leftovers == 0,
-        "{leftovers} claims still prepared after every pod is gone"
-    );
+    if leftovers > 0 {
+        let failures = kubelets
+            .observed
+            .failures
+            .lock()
+            .map(|f| f.clone())
+            .unwrap_or_default();
+        anyhow::bail!(
+            "{leftovers} claims still prepared after every pod is gone; the kubelet stand-ins' \
+             failed calls ({}): {:?}",
+            failures.len(),
+            &failures[..failures.len().min(8)]
+        );
+    }
     {
         let prepared = kubelets
             .observed
@@ -85,8 +95,8 @@ pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> a
         .observed
         .failures
         .lock()
-        .map(|f| f.len())
-        .unwrap_or(0);
+        .map(|f| f.clone())
+        .unwrap_or_default();
     kubelets.stop();
     leases.abort();
     let stops = join_all(nodes.iter_mut().map(SimNode::remove_driver)).await;
@@ -100,8 +110,14 @@ pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> a
     report("teardown: ResourceSlices left", left);
     report(
         "kubelet stand-in calls that failed and were retried",
-        failures,
+        failures.len(),
     );
+    if !failures.is_empty() {
+        report(
+            "kubelet stand-in calls that failed, the first",
+            format!("{:?}", &failures[..failures.len().min(3)]),
+        );
+    }
     report("kubelet stand-ins' API requests in all (leases, pod watch, claim reads, status patches, final deletes)", kubelet_clients.count().get());
     sampler_task.abort();
     drop(plane);
