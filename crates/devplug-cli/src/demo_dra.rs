@@ -283,7 +283,8 @@ async fn walk(assets: &Path, dir: &Path) -> anyhow::Result<()> {
         })
         .context("the kubelet has no record of the driver's registration")?;
     detail(&format!(
-        "the kubelet's plugin watcher found plugins_registry/{DRIVER}-reg.sock and registered the driver ({service}) after {} (its reconciler runs every second, so up to 1 s)",
+        "the kubelet's plugin watcher found {} and registered the driver ({service}) after {} (its reconciler runs every second, so up to 1 s)",
+        driver.registration_path().display(),
         ms(took)
     ));
 
@@ -394,7 +395,7 @@ async fn walk(assets: &Path, dir: &Path) -> anyhow::Result<()> {
         8,
         &format!(
             "the kubelet prepares the pod's claim: NodePrepareResources on {}, the socket the plugin watcher registered",
-            dirs.endpoint(DRIVER).display()
+            driver.endpoint().display()
         ),
     );
     let sim_claim = DraClaim::new(NAMESPACE, CLAIM, &claim_uid);

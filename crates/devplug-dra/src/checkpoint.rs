@@ -139,6 +139,33 @@ impl From<CheckpointV1> for Checkpoint {
     }
 }
 
+/// Which file is at the checkpoint's path: a save renames a new file into place, so another
+/// instance's save (a rolling update with surge, both instances serving for a moment) shows as
+/// another stamp.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileStamp {
+    dev: u64,
+    ino: u64,
+    ctime: i64,
+    ctime_nsec: i64,
+    len: u64,
+}
+
+impl FileStamp {
+    /// The stamp of the file at `path`; `None` when there is none.
+    pub fn of(path: &Path) -> Option<FileStamp> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path).ok()?;
+        Some(FileStamp {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            ctime: meta.ctime(),
+            ctime_nsec: meta.ctime_nsec(),
+            len: meta.len(),
+        })
+    }
+}
+
 /// Every prepared claim of one driver, by claim UID.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Checkpoint {

@@ -117,6 +117,16 @@ impl DraDriver {
         })
     }
 
+    /// The `DRAPlugin` socket this instance serves (its name is this instance's own).
+    pub fn endpoint(&self) -> &std::path::Path {
+        self.kubelet.endpoint()
+    }
+
+    /// The registration socket of this instance, which the kubelet's plugin watcher finds.
+    pub fn registration_path(&self) -> &std::path::Path {
+        self.kubelet.registration_path()
+    }
+
     /// What the kubelet last said about the registration.
     pub fn registered(&self) -> watch::Receiver<Registered> {
         self.kubelet.registered()

@@ -1,7 +1,18 @@
 //! The kubelet side of a DRA driver: `DRAPlugin` (v1 and v1beta1) on
-//! `<plugins>/<driver>/dra.sock`, and a registration socket `<registry>/<driver>-reg.sock` that
-//! the kubelet's plugin watcher finds, asks `GetInfo` (type `DRAPlugin`, the driver name, the
-//! endpoint, `v1.DRAPlugin` first) and tells whether it registered us.
+//! `<plugins>/<driver>/dra-<tag>.sock`, and a registration socket
+//! `<registry>/<driver>-<tag>-reg.sock` that the kubelet's plugin watcher finds, asks `GetInfo`
+//! (type `DRAPlugin`, the driver name, the endpoint, `v1.DRAPlugin` first) and tells whether it
+//! registered us.
+//!
+//! `<tag>` is eight hex digits of this process instance ([`devplug::host::instance_tag`]): during
+//! a rolling update with surge the old and the new devplug are registered at once, each with its
+//! own sockets, and the kubelet (1.33+: several endpoints per driver) calls the newer one; the
+//! older one's calls in flight finish, and its stop removes only its own files. With fixed names
+//! the two would replace each other's sockets (the kubelet refuses a second registration of an
+//! endpoint it has) and the one stopping last would delete the other's. Where a tagged path
+//! would not fit in a Unix socket's 107 bytes, the fixed names (`dra.sock`,
+//! `<driver>-reg.sock`) are used, and said in the log. Sockets of earlier instances that no one
+//! serves any more are removed at start.
 //!
 //! Both sockets are bound under a dot-name (the watcher ignores those) and renamed into place,
 //! so the watcher never sees a socket that is not served yet. The registration socket is the
@@ -63,22 +74,87 @@ impl KubeletDirs {
         self.plugins.join(driver)
     }
 
-    /// The `DRAPlugin` socket of `driver`.
-    pub fn endpoint(&self, driver: &str) -> PathBuf {
-        self.driver_dir(driver).join(DRA_SOCKET_NAME)
+    /// The `DRAPlugin` socket of `driver`'s instance `tag`: `<plugins>/<driver>/dra-<tag>.sock`,
+    /// or `dra.sock` where that would not fit in a Unix socket's address.
+    pub fn endpoint(&self, driver: &str, tag: &str) -> PathBuf {
+        let tagged = self.driver_dir(driver).join(format!("dra-{tag}.sock"));
+        if fits(&tagged) {
+            tagged
+        } else {
+            self.driver_dir(driver).join(DRA_SOCKET_NAME)
+        }
     }
 
-    /// The registration socket of `driver`.
-    pub fn registration(&self, driver: &str) -> PathBuf {
-        self.registry.join(format!("{driver}-reg.sock"))
+    /// The registration socket of `driver`'s instance `tag`:
+    /// `<registry>/<driver>-<tag>-reg.sock`, or `<driver>-reg.sock` where that would not fit.
+    pub fn registration(&self, driver: &str, tag: &str) -> PathBuf {
+        let tagged = self.registry.join(format!("{driver}-{tag}-reg.sock"));
+        if fits(&tagged) {
+            tagged
+        } else {
+            self.registry.join(format!("{driver}-reg.sock"))
+        }
     }
+
+    /// Whether `name` (a file in the driver's folder) is an endpoint of some instance of a
+    /// driver: `dra-<tag>.sock` or `dra.sock`.
+    fn is_endpoint_name(name: &str) -> bool {
+        name == DRA_SOCKET_NAME
+            || name
+                .strip_prefix("dra-")
+                .and_then(|rest| rest.strip_suffix(".sock"))
+                .is_some_and(devplug::host::is_instance_tag)
+    }
+
+    /// Whether `name` (a file in the registry) is a registration socket of some instance of
+    /// `driver`: `<driver>-<tag>-reg.sock` or `<driver>-reg.sock`.
+    fn is_registration_name(driver: &str, name: &str) -> bool {
+        let Some(rest) = name
+            .strip_prefix(driver)
+            .and_then(|rest| rest.strip_prefix('-'))
+        else {
+            return false;
+        };
+        rest == "reg.sock"
+            || rest
+                .strip_suffix("-reg.sock")
+                .is_some_and(devplug::host::is_instance_tag)
+    }
+}
+
+/// Whether `path` fits in a Unix socket's address.
+fn fits(path: &Path) -> bool {
+    path.as_os_str().len() <= devplug::host::MAX_SOCKET_PATH
+}
+
+/// Removes the sockets of earlier instances of `driver` that no one serves any more (a killed
+/// devplug leaves its files), keeping this instance's and any live one's.
+async fn remove_dead_instances(
+    dirs: KubeletDirs,
+    driver: String,
+    endpoint: PathBuf,
+    registration: PathBuf,
+) {
+    devplug::host::remove_dead_sockets(
+        &dirs.registry,
+        |name| KubeletDirs::is_registration_name(&driver, name),
+        &registration,
+    )
+    .await;
+    devplug::host::remove_dead_sockets(
+        &dirs.driver_dir(&driver),
+        KubeletDirs::is_endpoint_name,
+        &endpoint,
+    )
+    .await;
 }
 
 /// The served sockets of one driver; stopped by [`KubeletSide::stop`].
 pub struct KubeletSide {
     registration: RegistrationSocket,
     stop: CancellationToken,
-    endpoint: PathBuf,
+    endpoint: devplug::host::OwnedSocket,
+    registration_path: PathBuf,
     server: JoinHandle<()>,
 }
 
@@ -86,12 +162,18 @@ impl KubeletSide {
     /// Binds and serves both sockets of `preparer`'s driver, then follows the kubelet's answers.
     pub fn start(preparer: Arc<Preparer>, dirs: &KubeletDirs) -> std::io::Result<KubeletSide> {
         let driver = preparer.driver().to_owned();
-        let endpoint = dirs.endpoint(&driver);
-        let registration = dirs.registration(&driver);
+        let tag = devplug::host::instance_tag(&driver);
+        let endpoint = dirs.endpoint(&driver, &tag);
+        let registration_path = dirs.registration(&driver, &tag);
+        if !endpoint.ends_with(format!("dra-{tag}.sock"))
+            || !registration_path.ends_with(format!("{driver}-{tag}-reg.sock"))
+        {
+            tracing::warn!(%driver, endpoint = %endpoint.display(), registration = %registration_path.display(), "the per-instance socket names would not fit in a Unix socket's address: fixed names, so two instances (a rolling update with surge) replace each other's sockets; a shorter kubelet folder or driver name avoids it");
+        }
         std::fs::create_dir_all(dirs.driver_dir(&driver))?;
         std::fs::create_dir_all(&dirs.registry)?;
         let stop = CancellationToken::new();
-        let listener = devplug::host::bind_socket(&endpoint)?;
+        let (listener, owned) = devplug::host::bind_owned_socket(&endpoint)?;
         let router = tonic::transport::Server::builder()
             .add_service(DraV1::server(preparer.clone()))
             .add_service(DraV1beta1::server(preparer.clone()))
@@ -121,18 +203,29 @@ impl KubeletSide {
                 .map(|v| (*v).to_owned())
                 .collect(),
         };
-        let registration =
-            match RegistrationSocket::start(info, registration, RefusedRetry::default()) {
-                Ok(registration) => registration,
-                Err(err) => {
-                    stop.cancel();
-                    return Err(err);
-                }
-            };
+        let registration = match RegistrationSocket::start(
+            info,
+            registration_path.clone(),
+            RefusedRetry::default(),
+        ) {
+            Ok(socket) => socket,
+            Err(err) => {
+                stop.cancel();
+                let _ = owned.remove();
+                return Err(err);
+            }
+        };
+        tokio::spawn(remove_dead_instances(
+            dirs.clone(),
+            driver,
+            endpoint,
+            registration_path.clone(),
+        ));
         Ok(KubeletSide {
             registration,
             stop,
-            endpoint,
+            endpoint: owned,
+            registration_path,
             server,
         })
     }
@@ -149,7 +242,12 @@ impl KubeletSide {
 
     /// The `DRAPlugin` socket.
     pub fn endpoint(&self) -> &Path {
-        &self.endpoint
+        self.endpoint.path()
+    }
+
+    /// The registration socket the plugin watcher finds.
+    pub fn registration_path(&self) -> &Path {
+        &self.registration_path
     }
 
     /// Stops serving and removes both sockets; returns what could not be removed, with why.
@@ -171,14 +269,72 @@ impl KubeletSide {
             server.abort();
             left.push(format!(
                 "{}: calls still in flight after {IN_FLIGHT_LIMIT:?} were cut short (the kubelet repeats them)",
-                self.endpoint.display()
+                self.endpoint.path().display()
             ));
         }
-        match std::fs::remove_file(&self.endpoint) {
+        // Only our own file: another instance may have bound this path (fixed names).
+        match self.endpoint.remove() {
             Ok(()) => {}
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
-            Err(err) => left.push(format!("{}: {err}", self.endpoint.display())),
+            Err(err) => left.push(format!("{}: {err}", self.endpoint.path().display())),
         }
         left
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_per_instance_and_fall_back_where_they_would_not_fit() {
+        let dirs = KubeletDirs {
+            registry: "/var/lib/kubelet/plugins_registry".into(),
+            plugins: "/var/lib/kubelet/plugins".into(),
+        };
+        assert_eq!(
+            dirs.endpoint("npu.example.com", "0123abcd"),
+            Path::new("/var/lib/kubelet/plugins/npu.example.com/dra-0123abcd.sock")
+        );
+        assert_eq!(
+            dirs.registration("npu.example.com", "0123abcd"),
+            Path::new("/var/lib/kubelet/plugins_registry/npu.example.com-0123abcd-reg.sock")
+        );
+        // A 63-character driver name: the tagged registration socket would take 115 bytes.
+        let long = format!("{}.example.com", "d".repeat(51));
+        assert_eq!(long.len(), 63);
+        let registration = dirs.registration(&long, "0123abcd");
+        assert_eq!(
+            registration,
+            Path::new("/var/lib/kubelet/plugins_registry").join(format!("{long}-reg.sock"))
+        );
+        assert!(fits(&registration));
+
+        for ours in ["dra.sock", "dra-0123abcd.sock"] {
+            assert!(KubeletDirs::is_endpoint_name(ours), "{ours}");
+        }
+        for other in [
+            "dra-x.sock",
+            "dra-0123abcd.json",
+            "checkpoint.json",
+            "dra-0123ABCD.sock",
+        ] {
+            assert!(!KubeletDirs::is_endpoint_name(other), "{other}");
+        }
+        let driver = "npu.example.com";
+        for ours in [
+            "npu.example.com-reg.sock",
+            "npu.example.com-0123abcd-reg.sock",
+        ] {
+            assert!(KubeletDirs::is_registration_name(driver, ours), "{ours}");
+        }
+        for other in [
+            "gpu.example.com-reg.sock",
+            "npu.example.com-io-reg.sock",
+            "npu.example.com-io-0123abcd-reg.sock",
+            "npu.example.comreg.sock",
+        ] {
+            assert!(!KubeletDirs::is_registration_name(driver, other), "{other}");
+        }
     }
 }

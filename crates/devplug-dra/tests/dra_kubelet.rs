@@ -61,10 +61,13 @@ fn device(request: &str, name: &str) -> AllocatedDevice {
 fn preparer(files: &PrepareFiles) -> Arc<Preparer> {
     let list = DeviceList::new((0..4).map(|i| Device::new(format!("npu-{i}"))));
     let (tx, _) = watch::channel(list);
-    let claims = Fixed(HashMap::from([(
-        "uid-1".to_owned(),
-        vec![device("npus", "npu-1"), device("npus", "npu-2")],
-    )]));
+    let claims = Fixed(HashMap::from([
+        (
+            "uid-1".to_owned(),
+            vec![device("npus", "npu-1"), device("npus", "npu-2")],
+        ),
+        ("uid-2".to_owned(), vec![device("npus", "npu-3")]),
+    ]));
     Arc::new(
         Preparer::new(
             DRIVER,
@@ -167,7 +170,7 @@ async fn a_deleted_registration_socket_comes_back_and_registers_again() {
 
     // An operator or a script deletes the registration socket: it is created again at once and
     // the kubelet's plugin watcher registers the driver through the new one.
-    let registration = dirs.registration(DRIVER);
+    let registration = side.registration_path().to_owned();
     std::fs::remove_file(&registration).unwrap();
     tokio::time::timeout(Duration::from_secs(10), registered.changed())
         .await
@@ -183,6 +186,145 @@ async fn a_deleted_registration_socket_comes_back_and_registers_again() {
         !registration.exists(),
         "stop removes the registration socket"
     );
+    kubelet.stop().await;
+}
+
+/// The endpoints the kubelet has registered for the driver.
+fn endpoints(kubelet: &Kubelet) -> Vec<std::path::PathBuf> {
+    kubelet.read(|node| {
+        node.dra_driver(DRIVER)
+            .iter()
+            .map(|r| r.endpoint.clone())
+            .collect()
+    })
+}
+
+#[tokio::test]
+async fn a_surge_rollout_hands_over_from_the_old_instance_to_the_new() {
+    let (_root, kubelet, dirs, files) = node().await;
+    let old = KubeletSide::start(preparer(&files), &dirs).unwrap();
+    wait_registered(&mut old.registered(), "the old instance registered").await;
+    let claim = DraClaim::new("ns", "claim-1", "uid-1");
+    let first = kubelet
+        .dra_prepare(DRIVER, std::slice::from_ref(&claim))
+        .await
+        .unwrap();
+    let devices = first["uid-1"].as_ref().unwrap().clone();
+
+    // The new pod starts while the old one serves (maxSurge 1): sockets of its own, both
+    // registered, the kubelet calls the newer one.
+    let new = KubeletSide::start(preparer(&files), &dirs).unwrap();
+    wait_registered(&mut new.registered(), "the new instance registered").await;
+    assert_ne!(old.endpoint(), new.endpoint());
+    assert_ne!(old.registration_path(), new.registration_path());
+    assert_eq!(
+        endpoints(&kubelet),
+        vec![old.endpoint().to_owned(), new.endpoint().to_owned()]
+    );
+    let again = kubelet
+        .dra_prepare(DRIVER, std::slice::from_ref(&claim))
+        .await
+        .unwrap();
+    assert_eq!(again["uid-1"].as_ref().unwrap(), &devices);
+
+    // The old pod stops: only its own files go; the new instance stays registered and serves.
+    let (old_endpoint, old_registration) = (
+        old.endpoint().to_owned(),
+        old.registration_path().to_owned(),
+    );
+    assert!(old.stop().await.is_empty());
+    assert!(!old_endpoint.exists() && !old_registration.exists());
+    assert!(new.endpoint().exists() && new.registration_path().exists());
+    let new_endpoint = new.endpoint().to_owned();
+    kubelet
+        .wait_for(Duration::from_secs(10), |n| {
+            let left: Vec<_> = n
+                .dra_driver(DRIVER)
+                .iter()
+                .map(|r| r.endpoint.clone())
+                .collect();
+            (left == vec![new_endpoint.clone()]).then_some(())
+        })
+        .await
+        .expect("the kubelet deregisters the old instance alone");
+    let second = DraClaim::new("ns", "claim-2", "uid-2");
+    let prepared = kubelet
+        .dra_prepare(DRIVER, std::slice::from_ref(&second))
+        .await
+        .unwrap();
+    assert!(prepared["uid-2"].is_ok(), "{prepared:?}");
+    let gone = kubelet
+        .dra_unprepare(DRIVER, &[claim, second])
+        .await
+        .unwrap();
+    assert!(gone.values().all(Result::is_ok), "{gone:?}");
+    for uid in ["uid-1", "uid-2"] {
+        let spec = devplug_dra::prepare::spec_path(&files.cdi_dir, DRIVER, uid);
+        assert!(!spec.exists(), "{uid}'s CDI spec is removed");
+    }
+    assert!(new.stop().await.is_empty());
+    kubelet.stop().await;
+}
+
+#[tokio::test]
+async fn two_instances_serving_at_once_keep_one_checkpoint_right() {
+    let (_root, kubelet, dirs, files) = node().await;
+    let old_preparer = preparer(&files);
+    let old = KubeletSide::start(old_preparer.clone(), &dirs).unwrap();
+    let new_preparer = preparer(&files);
+    let new = KubeletSide::start(new_preparer.clone(), &dirs).unwrap();
+    let claim = |uid: &str| ClaimRef {
+        namespace: "ns".into(),
+        name: format!("claim-{uid}"),
+        uid: uid.into(),
+    };
+    let listed = || {
+        devplug_dra::checkpoint::Checkpoint::load(&files.checkpoint, DRIVER)
+            .unwrap()
+            .claims
+            .into_keys()
+            .collect::<Vec<_>>()
+    };
+
+    // The new instance prepares a claim; a call the kubelet made to the old one before the new
+    // one registered prepares another: the old instance reads the new one's write first, so
+    // the file lists both (it would list the old instance's claims alone otherwise).
+    assert!(new_preparer.prepare(&[claim("uid-1")]).await["uid-1"].is_ok());
+    assert!(old_preparer.prepare(&[claim("uid-2")]).await["uid-2"].is_ok());
+    assert_eq!(listed(), ["uid-1", "uid-2"]);
+
+    // The new instance unprepares the claim the old one prepared: it knows it (it reads the
+    // old one's write), so the claim's spec goes and the file lists the first claim alone.
+    let spec = devplug_dra::prepare::spec_path(&files.cdi_dir, DRIVER, "uid-2");
+    assert!(spec.exists());
+    assert!(new_preparer.unprepare(&[claim("uid-2")]).await["uid-2"].is_ok());
+    assert!(
+        !spec.exists(),
+        "the claim the old instance prepared is released"
+    );
+    assert_eq!(listed(), ["uid-1"]);
+    assert_eq!(
+        old_preparer
+            .prepared()
+            .await
+            .into_keys()
+            .collect::<Vec<_>>(),
+        ["uid-1", "uid-2"],
+        "the old instance reads the file again only for a change"
+    );
+    // A call to the old instance starts from the file: the unprepared claim is gone there too.
+    assert!(old_preparer.unprepare(&[claim("uid-9")]).await["uid-9"].is_ok());
+    assert_eq!(
+        old_preparer
+            .prepared()
+            .await
+            .into_keys()
+            .collect::<Vec<_>>(),
+        ["uid-1"]
+    );
+
+    assert!(old.stop().await.is_empty());
+    assert!(new.stop().await.is_empty());
     kubelet.stop().await;
 }
 

@@ -44,8 +44,10 @@ pub type RunningCount = watch::Receiver<usize>;
 /// One node's worker: its pods and the driver's socket.
 struct Worker {
     node: String,
-    endpoint: PathBuf,
-    channel: Option<Channel>,
+    /// The driver's socket as last registered.
+    endpoint: watch::Receiver<PathBuf>,
+    /// The connection, and the socket it was made to.
+    channel: Option<(PathBuf, Channel)>,
     /// Prepared claims of each pod UID on this node.
     prepared: HashMap<String, Vec<dra_v1::Claim>>,
     /// Claims of each pod UID whose `NodePrepareResources` got no answer (the socket failed
@@ -71,8 +73,13 @@ pub struct Kubelets {
 }
 
 impl Kubelets {
-    /// Starts a worker for each `(node, driver socket)` and the watch of `namespace`'s pods.
-    pub fn start(client: kube::Client, namespace: &str, nodes: &[(String, PathBuf)]) -> Kubelets {
+    /// Starts a worker for each `(node, driver socket as registered)` and the watch of
+    /// `namespace`'s pods.
+    pub fn start(
+        client: kube::Client,
+        namespace: &str,
+        nodes: &[(String, watch::Receiver<PathBuf>)],
+    ) -> Kubelets {
         let observed = Arc::new(Observed::default());
         let (running_tx, running) = watch::channel(0usize);
         let mut tasks = Vec::with_capacity(nodes.len() + 1);
@@ -254,15 +261,7 @@ impl Worker {
                 uid: claim.metadata.uid.unwrap_or_default(),
             });
         }
-        let channel = match &self.channel {
-            Some(channel) => channel.clone(),
-            None => {
-                let channel =
-                    devplug_proto::uds::connect(&self.endpoint, Duration::from_secs(5)).await?;
-                self.channel = Some(channel.clone());
-                channel
-            }
-        };
+        let channel = self.channel().await?;
         let started = Instant::now();
         let answer = DraPluginClient::new(channel)
             .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
@@ -305,10 +304,7 @@ impl Worker {
     /// again.
     async fn unprepare(&mut self, claims: Vec<dra_v1::Claim>) -> Result<(), Vec<dra_v1::Claim>> {
         let result = async {
-            let channel = match &self.channel {
-                Some(channel) => channel.clone(),
-                None => devplug_proto::uds::connect(&self.endpoint, Duration::from_secs(5)).await?,
-            };
+            let channel = self.channel().await?;
             let answer = DraPluginClient::new(channel)
                 .node_unprepare_resources(dra_v1::NodeUnprepareResourcesRequest {
                     claims: claims.clone(),
@@ -347,6 +343,20 @@ impl Worker {
                 Err(claims)
             }
         }
+    }
+
+    /// The connection to the driver's socket as last registered: made again when the driver
+    /// registered another socket (a restart) or the last call failed.
+    async fn channel(&mut self) -> anyhow::Result<Channel> {
+        let endpoint = self.endpoint.borrow().clone();
+        if let Some((to, channel)) = &self.channel {
+            if *to == endpoint {
+                return Ok(channel.clone());
+            }
+        }
+        let channel = devplug_proto::uds::connect(&endpoint, Duration::from_secs(5)).await?;
+        self.channel = Some((endpoint, channel.clone()));
+        Ok(channel)
     }
 
     fn fail(&self, what: String) {

@@ -44,6 +44,9 @@ pub struct SimNode {
     cdi: Option<tempfile::TempDir>,
     variant: Variant,
     devices: usize,
+    /// The running driver's `DRAPlugin` socket (each instance names its own), as the kubelet
+    /// learns it from the registration.
+    endpoint: tokio::sync::watch::Sender<PathBuf>,
 }
 
 impl SimNode {
@@ -81,6 +84,7 @@ impl SimNode {
             backend: None,
             root,
             cdi,
+            endpoint: tokio::sync::watch::Sender::new(PathBuf::new()),
             variant,
             devices,
         })
@@ -91,9 +95,10 @@ impl SimNode {
         self.cdi.is_some()
     }
 
-    /// The driver's `DRAPlugin` socket, as the kubelet finds it.
-    pub fn endpoint(&self) -> PathBuf {
-        self.settings.dirs.endpoint(&self.settings.driver)
+    /// The running driver's `DRAPlugin` socket, as the kubelet learns it from each
+    /// registration (a restarted driver serves another one).
+    pub fn endpoint(&self) -> tokio::sync::watch::Receiver<PathBuf> {
+        self.endpoint.subscribe()
     }
 
     /// Starts the driver with `client` (a new backend each time, as a new process has).
@@ -106,6 +111,7 @@ impl SimNode {
         let driver = DraDriver::start(self.settings.clone(), serving, client)
             .await
             .with_context(|| format!("the driver of {}", self.name))?;
+        self.endpoint.send_replace(driver.endpoint().to_owned());
         self.driver = Some(driver);
         self.backend = Some(backend);
         Ok(())

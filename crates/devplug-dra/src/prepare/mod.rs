@@ -16,13 +16,16 @@
 //! The claims of a call are read from the API server first, all at once and under one deadline
 //! for the call, with nothing locked: a slow or hung API server makes only that call slow, and
 //! an unprepare, which needs no API server, never waits for it. The rest (the backend, the CDI
-//! spec, the checkpoint) is serialized per driver, as the checkpoint is one file.
+//! spec, the checkpoint) is serialized per driver, as the checkpoint is one file: by the
+//! driver's mutex in this process and by a file lock across processes (`node_lock`: two
+//! instances serve at once during a rolling update with surge).
 
 mod claim_spec;
 mod conflicts;
 mod device_metadata;
 mod error;
 mod handover;
+mod node_lock;
 mod plan;
 #[cfg(test)]
 mod tests;
@@ -32,7 +35,7 @@ pub use device_metadata::{CONTAINER_DIR as DEVICE_METADATA_DIR, POD_CLAIM_NAME_A
 pub use error::PrepareError;
 pub(crate) use handover::restore_shares;
 
-use super::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, PreparedDevice};
+use super::checkpoint::{Checkpoint, CheckpointError, FileStamp, PreparedClaim, PreparedDevice};
 use super::claims::{AllocatedDevice, ClaimRef, ClaimSource};
 use crate::claim_metrics::ClaimMetrics;
 use conflicts::{holders_of, refuse_taken_devices, whole_ids};
@@ -41,7 +44,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, MutexGuard};
 
 /// How long the claim reads of one call may take together (the kubelet gives the whole call
 /// 45 s; the rest of a prepare is local and quick).
@@ -74,6 +77,26 @@ impl PrepareFiles {
     }
 }
 
+/// The driver's state held for a change (see [`Preparer::lock_for_change`]).
+struct ChangeGuard<'a> {
+    state: MutexGuard<'a, Checkpoint>,
+    /// The node-wide lock, released when dropped.
+    _file: Option<std::fs::File>,
+}
+
+impl std::ops::Deref for ChangeGuard<'_> {
+    type Target = Checkpoint;
+    fn deref(&self) -> &Checkpoint {
+        &self.state
+    }
+}
+
+impl std::ops::DerefMut for ChangeGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Checkpoint {
+        &mut self.state
+    }
+}
+
 /// Prepares and unprepares the claims of one driver.
 pub struct Preparer {
     driver: String,
@@ -82,6 +105,9 @@ pub struct Preparer {
     claims: Arc<dyn ClaimSource>,
     files: PrepareFiles,
     state: Mutex<Checkpoint>,
+    /// The checkpoint file as this instance last read or wrote it: another stamp at the path
+    /// means another instance of the driver wrote it since.
+    stamp: std::sync::Mutex<Option<FileStamp>>,
     read_deadline: Duration,
     /// Whether each prepared claim gets its device metadata files (KEP-5304).
     device_metadata: bool,
@@ -99,9 +125,29 @@ impl Preparer {
         claims: Arc<dyn ClaimSource>,
         files: PrepareFiles,
     ) -> Result<Preparer, CheckpointError> {
+        // The clean-up of files no claim lists only while no other instance of the driver is
+        // in a call (it may have written a claim's spec and not yet its checkpoint); the next
+        // start cleans up what this one left.
+        let quiet = match node_lock::try_lock(&files.checkpoint) {
+            Ok(quiet) => quiet,
+            Err(err) => {
+                tracing::warn!(%driver, path = %node_lock::lock_path(&files.checkpoint).display(), %err, "cannot open the checkpoint's lock file");
+                None
+            }
+        };
+        let stamp = FileStamp::of(&files.checkpoint);
         let checkpoint = Checkpoint::load(&files.checkpoint, driver)?;
-        remove_stale_specs(&files.cdi_dir, driver, &checkpoint);
-        device_metadata::remove_stale_metadata(&files.device_metadata_dir(), driver, &checkpoint);
+        if quiet.is_some() {
+            remove_stale_specs(&files.cdi_dir, driver, &checkpoint);
+            device_metadata::remove_stale_metadata(
+                &files.device_metadata_dir(),
+                driver,
+                &checkpoint,
+            );
+        } else {
+            tracing::info!(%driver, "another instance of the driver is in a call: files no claim lists are left for the next start");
+        }
+        drop(quiet);
         for (uid, claim) in &checkpoint.claims {
             if let Err(err) = restore_spec(driver, uid, claim) {
                 tracing::error!(%driver, claim = %uid, error = %err, "a prepared claim's CDI spec is missing");
@@ -116,6 +162,7 @@ impl Preparer {
             claims,
             files,
             state: Mutex::new(checkpoint),
+            stamp: std::sync::Mutex::new(stamp),
             read_deadline: CLAIM_READ_DEADLINE,
             device_metadata: false,
             metrics: Arc::default(),
@@ -228,7 +275,7 @@ impl Preparer {
         let released = self.released_holders(&read, deadline).await;
 
         let mut results = BTreeMap::new();
-        let mut state = self.state.lock().await;
+        let mut state = self.lock_for_change().await;
         // The claims prepared by this call, recorded in one checkpoint write at the end (a
         // write a claim would write the whole checkpoint n times for n claims).
         let mut new: Vec<&ClaimRef> = Vec::new();
@@ -427,7 +474,7 @@ impl Preparer {
 
     async fn unprepare_claims(&self, claims: &[ClaimRef]) -> ClaimResults<()> {
         let mut results = BTreeMap::new();
-        let mut state = self.state.lock().await;
+        let mut state = self.lock_for_change().await;
         // Removed from `state` here, from the checkpoint file in one write at the end.
         let mut removed: Vec<(&ClaimRef, PreparedClaim)> = Vec::new();
         for claim in claims {
@@ -507,11 +554,59 @@ impl Preparer {
         .await
         .unwrap_or_else(|join| Err(std::io::Error::other(join.to_string())));
         written.map_err(|source| PrepareError::WriteCheckpoint {
-            path,
+            path: path.clone(),
             source: Arc::new(source),
         })?;
+        self.set_stamp(FileStamp::of(&path));
         self.saved.send_replace(claims);
         Ok(())
+    }
+
+    fn set_stamp(&self, stamp: Option<FileStamp>) {
+        if let Ok(mut kept) = self.stamp.lock() {
+            *kept = stamp;
+        }
+    }
+
+    /// The state for a change: the driver's mutex, then the node-wide lock on the checkpoint,
+    /// then the checkpoint read again if another instance wrote it since this one did (the
+    /// shares it prepared told to the backend, as at a start).
+    async fn lock_for_change(&self) -> ChangeGuard<'_> {
+        let mut state = self.state.lock().await;
+        let file = match node_lock::lock(&self.files.checkpoint).await {
+            Ok(file) => Some(file),
+            Err(err) => {
+                tracing::warn!(driver = %self.driver, path = %node_lock::lock_path(&self.files.checkpoint).display(), %err, "cannot take the checkpoint's lock: another instance of the driver may change it meanwhile");
+                None
+            }
+        };
+        let now = FileStamp::of(&self.files.checkpoint);
+        let known = self.stamp.lock().map(|s| *s).unwrap_or(None);
+        if now != known {
+            match Checkpoint::load(&self.files.checkpoint, &self.driver) {
+                Ok(fresh) => {
+                    let new_shares: Vec<String> = fresh
+                        .claims
+                        .iter()
+                        .filter(|(uid, _)| !state.claims.contains_key(*uid))
+                        .flat_map(|(_, claim)| &claim.devices)
+                        .filter(|d| d.hold.share_id().is_some())
+                        .map(|d| d.id.clone())
+                        .collect::<BTreeSet<_>>()
+                        .into_iter()
+                        .collect();
+                    tracing::info!(driver = %self.driver, claims = fresh.claims.len(), was = state.claims.len(), "the checkpoint was written by another instance of the driver: read again");
+                    *state = fresh;
+                    self.set_stamp(now);
+                    self.saved.send_replace(Arc::new(state.claims.clone()));
+                    handover::restore_shares(self.backend.clone(), new_shares).await;
+                }
+                Err(err) => {
+                    tracing::error!(driver = %self.driver, %err, "the checkpoint another instance wrote cannot be read; this instance's claims are kept");
+                }
+            }
+        }
+        ChangeGuard { state, _file: file }
     }
 
     /// The CDI kind of this driver's claim specs: `<driver>/claim`.

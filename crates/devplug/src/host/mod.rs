@@ -41,7 +41,10 @@ pub use apply::{Applied, ApplyFailure};
 pub use events::HostEvent;
 pub use metrics::{MetricsSnapshot, ALLOCATE_BUCKETS};
 pub use registration_socket::{FolderHealth, RefusedRetry, Registered, RegistrationSocket};
-pub use socket::{bind_socket, check_socket_path, MAX_SOCKET_PATH};
+pub use socket::{
+    bind_owned_socket, bind_socket, check_socket_path, instance_tag, is_instance_tag,
+    remove_dead_sockets, OwnedSocket, MAX_SOCKET_PATH,
+};
 pub use status::ResourceStatus;
 pub use watcher::{WatcherDirs, RELINK_WAIT};
 

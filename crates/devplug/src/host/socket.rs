@@ -47,23 +47,42 @@ pub(crate) fn name_prefix(resource: &str) -> String {
     format!("devplug-{slug}-")
 }
 
+/// Eight hex digits unique to this process instance and `what` (a resource or a DRA driver),
+/// for socket names that two instances of one plugin (a rolling update with surge) never share.
+pub fn instance_tag(what: &str) -> String {
+    let mut hasher = RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.write(what.as_bytes());
+    format!("{:08x}", hasher.finish() as u32)
+}
+
+/// Whether `tag` is one [`instance_tag`] makes: eight lowercase hex digits.
+pub fn is_instance_tag(tag: &str) -> bool {
+    tag.len() == 8 && tag.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
 /// A socket file name unique to this process instance, so that two instances of one plugin
 /// (a rolling update with surge) never delete each other's socket.
 pub(crate) fn instance_name(resource: &str) -> String {
-    let mut hasher = RandomState::new().build_hasher();
-    hasher.write_u32(std::process::id());
-    hasher.write(resource.as_bytes());
-    format!(
-        "{}{:08x}.sock",
-        name_prefix(resource),
-        hasher.finish() as u32
-    )
+    format!("{}{}.sock", name_prefix(resource), instance_tag(resource))
 }
 
 /// Removes sockets of earlier instances of this resource that nobody serves any more (a crashed
 /// process leaves its file behind). A live socket, such as a second running instance's, is kept.
 pub(crate) async fn remove_stale(dir: &Path, resource: &str, keep: &Path) {
     let prefix = name_prefix(resource);
+    remove_dead_sockets(
+        dir,
+        |name| name.starts_with(&prefix) && name.ends_with(".sock"),
+        keep,
+    )
+    .await;
+}
+
+/// Removes the sockets in `dir` whose file name `ours` accepts, other than `keep`, that nobody
+/// serves any more (a connection to them is refused: a crashed or killed instance left them).
+/// A socket that accepts, such as a second running instance's, is kept.
+pub async fn remove_dead_sockets(dir: &Path, ours: impl Fn(&str) -> bool, keep: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
@@ -71,7 +90,7 @@ pub(crate) async fn remove_stale(dir: &Path, resource: &str, keep: &Path) {
         let path = entry.path();
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        if !name.starts_with(&prefix) || !name.ends_with(".sock") || path == keep {
+        if !ours(name) || path == keep {
             continue;
         }
         let probe = tokio::time::timeout(Duration::from_millis(200), UnixStream::connect(&path));
@@ -115,6 +134,38 @@ pub(crate) fn bind_owner_only(path: &Path) -> io::Result<(UnixListener, FileIden
 /// file there. For sockets outside the host, such as a DRA driver's `dra.sock`.
 pub fn bind_socket(path: &Path) -> io::Result<UnixListener> {
     bind_owner_only(path).map(|(listener, _)| listener)
+}
+
+/// A socket file bound by [`bind_owned_socket`]: removed only while it is still the file we
+/// bound, so an instance that stops never deletes the socket another instance put at the path.
+#[derive(Debug, Clone)]
+pub struct OwnedSocket {
+    path: PathBuf,
+    identity: FileIdentity,
+}
+
+impl OwnedSocket {
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Removes the file if it is still ours. An error means our socket is still there.
+    pub fn remove(&self) -> io::Result<()> {
+        remove_if_ours(&self.path, self.identity)
+    }
+}
+
+/// [`bind_socket`], with the file's identity kept for [`OwnedSocket::remove`].
+pub fn bind_owned_socket(path: &Path) -> io::Result<(UnixListener, OwnedSocket)> {
+    let (listener, identity) = bind_owner_only(path)?;
+    Ok((
+        listener,
+        OwnedSocket {
+            path: path.to_owned(),
+            identity,
+        },
+    ))
 }
 
 /// Removes the socket at `path` only if it is still the file we bound. An error means our
@@ -210,6 +261,22 @@ mod tests {
         assert!(a.starts_with("devplug-example.com_npu-"), "{a}");
         assert!(a.ends_with(".sock"));
         assert!(!a.contains('/'));
+        let tag = instance_tag("npu.example.com");
+        assert!(is_instance_tag(&tag), "{tag}");
+        assert!(!is_instance_tag("0000000g") && !is_instance_tag("abc"));
+    }
+
+    #[tokio::test]
+    async fn an_owned_socket_is_removed_only_while_it_is_ours() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dra-x.sock");
+        let (_first, first) = bind_owned_socket(&path).unwrap();
+        // A second instance binds the same path: the first one's removal leaves it.
+        let (_second, second) = bind_owned_socket(&path).unwrap();
+        first.remove().unwrap();
+        assert!(path.exists(), "the second instance's socket is kept");
+        second.remove().unwrap();
+        assert!(!path.exists());
     }
 
     #[tokio::test]
