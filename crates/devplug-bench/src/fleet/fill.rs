@@ -43,12 +43,7 @@ pub(super) async fn run(
         .await
         .is_ok_and(|r| r.is_ok());
     let fill_took = started.elapsed();
-    let failures = kubelets
-        .observed
-        .failures
-        .lock()
-        .map(|f| f.clone())
-        .unwrap_or_default();
+    let failures = kubelets.observed.failures();
     if !filled {
         anyhow::bail!(
             "the fill did not finish in {limit:?}: {} of {target} pods Running; failures: {:?}",

@@ -38,6 +38,28 @@ pub struct Observed {
     pub failures: Mutex<Vec<String>>,
 }
 
+impl Observed {
+    /// The calls that failed so far, with why.
+    pub fn failures(&self) -> Vec<String> {
+        copy(&self.failures)
+    }
+
+    /// Successful `NodePrepareResources` calls per claim UID so far, with the node.
+    pub fn prepared(&self) -> HashMap<String, (u32, String)> {
+        copy(&self.prepared)
+    }
+
+    /// Successful `NodeUnprepareResources` calls per claim UID so far.
+    pub fn unprepared(&self) -> HashMap<String, u32> {
+        copy(&self.unprepared)
+    }
+}
+
+/// What `field` holds now (empty if a holder panicked).
+fn copy<T: Clone + Default>(field: &Mutex<T>) -> T {
+    field.lock().map(|f| f.clone()).unwrap_or_default()
+}
+
 /// Pods marked Running, by count (for waits without polling).
 pub type RunningCount = watch::Receiver<usize>;
 

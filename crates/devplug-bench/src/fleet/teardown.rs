@@ -42,12 +42,7 @@ pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> a
         }
     }
     if leftovers > 0 {
-        let failures = kubelets
-            .observed
-            .failures
-            .lock()
-            .map(|f| f.clone())
-            .unwrap_or_default();
+        let failures = kubelets.observed.failures();
         anyhow::bail!(
             "{leftovers} claims still prepared after every pod is gone; the kubelet stand-ins' \
              failed calls ({}): {:?}",
@@ -56,18 +51,8 @@ pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> a
         );
     }
     {
-        let prepared = kubelets
-            .observed
-            .prepared
-            .lock()
-            .map(|p| p.clone())
-            .unwrap_or_default();
-        let unprepared = kubelets
-            .observed
-            .unprepared
-            .lock()
-            .map(|p| p.clone())
-            .unwrap_or_default();
+        let prepared = kubelets.observed.prepared();
+        let unprepared = kubelets.observed.unprepared();
         let twice: Vec<_> = prepared
             .iter()
             .filter(|(_, (count, _))| *count != 1)
@@ -91,12 +76,7 @@ pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> a
             prepared.len(),
         );
     }
-    let failures = kubelets
-        .observed
-        .failures
-        .lock()
-        .map(|f| f.clone())
-        .unwrap_or_default();
+    let failures = kubelets.observed.failures();
     kubelets.stop();
     leases.abort();
     let stops = join_all(nodes.iter_mut().map(SimNode::remove_driver)).await;
