@@ -4,15 +4,17 @@
 //! (type `DRAPlugin`, the driver name, the endpoint, `v1.DRAPlugin` first) and tells whether it
 //! registered us.
 //!
-//! `<tag>` is eight hex digits of this process instance ([`devplug::host::instance_tag`]): during
-//! a rolling update with surge the old and the new devplug are registered at once, each with its
-//! own sockets, and the kubelet (1.33+: several endpoints per driver) calls the newer one; the
-//! older one's calls in flight finish, and its stop removes only its own files. With fixed names
-//! the two would replace each other's sockets (the kubelet refuses a second registration of an
-//! endpoint it has) and the one stopping last would delete the other's. Where a tagged path
-//! would not fit in a Unix socket's 107 bytes, the fixed names (`dra.sock`,
-//! `<driver>-reg.sock`) are used, and said in the log. Sockets of earlier instances that no one
-//! serves any more are removed at start.
+//! An instance serves the fixed names `dra.sock` and `<driver>-reg.sock` unless another live
+//! instance serves them: then `<tag>` names, eight hex digits of this process instance
+//! ([`devplug::host::instance_tag`]). So during a rolling update with surge the old and the new
+//! devplug are registered at once, each with its own sockets, and the kubelet (1.33+: several
+//! endpoints per driver) calls the newer one; the older one's calls in flight finish, and its
+//! stop removes only its own files. With the same names the two would replace each other's
+//! sockets (the kubelet refuses a second registration of an endpoint it has) and the one
+//! stopping last would delete the other's. After a reboot or a restart, with no other instance,
+//! the fixed names come back ([`KubeletDirs::names_for_instance`] says why). Where a tagged path
+//! would not fit in a Unix socket's 107 bytes the fixed names are used, and said in the log.
+//! Sockets of earlier instances that no one serves any more are removed at start.
 //!
 //! Both sockets are bound under a dot-name (the watcher ignores those) and renamed into place,
 //! so the watcher never sees a socket that is not served yet. The registration socket is the
@@ -96,6 +98,31 @@ impl KubeletDirs {
         }
     }
 
+    /// The sockets a starting instance of `driver` serves: the fixed names (`dra.sock`,
+    /// `<driver>-reg.sock`) unless another live instance serves them (a rolling update with
+    /// surge), then names of this instance's own ([`Self::endpoint`],
+    /// [`Self::registration`]). The fixed names first, because after a reboot or a restart the
+    /// kubelet is often already dialling the registration socket it knew (its dial waits up to
+    /// 10 s for the path to accept): a new socket at the same path is registered at once, a
+    /// socket at a new path only after that dial gives up, by which time the pods' first
+    /// prepare has failed and waits out the kubelet's 10 s retry.
+    pub fn names_for_instance(&self, driver: &str) -> (PathBuf, PathBuf) {
+        let fixed = (
+            self.driver_dir(driver).join(DRA_SOCKET_NAME),
+            self.registry.join(format!("{driver}-reg.sock")),
+        );
+        let live = |path: &Path| std::os::unix::net::UnixStream::connect(path).is_ok();
+        if !live(&fixed.0) && !live(&fixed.1) {
+            return fixed;
+        }
+        let tag = devplug::host::instance_tag(driver);
+        let tagged = (self.endpoint(driver, &tag), self.registration(driver, &tag));
+        if tagged == fixed {
+            tracing::warn!(%driver, "another instance serves this driver's sockets and names of this instance's own would not fit in a Unix socket's address: the two replace each other's sockets; a shorter kubelet folder or driver name avoids it");
+        }
+        tagged
+    }
+
     /// Whether `name` (a file in the driver's folder) is an endpoint of some instance of a
     /// driver: `dra-<tag>.sock` or `dra.sock`.
     fn is_endpoint_name(name: &str) -> bool {
@@ -162,14 +189,7 @@ impl KubeletSide {
     /// Binds and serves both sockets of `preparer`'s driver, then follows the kubelet's answers.
     pub fn start(preparer: Arc<Preparer>, dirs: &KubeletDirs) -> std::io::Result<KubeletSide> {
         let driver = preparer.driver().to_owned();
-        let tag = devplug::host::instance_tag(&driver);
-        let endpoint = dirs.endpoint(&driver, &tag);
-        let registration_path = dirs.registration(&driver, &tag);
-        if !endpoint.ends_with(format!("dra-{tag}.sock"))
-            || !registration_path.ends_with(format!("{driver}-{tag}-reg.sock"))
-        {
-            tracing::warn!(%driver, endpoint = %endpoint.display(), registration = %registration_path.display(), "the per-instance socket names would not fit in a Unix socket's address: fixed names, so two instances (a rolling update with surge) replace each other's sockets; a shorter kubelet folder or driver name avoids it");
-        }
+        let (endpoint, registration_path) = dirs.names_for_instance(&driver);
         std::fs::create_dir_all(dirs.driver_dir(&driver))?;
         std::fs::create_dir_all(&dirs.registry)?;
         let stop = CancellationToken::new();

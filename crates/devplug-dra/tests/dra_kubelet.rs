@@ -215,6 +215,12 @@ async fn a_surge_rollout_hands_over_from_the_old_instance_to_the_new() {
     // registered, the kubelet calls the newer one.
     let new = KubeletSide::start(preparer(&files), &dirs).unwrap();
     wait_registered(&mut new.registered(), "the new instance registered").await;
+    // The old one has the fixed names; the new one, finding them served, names of its own.
+    assert_eq!(old.endpoint(), dirs.driver_dir(DRIVER).join("dra.sock"));
+    assert_eq!(
+        old.registration_path(),
+        dirs.registry.join(format!("{DRIVER}-reg.sock"))
+    );
     assert_ne!(old.endpoint(), new.endpoint());
     assert_ne!(old.registration_path(), new.registration_path());
     assert_eq!(

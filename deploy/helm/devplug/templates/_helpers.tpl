@@ -306,7 +306,7 @@ the RBAC of refused-pods-rbac.yaml.
 {{- end }}
 
 {{/*
-The kubelet's plugins folder: DRA drivers serve <plugins>/<driver>/dra-<tag>.sock there.
+The kubelet's plugins folder: DRA drivers serve <plugins>/<driver>/dra.sock there (dra-<tag>.sock beside another instance).
 */}}
 {{- define "devplug.pluginsDir" -}}
 {{- printf "%s/plugins" (trimSuffix "/" .Values.kubeletDir) }}
