@@ -1,11 +1,10 @@
 //! The kubelet side of a DRA driver: `DRAPlugin` (v1 and v1beta1) on
-//! `<plugins>/<driver>/dra-<tag>.sock`, and a registration socket
-//! `<registry>/<driver>-<tag>-reg.sock` that the kubelet's plugin watcher finds, asks `GetInfo`
-//! (type `DRAPlugin`, the driver name, the endpoint, `v1.DRAPlugin` first) and tells whether it
-//! registered us.
+//! `<plugins>/<driver>/dra.sock`, and a registration socket `<registry>/<driver>-reg.sock` that
+//! the kubelet's plugin watcher finds, asks `GetInfo` (type `DRAPlugin`, the driver name, the
+//! endpoint, `v1.DRAPlugin` first) and tells whether it registered us.
 //!
-//! An instance serves the fixed names `dra.sock` and `<driver>-reg.sock` unless another live
-//! instance serves them: then `<tag>` names, eight hex digits of this process instance
+//! Those fixed names unless another live instance serves them: then `dra-<tag>.sock` and
+//! `<driver>-<tag>-reg.sock`, `<tag>` eight hex digits of this process instance
 //! ([`devplug::host::instance_tag`]). So during a rolling update with surge the old and the new
 //! devplug are registered at once, each with its own sockets, and the kubelet (1.33+: several
 //! endpoints per driver) calls the newer one; the older one's calls in flight finish, and its
