@@ -94,6 +94,14 @@ const LIBRARY_DIRS: [&str; 6] = [
     "/lib",
 ];
 
+/// The folders under a driver root where `libnvidia-ml.so.1` is looked for (in this order)
+/// and watched for a driver installed later: this build's architecture's multiarch folder
+/// (Debian and Ubuntu packages), then the RPM and runfile ones.
+#[cfg(target_arch = "aarch64")]
+pub(crate) const NVML_DIRS: [&str; 3] = ["usr/lib/aarch64-linux-gnu", "usr/lib64", "usr/lib"];
+#[cfg(not(target_arch = "aarch64"))]
+pub(crate) const NVML_DIRS: [&str; 3] = ["usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib"];
+
 /// How many symlinks a path may go through (the kernel's limit is 40; the driver uses one).
 const MAX_LINKS: usize = 16;
 

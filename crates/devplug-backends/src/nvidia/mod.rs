@@ -239,7 +239,7 @@ async fn watch_driver(
         Some(lib) => dirs.extend(lib.parent().map(PathBuf::from)),
         None => {
             for root in &settings.driver_roots {
-                for dir in ["usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib"] {
+                for dir in driver_files::NVML_DIRS {
                     dirs.insert(root.join(dir));
                 }
             }

@@ -25,7 +25,8 @@ pub const DEFAULT_IGNORED_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 94];
 #[serde(deny_unknown_fields)]
 pub struct NvidiaSettings {
     /// The `libnvidia-ml.so.1` to load. Default: the first that exists under a driver root
-    /// (`<root>/usr/lib/x86_64-linux-gnu`, `<root>/usr/lib64`, `<root>/usr/lib`), else the
+    /// (`<root>/usr/lib/x86_64-linux-gnu`, or `aarch64-linux-gnu` on arm64, `<root>/usr/lib64`,
+    /// `<root>/usr/lib`), else the
     /// dynamic loader's search path.
     #[serde(default)]
     pub library: Option<PathBuf>,
@@ -421,12 +422,7 @@ impl NvidiaSettings {
         }
         let mut out = Vec::new();
         for root in &self.driver_roots {
-            for dir in [
-                "usr/lib/x86_64-linux-gnu",
-                "usr/lib/aarch64-linux-gnu",
-                "usr/lib64",
-                "usr/lib",
-            ] {
+            for dir in super::driver_files::NVML_DIRS {
                 let path = root.join(dir).join("libnvidia-ml.so.1");
                 if path.exists() {
                     out.push(path);
