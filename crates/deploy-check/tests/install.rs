@@ -263,8 +263,14 @@ fn both_image_builds_make_the_same_image_from_the_same_command() {
         target(&build_static),
         target(&script).map(|t| format!("${{TARGET:-{t}}}"))
     );
-    // And CI runs the script (its GPU and arm64 builds as check builds, without LTO).
-    assert!(read(".ci/run")
+    // And CI runs the script (its GPU and arm64 builds as check builds, without LTO): the amd64
+    // images before the tests, the arm64 ones beside them.
+    let ci = read(".ci/run");
+    assert!(ci
         .lines()
-        .any(|l| l.trim() == "DEVPLUG_SIDE_BUILDS=check .ci/build-image"));
+        .any(|l| l.trim() == "DEVPLUG_SIDE_BUILDS=check .ci/build-image amd64"));
+    assert!(ci
+        .lines()
+        .any(|l| l.trim().starts_with("setsid nice -n 19 ")
+            && l.contains(" DEVPLUG_SIDE_BUILDS=check .ci/build-image arm64 ")));
 }
