@@ -195,7 +195,13 @@ fn check_config_discover_reports_devices_and_warnings_name_their_resource() {
         "resources:\n  - name: example.com/npu\n    virtual: { count: 3, env: NPUS }\n  \
          - name: example.com/typo\n    hostdev: { groups: [ { paths: [\"/dev/devplug-no-such-node*\"] } ] }\n",
     );
-    let out = devplug(&["check-config", "--discover", "--config", &config]);
+    // The warning is read from the log: the binary's own default filter, whatever RUST_LOG the
+    // test run has.
+    let out = Command::new(BIN)
+        .args(["check-config", "--discover", "--config", &config])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     // The typo finds no device: the status a script gates on, naming the resource.
