@@ -73,21 +73,26 @@ const PROGRAM_DIRS: [&str; 4] = ["usr/bin", "usr/local/bin", "bin", "usr/local/n
 /// Folders under a driver root that hold its firmware (`nvidia/<version>` below them).
 const FIRMWARE_DIRS: [&str; 2] = ["lib/firmware", "usr/lib/firmware"];
 
+/// This build's architecture's Debian multiarch tuple (`/usr/lib/<tuple>`), as a literal for
+/// `concat!`.
+#[cfg(target_arch = "aarch64")]
+macro_rules! multiarch {
+    () => {
+        "aarch64-linux-gnu"
+    };
+}
+#[cfg(not(target_arch = "aarch64"))]
+macro_rules! multiarch {
+    () => {
+        "x86_64-linux-gnu"
+    };
+}
+
 /// The library folders of a driver root, searched after the loader cache and `ld.so.conf`:
 /// Debian's multiarch folders, then the RPM and runfile ones.
-#[cfg(target_arch = "aarch64")]
 const LIBRARY_DIRS: [&str; 6] = [
-    "/usr/lib/aarch64-linux-gnu",
-    "/lib/aarch64-linux-gnu",
-    "/usr/lib64",
-    "/lib64",
-    "/usr/lib",
-    "/lib",
-];
-#[cfg(not(target_arch = "aarch64"))]
-const LIBRARY_DIRS: [&str; 6] = [
-    "/usr/lib/x86_64-linux-gnu",
-    "/lib/x86_64-linux-gnu",
+    concat!("/usr/lib/", multiarch!()),
+    concat!("/lib/", multiarch!()),
     "/usr/lib64",
     "/lib64",
     "/usr/lib",
@@ -97,10 +102,7 @@ const LIBRARY_DIRS: [&str; 6] = [
 /// The folders under a driver root where `libnvidia-ml.so.1` is looked for (in this order)
 /// and watched for a driver installed later: this build's architecture's multiarch folder
 /// (Debian and Ubuntu packages), then the RPM and runfile ones.
-#[cfg(target_arch = "aarch64")]
-pub(crate) const NVML_DIRS: [&str; 3] = ["usr/lib/aarch64-linux-gnu", "usr/lib64", "usr/lib"];
-#[cfg(not(target_arch = "aarch64"))]
-pub(crate) const NVML_DIRS: [&str; 3] = ["usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib"];
+pub(crate) const NVML_DIRS: [&str; 3] = [concat!("usr/lib/", multiarch!()), "usr/lib64", "usr/lib"];
 
 /// How many symlinks a path may go through (the kernel's limit is 40; the driver uses one).
 const MAX_LINKS: usize = 16;

@@ -26,8 +26,7 @@ pub const DEFAULT_IGNORED_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 94];
 pub struct NvidiaSettings {
     /// The `libnvidia-ml.so.1` to load. Default: the first that exists under a driver root
     /// (`<root>/usr/lib/x86_64-linux-gnu`, or `aarch64-linux-gnu` on arm64, `<root>/usr/lib64`,
-    /// `<root>/usr/lib`), else the
-    /// dynamic loader's search path.
+    /// `<root>/usr/lib`), else the dynamic loader's search path.
     #[serde(default)]
     pub library: Option<PathBuf>,
     /// Driver roots to look for the library under (default `/`, `/run/nvidia/driver`,
