@@ -1,6 +1,6 @@
 //! Undoing a node: one shell script, written before anything starts, that stops every process
-//! the node started (by PID file, then every process left in its cgroups and every shim of its
-//! containerd), unmounts what lies under the kubelet's root and the node's folder, removes the
+//! the node started (by PID file, then every process left in its cgroups, every shim of its
+//! containerd and every conmon of its CRI-O), unmounts what lies under the kubelet's root and the node's folder, removes the
 //! bridge, the CNI state, the cgroups, the test device nodes, CDI specs the tests left and the
 //! folders. It is idempotent: run at start (a run killed before it could clean up), by
 //! [`super::Node::stop`], and by a reaper process when the test binary dies without stopping.
@@ -10,13 +10,14 @@ use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 
 /// The processes in the order they are stopped (PID files `pids/<name>` in the node's folder).
-pub const STOP_ORDER: [&str; 7] = [
+pub const STOP_ORDER: [&str; 8] = [
     "devplug-host",
     "kubelet",
     "kube-scheduler",
     "kube-controller-manager",
     "kube-apiserver",
     "containerd",
+    "crio",
     "etcd",
 ];
 
@@ -47,12 +48,13 @@ for i in 1 2 3 4 5 6 7 8 9 10; do
   sleep 0.5
 done
 for f in "$dir"/pids/*; do ours "$f" && kill -9 "$(cat "$f")" 2>/dev/null; rm -f "$f"; done
-# Containers: every process in the node's cgroups, and the shims of its containerd.
+# Containers: every process in the node's cgroups, the shims of its containerd, CRI-O's conmons.
 for round in 1 2 3; do
   for procs in $(find /sys/fs/cgroup -path '*/{CGROUP_ROOT}/*' -name cgroup.procs 2>/dev/null); do
     for pid in $(cat "$procs" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
   done
   pkill -9 -f '[c]ontainerd-shim-runc-v2 .*{socket}' 2>/dev/null
+  pkill -9 -f "[c]onmon .*$dir" 2>/dev/null
   sleep 0.2
 done
 # Mounts below the kubelet's root and the node's folder, deepest first.

@@ -134,6 +134,100 @@ state = "{state}"
     )
 }
 
+/// Where CRI-O keeps what it keeps, and what it runs.
+pub struct CrioPaths<'a> {
+    /// Its root: containers/storage's in `storage/`, its persistent files beside it.
+    pub root: &'a Path,
+    /// Its state (tmpfs on a real node): storage's run root, namespaces, exit files, socket.
+    pub state: &'a Path,
+    /// Its CRI socket.
+    pub socket: &'a Path,
+    /// CRI-O's namespace pinner (ships with it).
+    pub pinns: &'a Path,
+    /// The OCI runtime.
+    pub runc: &'a Path,
+    /// The container monitor CRI-O runs per container.
+    pub conmon: &'a Path,
+    /// The image signature policy (accept anything: the images are local).
+    pub policy: &'a Path,
+    /// The CNI configuration folder (the node's, shared with containerd).
+    pub cni_conf: &'a Path,
+    /// The CNI plugins' folder.
+    pub cni_bin: &'a Path,
+    /// The pause image, used only for pods that share a PID namespace (CRI-O drops the infra
+    /// container otherwise).
+    pub pause_image: &'a str,
+}
+
+/// CRI-O's configuration: everything it writes in its root and state (nothing under /var/lib,
+/// /run or /etc of the machine but the CDI folders it reads, `/etc/cdi` and `/var/run/cdi`, its
+/// default as on a node); storage `vfs`; cgroupfs, as the kubelet's; runc through conmon in
+/// the pod's cgroup; our CNI folder; no NRI, metrics or irqbalance handling.
+pub fn crio_conf(p: &CrioPaths<'_>) -> String {
+    let root = p.root.display();
+    let state = p.state.display();
+    format!(
+        r#"[crio]
+root = "{root}/storage"
+runroot = "{state}/storage"
+storage_driver = "vfs"
+log_dir = "{state}/logs"
+version_file = "{state}/version"
+version_file_persist = "{root}/version"
+clean_shutdown_file = "{root}/clean.shutdown"
+
+[crio.api]
+listen = "{socket}"
+stream_address = "127.0.0.1"
+stream_port = "0"
+
+[crio.runtime]
+default_runtime = "runc"
+cgroup_manager = "cgroupfs"
+hooks_dir = ["{root}/hooks.d"]
+container_exits_dir = "{state}/exits"
+container_attach_socket_dir = "{state}/attach"
+namespaces_dir = "{state}/ns"
+pinns_path = "{pinns}"
+decryption_keys_path = "{root}/keys"
+irqbalance_config_file = ""
+irqbalance_config_restore_file = "disable"
+enable_criu_support = false
+
+[crio.runtime.runtimes.runc]
+runtime_path = "{runc}"
+runtime_type = "oci"
+runtime_root = "{state}/runc"
+monitor_path = "{conmon}"
+monitor_cgroup = "pod"
+
+[crio.image]
+namespaced_auth_dir = "{state}/auth"
+signature_policy = "{policy}"
+signature_policy_dir = "{root}/policies"
+pause_image = "{pause_image}"
+
+[crio.network]
+network_dir = "{cni_conf}"
+plugin_dirs = ["{cni_bin}"]
+
+[crio.metrics]
+enable_metrics = false
+
+[crio.nri]
+enable_nri = false
+"#,
+        socket = p.socket.display(),
+        pinns = p.pinns.display(),
+        runc = p.runc.display(),
+        conmon = p.conmon.display(),
+        policy = p.policy.display(),
+        pause_image = p.pause_image,
+        cni_conf = p.cni_conf.display(),
+        cni_bin = p.cni_bin.display(),
+    )
+}
+
 /// The CNI network: a bridge of our own, no masquerading, addresses from [`POD_SUBNET`].
 pub fn cni_conflist() -> String {
     format!(
@@ -141,9 +235,10 @@ pub fn cni_conflist() -> String {
     )
 }
 
-/// The kubelet's configuration. Node status every second and ConfigMaps watched, so tests see
-/// changes quickly; everything else as a node would have it.
-pub fn kubelet_yaml(layout: &Layout) -> String {
+/// The kubelet's configuration, on the runtime at `runtime_socket`. Node status every second
+/// and ConfigMaps watched, so tests see changes quickly; everything else as a node would have
+/// it.
+pub fn kubelet_yaml(layout: &Layout, runtime_socket: &Path) -> String {
     format!(
         r#"apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -172,7 +267,7 @@ syncFrequency: 10s
 configMapAndSecretChangeDetectionStrategy: Watch
 "#,
         logs = layout.pod_logs().display(),
-        socket = layout.containerd_socket().display(),
+        socket = runtime_socket.display(),
     )
 }
 

@@ -4,6 +4,8 @@
 //! chain), kube-controller-manager, kube-scheduler, containerd (runc, CNI bridge, CDI on) and a
 //! kubelet that registers its Node through the API server, imports devplug's image and a small
 //! busybox image into containerd (no registry is reachable), and waits until the Node is Ready.
+//! A scenario can switch the node to another containerd or to CRI-O and back
+//! ([`Node::switch_containerd`], [`Node::switch_to_crio`]; the module `runtime`).
 //! [`Node::stop`] undoes all of it; so does a reaper process if the test binary dies first, and
 //! the next start if even that was killed (see [`cleanup`]).
 //!
@@ -25,14 +27,17 @@
 pub mod cleanup;
 pub mod config;
 mod containerd;
+mod crio;
 pub mod image;
 mod logs;
 pub mod requirements;
+mod runtime;
 
 pub use logs::cri_log_text;
 pub use requirements::Requirements;
 
 use containerd::Containerd;
+use runtime::Runtime;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -81,10 +86,11 @@ impl Layout {
     pub fn containerd_socket(&self) -> PathBuf {
         self.dir.join("containerd.sock")
     }
-    /// The folder of a containerd's root and state: `containerd` for the node's own, another
-    /// name for each other containerd the node switched to ([`Node::switch_containerd`]), so
+    /// The folder of a runtime's root and state: `containerd` for the node's own, another name
+    /// for each other runtime the node switched to ([`Node::switch_containerd`],
+    /// [`Node::switch_to_crio`]), so
     /// that two versions never share a metadata database.
-    pub fn containerd_files(&self, name: &str) -> PathBuf {
+    pub fn runtime_files(&self, name: &str) -> PathBuf {
         self.dir.join(name)
     }
     /// The CNI configuration folder.
@@ -133,7 +139,7 @@ pub struct Node {
     pub start_times: StartTimes,
     processes: Mutex<BTreeMap<&'static str, Child>>,
     reaper: Mutex<Option<Child>>,
-    containerd: Mutex<Containerd>,
+    runtime: Mutex<Runtime>,
 }
 
 fn fail(what: &str, err: impl std::fmt::Display) -> String {
@@ -180,7 +186,7 @@ impl Node {
         let reaper = cleanup::reaper(&layout.cleanup_script())?;
         let containerd = Containerd {
             bin_dir: requirements.assets.clone(),
-            files: layout.containerd_files("containerd"),
+            files: layout.runtime_files("containerd"),
         };
         let node = Node {
             requirements,
@@ -192,7 +198,7 @@ impl Node {
             },
             processes: Mutex::new(BTreeMap::new()),
             reaper: Mutex::new(Some(reaper)),
-            containerd: Mutex::new(containerd),
+            runtime: Mutex::new(Runtime::Containerd(containerd)),
         };
         match node.bring_up(started).await {
             Ok(times) => Ok(Node {
@@ -260,13 +266,8 @@ impl Node {
             &layout.dir.join("busybox.oci.tar"),
             image::busybox_archive(&self.requirements.busybox)?,
         )?;
-        self.start_containerd().await?;
-        self.import_images()?;
+        self.start_runtime().await?;
 
-        write(
-            &layout.dir.join("kubelet.yaml"),
-            config::kubelet_yaml(layout),
-        )?;
         let kubelet_started = Instant::now();
         self.start_kubelet()?;
         self.wait_node_ready(Duration::from_secs(90)).await?;
@@ -285,8 +286,8 @@ impl Node {
             .open(&log_path)
             .map_err(|e| fail(&log_path.display().to_string(), e))?;
         let err = log.try_clone().map_err(|e| fail("log", e))?;
-        // The running containerd's folder first, then the node's: containerd finds its shim
-        // in PATH.
+        // The running runtime's folder first, then the node's: containerd finds its shim in
+        // PATH.
         let path = std::env::var("PATH").unwrap_or_default();
         let child = Command::new(binary)
             .args(args)
@@ -294,7 +295,7 @@ impl Node {
                 "PATH",
                 format!(
                     "{}:{}:{path}",
-                    self.containerd()?.bin_dir.display(),
+                    self.runtime()?.bin_dir().display(),
                     self.requirements.assets.display()
                 ),
             )
@@ -362,15 +363,7 @@ impl Node {
 
     /// Whether kube-scheduler is still running (it exits on a panic).
     pub fn scheduler_running(&self) -> bool {
-        self.processes
-            .lock()
-            .ok()
-            .and_then(|mut table| {
-                table
-                    .get_mut("kube-scheduler")
-                    .map(|c| matches!(c.try_wait(), Ok(None)))
-            })
-            .unwrap_or(false)
+        self.process_running("kube-scheduler")
     }
 
     /// Stops kube-scheduler (if it still runs) and starts it again.
@@ -383,8 +376,25 @@ impl Node {
         )
     }
 
-    /// Starts the kubelet (after [`Node::stop_kubelet`]).
+    /// Whether the process `name` the node started still runs.
+    fn process_running(&self, name: &str) -> bool {
+        self.processes
+            .lock()
+            .ok()
+            .and_then(|mut table| {
+                table
+                    .get_mut(name)
+                    .map(|c| matches!(c.try_wait(), Ok(None)))
+            })
+            .unwrap_or(false)
+    }
+
+    /// Starts the kubelet (after [`Node::stop_kubelet`]) on the runtime the node runs now.
     pub fn start_kubelet(&self) -> Result<(), String> {
+        write(
+            &self.layout.dir.join("kubelet.yaml"),
+            config::kubelet_yaml(&self.layout, &self.runtime_socket()?),
+        )?;
         self.spawn(
             "kubelet",
             &self.requirements.assets.join("kubelet"),

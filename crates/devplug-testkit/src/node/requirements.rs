@@ -52,6 +52,72 @@ pub fn containerd_without_cdi() -> Result<PathBuf, String> {
     Ok(dir)
 }
 
+/// A folder holding CRI-O's `crio` and `pinns` (1.36: the kubelet's minor release), for the
+/// scenario that runs devplug on CRI-O; without it, the folder of [`NODE_BINARIES`] where it
+/// holds them. CRI-O also needs `conmon`, `runc` and `skopeo` (to put
+/// the test images into its storage: no registry is reachable) in PATH, and `crio` the shared
+/// libraries `libseccomp.so.2` and `libsqlite3.so.0`.
+pub const CRIO_VAR: &str = "DEVPLUG_CRIO";
+
+/// CRI-O for the node: the folder of [`CRIO_VAR`], or what is missing, with where to get it.
+pub fn crio() -> Result<PathBuf, String> {
+    // Else the node's binaries' folder, where it holds them.
+    let beside = std::env::var_os(ASSETS_VAR)
+        .or_else(|| std::env::var_os("KUBEBUILDER_ASSETS"))
+        .map(PathBuf::from)
+        .filter(|dir| dir.join("crio").is_file());
+    let dir = std::env::var_os(CRIO_VAR)
+        .map(PathBuf::from)
+        .or(beside)
+        .ok_or_else(|| {
+            format!(
+                "{CRIO_VAR}: a folder with CRI-O's crio and pinns (CRI-O's release archive, \
+                 cri-o.amd64.v1.36.*.tar.gz, has both in bin/), or both beside the node's \
+                 other binaries"
+            )
+        })?;
+    let mut missing = Vec::new();
+    for name in ["crio", "pinns"] {
+        if !dir.join(name).is_file() {
+            missing.push(format!("{CRIO_VAR}: no {}", dir.join(name).display()));
+        }
+    }
+    for (tool, package) in [("conmon", "conmon"), ("skopeo", "skopeo"), ("runc", "runc")] {
+        if find_in_path(tool).is_none() {
+            missing.push(format!(
+                "{tool} in PATH (Debian: apt-get install {package})"
+            ));
+        }
+    }
+    if missing.is_empty() {
+        // It links libseccomp and SQLite: a missing library shows here, not as a node that
+        // never comes up.
+        let ran = std::process::Command::new(dir.join("crio"))
+            .arg("--version")
+            .stdin(std::process::Stdio::null())
+            .output();
+        match ran {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => missing.push(format!(
+                "{} --version failed: {} (Debian: apt-get install libseccomp2 libsqlite3-0)",
+                dir.join("crio").display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )),
+            Err(e) => missing.push(format!("{}: {e}", dir.join("crio").display())),
+        }
+    }
+    if missing.is_empty() {
+        Ok(dir)
+    } else {
+        Err(missing.join("; "))
+    }
+}
+
+/// The path of `name` in PATH (or /usr/sbin, /sbin), if it is there.
+pub fn tool(name: &str) -> Option<PathBuf> {
+    find_in_path(name)
+}
+
 /// The CNI plugins the node's network uses, from the folder [`CNI_BIN_DIR`].
 const CNI_PLUGINS: [&str; 3] = ["bridge", "host-local", "loopback"];
 /// Where Debian's `containernetworking-plugins` puts the CNI plugins.

@@ -16,8 +16,16 @@ const COLAS_DIR: &str = "/var/lib/devplug-test/colas";
 const VFIO_TREE: &str = "/var/lib/devplug-test/vfio";
 /// Its two GPUs bound to vfio-pci: (address, IOMMU group).
 const VFIO_GPUS: [(&str, u32); 2] = [("0000:3b:00.0", 40), ("0000:86:00.0", 41)];
+/// The IOMMU group of the fake GPU at PCI `address`.
+pub fn vfio_group(address: &str) -> Option<u32> {
+    VFIO_GPUS
+        .iter()
+        .find(|(a, _)| *a == address)
+        .map(|(_, group)| *group)
+}
+
 /// The CDI spec the `vfio` resource writes on the host.
-const VFIO_CDI_SPEC: &str = "/var/run/cdi/devplug-example.com_vfio.json";
+pub const VFIO_CDI_SPEC: &str = "/var/run/cdi/devplug-example.com_vfio.json";
 
 /// The host's side of the whole-node release: two device nodes for `hostdev`, two files for
 /// `files`, a fake sysfs tree with two GPUs on vfio-pci for `vfio` (removed by the node's

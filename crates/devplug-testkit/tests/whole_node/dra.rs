@@ -1,7 +1,8 @@
 //! DRA on the real node: the chart with a `dra:` resource, the example's DeviceClass,
 //! ResourceClaimTemplate and pod applied unchanged; the scheduler allocates, the kubelet asks
-//! devplug to prepare, containerd applies the CDI spec devplug wrote. And on a containerd that
-//! cannot apply CDI specs (1.6), where the pod runs without its devices: devplug must say so.
+//! devplug to prepare, the runtime applies the CDI spec devplug wrote (containerd here, CRI-O in
+//! `crio.rs`). And on a containerd that cannot apply CDI specs (1.6), where the pod runs without
+//! its devices: devplug must say so.
 
 use crate::support::{self, figure};
 use crate::Outcome;
@@ -726,13 +727,10 @@ pub(crate) async fn apply_and_run(
     name: &str,
     pods: &[&str],
 ) -> Result<Duration, String> {
-    node.ctr(&[
-        "images",
-        "tag",
-        "--force",
+    node.tag_image(
         devplug_testkit::node::image::BUSYBOX_IMAGE,
         "docker.io/library/busybox:1.36",
-    ])?;
+    )?;
     let created = Instant::now();
     node.kubectl(&["apply", "-f", &example(name)], None)?;
     for pod in pods {

@@ -9,6 +9,7 @@
 // Test code: a failed expectation is a test failure.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+mod crio;
 mod device_plugins;
 mod dra;
 mod gpu;
@@ -28,7 +29,7 @@ use std::sync::OnceLock;
 type Outcome = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
 type Scenario = fn(&'static Node) -> Outcome;
 
-const SCENARIOS: [(&str, Scenario); 11] = [
+const SCENARIOS: [(&str, Scenario); 12] = [
     (
         "device_plugins_reach_the_container",
         device_plugins::reach_the_container,
@@ -55,6 +56,7 @@ const SCENARIOS: [(&str, Scenario); 11] = [
         "dra_on_a_runtime_without_cdi_says_so",
         dra::runtime_without_cdi_says_so,
     ),
+    ("devplug_on_crio", crio::devplug_on_crio),
 ];
 
 /// What a scenario needs beyond the node: without it the scenario is ignored (with the
@@ -62,6 +64,7 @@ const SCENARIOS: [(&str, Scenario); 11] = [
 fn extra_requirement(name: &str) -> Result<(), String> {
     match name {
         "dra_on_a_runtime_without_cdi_says_so" => requirements::containerd_without_cdi().map(drop),
+        "devplug_on_crio" => requirements::crio().map(drop),
         _ => Ok(()),
     }
 }

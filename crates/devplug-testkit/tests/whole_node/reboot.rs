@@ -151,7 +151,7 @@ fn reason(pod: &Pod) -> &str {
 }
 
 /// Running with every container ready, started after `since` (a container of this boot).
-fn running_since(pod: &Pod, restarted: bool) -> bool {
+pub(crate) fn running_since(pod: &Pod, restarted: bool) -> bool {
     phase(pod) == "Running"
         && pod
             .status
@@ -242,7 +242,7 @@ async fn all_running(
 }
 
 /// The CDI specs the DRA driver wrote for claims, which a reboot removes (`/var/run` is a tmpfs).
-fn remove_claim_specs() -> Result<usize, String> {
+pub(crate) fn remove_claim_specs() -> Result<usize, String> {
     let mut removed = 0;
     for entry in std::fs::read_dir("/var/run/cdi")
         .into_iter()

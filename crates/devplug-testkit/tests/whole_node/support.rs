@@ -72,15 +72,43 @@ pub fn helm_release(node: &Node, name: &str) -> Result<Release, String> {
     let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     let docs: Vec<Value> =
         serde_saphyr::from_multiple(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let on_crio = node.runtime_name()? == "cri-o";
     let (hooks, objects) = docs
         .into_iter()
         .filter(|d| !d.is_null())
+        .map(|mut d| {
+            if on_crio {
+                qualify_images(&mut d);
+            }
+            d
+        })
         .partition(|d| annotation(d, "helm.sh/hook").is_some());
     Ok(Release {
         name: name.to_owned(),
         objects,
         hooks,
     })
+}
+
+/// Names devplug's image in full wherever the chart names it short (`devplug:<tag>`, the chart's
+/// default repository): CRI-O resolves a short name only through the machine's
+/// `/etc/containers/registries.conf`, which the test node leaves alone. What an operator does
+/// on such a node with `--set image.repository=docker.io/library/devplug`.
+fn qualify_images(value: &mut Value) {
+    match value {
+        Value::Object(map) => {
+            for (key, item) in map.iter_mut() {
+                match item {
+                    Value::String(image) if key == "image" && image.starts_with("devplug:") => {
+                        *image = format!("docker.io/library/{image}");
+                    }
+                    other => qualify_images(other),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(qualify_images),
+        _ => {}
+    }
 }
 
 fn as_list(objects: &[Value]) -> String {
