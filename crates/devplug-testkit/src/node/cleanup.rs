@@ -67,6 +67,9 @@ rm -f /var/lib/cni/results/devplug-test-* 2>/dev/null
 # cgroups, deepest first.
 find /sys/fs/cgroup -depth -type d -path '*/{CGROUP_ROOT}*' 2>/dev/null | while read -r c; do rmdir "$c" 2>/dev/null; done
 rm -f {device_prefix}*
+# Claims' CDI specs of the tests' DRA drivers (all under example.com) that no unprepare removed:
+# a scenario deleted its driver while the kubelet still held a claim.
+rm -f /var/run/cdi/devplug-*.example.com-*.json
 for spec in "$dir"/cdi-specs-made; do
   [ -f "$spec" ] && while read -r f; do [ -n "$f" ] && rm -rf "$f"; done < "$spec"
 done

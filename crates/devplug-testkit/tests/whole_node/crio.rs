@@ -4,10 +4,10 @@
 //! (device plugin resources, one of them named to the runtime as CDI devices, and a DRA
 //! driver), a device-plugin pod and a claim's pod checked by what their containers get, the
 //! claim's device status, then a reboot (CRI-O stopped as its service unit stops it, every
-//! container killed, /var/run emptied) after which both run again with their devices; then the
-//! DRA scenario of `dra.rs` as it runs on containerd (the chart named with devplug's full image
-//! name, as `support::helm_release` does on CRI-O). The node goes back to its own containerd
-//! whatever happened.
+//! container killed, /var/run emptied) after which both run again with their devices, and the
+//! device status gone once the claim's pod is; then the DRA scenario of `dra.rs` as it runs on
+//! containerd (the chart named with devplug's full image name, as `support::helm_release` does
+//! on CRI-O). The node goes back to its own containerd whatever happened.
 
 use crate::device_plugins::{self, NPU, VFIO, VFIO_CDI_SPEC};
 use crate::reboot::{remove_claim_specs, running_since};
@@ -305,6 +305,41 @@ async fn on_crio(node: &'static Node) -> Result<(), String> {
         },
         survived_in.as_secs_f64(),
         rebooted.elapsed().as_secs_f64()
+    ));
+
+    // The claim's pod gone, the kubelet unprepares the claim and devplug removes its device
+    // status (the claim itself stays: it was made on its own, not from a template).
+    node.kubectl(&["delete", "pod", "claim", "-n", NS, "--wait=true"], None)?;
+    let unprepared = Instant::now();
+    let deadline = unprepared + Duration::from_secs(30);
+    loop {
+        let devices = node.kubectl(
+            &[
+                "get",
+                "resourceclaim",
+                "npu",
+                "-n",
+                NS,
+                "-o",
+                "jsonpath={.status.devices}",
+            ],
+            None,
+        )?;
+        if devices.trim().is_empty() || devices.trim() == "[]" {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "the claim's device status stayed 30 s after its pod was deleted: {devices}\n{}",
+                support::devplug_log(node)
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    figure(&format!(
+        "CRI-O: the claim's pod deleted → its device status gone from the claim (unprepared): \
+         {:.1} s",
+        unprepared.elapsed().as_secs_f64()
     ));
 
     ns.delete(node)?;
