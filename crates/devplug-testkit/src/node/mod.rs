@@ -61,6 +61,9 @@ pub const ETCD_PEER_PORT: u16 = 2380;
 pub const BRIDGE: &str = "devplugtest0";
 /// The pods' addresses, on [`BRIDGE`] only.
 pub const POD_SUBNET: &str = "10.244.77.0/24";
+/// The pod network's gateway: [`BRIDGE`]'s address on the host, once a pod on the pod network
+/// made it.
+pub const POD_GATEWAY: &str = "10.244.77.1";
 /// The kubelet's cgroup root, made in every hierarchy.
 pub const CGROUP_ROOT: &str = "devplug-test";
 /// The node's folder: configs, certificates, etcd's data, containerd's root and state, logs.

@@ -12,6 +12,7 @@
 mod crio;
 mod device_plugins;
 mod dra;
+mod dra_rollout;
 mod gpu;
 mod kustomize;
 mod lifecycle;
@@ -29,7 +30,7 @@ use std::sync::OnceLock;
 type Outcome = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
 type Scenario = fn(&'static Node) -> Outcome;
 
-const SCENARIOS: [(&str, Scenario); 12] = [
+const SCENARIOS: [(&str, Scenario); 13] = [
     (
         "device_plugins_reach_the_container",
         device_plugins::reach_the_container,
@@ -50,6 +51,10 @@ const SCENARIOS: [(&str, Scenario); 12] = [
     (
         "dra_claim_reaches_the_container",
         dra::claim_reaches_the_container,
+    ),
+    (
+        "dra_surge_rollout_refuses_no_prepare",
+        dra_rollout::surge_rollout,
     ),
     ("uninstall_removes_capacity", lifecycle::uninstall),
     (
