@@ -184,6 +184,22 @@ fn checkpointed_cdi_names(resource: &str) -> Result<Vec<String>, String> {
     Ok(names)
 }
 
+/// The ResourceClaim `npu`'s field at the JSONPath `path`.
+fn claim_field(node: &Node, path: &str) -> Result<String, String> {
+    node.kubectl(
+        &[
+            "get",
+            "resourceclaim",
+            "npu",
+            "-n",
+            NS,
+            "-o",
+            &format!("jsonpath={path}"),
+        ],
+        None,
+    )
+}
+
 async fn on_crio(node: &'static Node) -> Result<(), String> {
     let client = node.client().await?;
     device_plugins::make_host_devices(node)?;
@@ -241,17 +257,9 @@ async fn on_crio(node: &'static Node) -> Result<(), String> {
         "CRI-O: CDI names the kubelet passed for {VFIO} (from its checkpoint), resolved by CRI-O \
          from {VFIO_CDI_SPEC}: {cdi_names:?}"
     ));
-    let ready_status = node.kubectl(
-        &[
-            "get",
-            "resourceclaim",
-            "npu",
-            "-n",
-            NS,
-            "-o",
-            "jsonpath={.status.devices[0].conditions[?(@.type==\"Ready\")].status}",
-        ],
-        None,
+    let ready_status = claim_field(
+        node,
+        "{.status.devices[0].conditions[?(@.type==\"Ready\")].status}",
     )?;
     assert_eq!(
         ready_status, "True",
@@ -313,18 +321,7 @@ async fn on_crio(node: &'static Node) -> Result<(), String> {
     let unprepared = Instant::now();
     let deadline = unprepared + Duration::from_secs(30);
     loop {
-        let devices = node.kubectl(
-            &[
-                "get",
-                "resourceclaim",
-                "npu",
-                "-n",
-                NS,
-                "-o",
-                "jsonpath={.status.devices}",
-            ],
-            None,
-        )?;
+        let devices = claim_field(node, "{.status.devices}")?;
         if devices.trim().is_empty() || devices.trim() == "[]" {
             break;
         }
