@@ -30,6 +30,7 @@ pub fn registry_name(feature: Feature) -> &'static str {
         Feature::NodeLabels | Feature::NodeFeatures => "node_labels",
         Feature::RefusedPods => "refused_pods",
         Feature::Uninstall => "uninstall",
+        Feature::DraSlices => "dra_slices",
     }
 }
 

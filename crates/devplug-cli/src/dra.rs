@@ -4,6 +4,7 @@
 //! driver's checkpoint); only the node's slices are taken down and published again.
 
 use crate::config::{BuiltBackend, ResourceConfig};
+use devplug_cluster::policy_check::Feature;
 use devplug_dra::kubelet::KubeletDirs;
 use devplug_dra::runtime::{node_cdi_support, CdiSupport};
 use devplug_dra::{DraDriver, DraDriverSettings, DraStartError};
@@ -22,7 +23,8 @@ pub struct DraSetup {
     pub problems: crate::endpoints::Problems,
     /// Where `/readyz` and `/metrics` find the running drivers.
     pub drivers: crate::endpoints::Drivers,
-    /// The cluster features' context: node events, for a runtime that cannot apply CDI.
+    /// The cluster features' context: node events, for a runtime that cannot apply CDI, and
+    /// the gate of the drivers' slices (their admission policy in force).
     pub features: crate::cluster_features::ClusterFeatures,
 }
 
@@ -200,7 +202,16 @@ impl DraDrivers {
             no_execute_after: dra.no_execute_after,
             device_metadata: dra.device_metadata,
         };
-        let driver = match DraDriver::start(settings, backend, client).await {
+        // Its slices wait for the proof that the policy keeping them to this node is in
+        // force (with --require-policies; without, a missing one is said once and they go).
+        let gate = self.setup.features.gate(&client, &settings.node);
+        let slices_gate: devplug_dra::slices::WriteGate = std::sync::Arc::new(move || {
+            let gate = gate.clone();
+            Box::pin(async move { gate.pass(Feature::DraSlices).await })
+        });
+        let driver = match DraDriver::start_gated(settings, backend, client, Some(slices_gate))
+            .await
+        {
             Ok(driver) => driver,
             Err(DraStartError::Checkpoint(err)) => {
                 tracing::error!(resource = %resource.name, driver = %dra.driver, error = %err, "this DRA driver cannot start; the other resources run");

@@ -465,6 +465,73 @@ async fn a_dra_driver_on_a_runtime_without_cdi_says_so_in_readyz() {
     );
 }
 
+/// With `--require-policies` (the chart sets it), a DRA driver publishes no ResourceSlice until
+/// the admission policy keeping its slices to its node is in force: here none is installed (the
+/// test's token is the admin's, which nothing limits), so `/readyz` names the missing policy and
+/// the fix, and the node has no slice of the driver.
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
+)]
+#[tokio::test]
+async fn a_dra_driver_publishes_no_slice_without_its_policy_where_policies_are_required() {
+    let Some((server, client, _)) = cluster_with_node(
+        "a_dra_driver_publishes_no_slice_without_its_policy_where_policies_are_required",
+        "cli-no-policy",
+    )
+    .await
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = dir.path().join("device-plugins");
+    std::fs::create_dir_all(&plugins).unwrap();
+    let path = dir.path().join("config.yaml");
+    std::fs::write(
+        &path,
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.nopolicy.example.com }\n",
+    )
+    .unwrap();
+    let port = support::free_port();
+    let cdi = dir.path().join("cdi");
+    let devplug = Devplug::run_with(
+        &path,
+        &plugins,
+        &[
+            "--node-name",
+            "cli-no-policy",
+            "--kubeconfig",
+            server.kubeconfig.to_str().unwrap(),
+            "--cdi-dir",
+            cdi.to_str().unwrap(),
+            "--metrics-addr",
+            &format!("127.0.0.1:{port}"),
+            "--require-policies",
+        ],
+    );
+    let want =
+        "cluster feature dra_slices: does not run: no admission policy keeps it to this node";
+    let last = readyz_until(port, |(_, text)| text.contains(want)).await;
+    assert_eq!(last.0, 503, "{}", last.1);
+    assert!(
+        last.1.contains(want) && last.1.contains("<release>-dra-slices"),
+        "{}",
+        last.1
+    );
+    let slices: Api<k8s_openapi::api::resource::v1::ResourceSlice> = Api::all(client);
+    let listed = slices
+        .list(&kube::api::ListParams::default().fields("spec.driver=npu.nopolicy.example.com"))
+        .await
+        .unwrap();
+    assert!(
+        listed.items.is_empty(),
+        "slices published without their policy"
+    );
+    let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
+    assert!(status.success(), "{log}");
+    assert!(log.contains("dra_slices"), "{log}");
+}
+
 /// A DRA driver whose checkpoint cannot be used (corrupt, or another driver's) is refused
 /// alone: `/readyz` names it and says what to do, while the config's other resource registers
 /// with the kubelet and serves.

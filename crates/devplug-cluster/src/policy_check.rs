@@ -11,6 +11,7 @@
 //! again later.
 
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
 };
@@ -20,6 +21,10 @@ use std::time::Duration;
 
 /// The label key and capacity name the probes write: under a domain no one owns.
 pub const PROBE_KEY: &str = "devplug.invalid/policy-probe";
+/// The node and driver of the ResourceSlice the DRA probe writes: names no node or driver has.
+pub const PROBE_NODE: &str = "devplug-policy-probe.invalid";
+/// See [`PROBE_NODE`].
+pub const PROBE_DRIVER: &str = "devplug-policy-probe.invalid";
 /// How long one probe may take.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -54,6 +59,8 @@ pub enum Feature {
     RefusedPods,
     /// The uninstall Job removing resources and labels from every Node.
     Uninstall,
+    /// A DRA driver's ResourceSlices (`dra:` resources).
+    DraSlices,
 }
 
 impl Feature {
@@ -65,6 +72,7 @@ impl Feature {
             Feature::NodeFeatures => "node_labels (node-feature)",
             Feature::RefusedPods => "refused_pods",
             Feature::Uninstall => "uninstall",
+            Feature::DraSlices => "dra_slices",
         }
     }
 
@@ -85,6 +93,9 @@ impl Feature {
             }
             Feature::Uninstall => {
                 "the chart's ValidatingAdmissionPolicy and binding <release>-uninstall (hooks)"
+            }
+            Feature::DraSlices => {
+                "the chart's ValidatingAdmissionPolicy and binding <release>-dra-slices"
             }
         }
     }
@@ -159,7 +170,32 @@ impl Probe {
             Feature::NodeFeatures => self.node_features().await,
             Feature::RefusedPods => self.refused_pods().await,
             Feature::Uninstall => self.uninstall().await,
+            Feature::DraSlices => self.dra_slices().await,
         }
+    }
+
+    /// A ResourceSlice of another node, of a driver no config names (created as a dry run).
+    async fn dra_slices(&self) -> PolicyState {
+        let slices: Api<ResourceSlice> = Api::all(self.client.clone());
+        let slice: Result<ResourceSlice, _> = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "devplug-policy-probe"},
+            "spec": {
+                "driver": PROBE_DRIVER,
+                "nodeName": PROBE_NODE,
+                "pool": {"name": PROBE_NODE, "generation": 0, "resourceSliceCount": 1},
+                "devices": [],
+            },
+        }));
+        let slice = match slice {
+            Ok(slice) => slice,
+            Err(err) => return PolicyState::Unknown(format!("the probe's slice: {err}")),
+        };
+        let params = PostParams {
+            dry_run: true,
+            ..PostParams::default()
+        };
+        let answer = tokio::time::timeout(PROBE_TIMEOUT, slices.create(&params, &slice)).await;
+        state_of("a ResourceSlice of another node and driver", answer)
     }
 
     /// A label added to a Node through its status (the uninstall only ever removes; its role

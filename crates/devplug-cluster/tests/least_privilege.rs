@@ -122,6 +122,7 @@ async fn each_token_writes_only_its_own_nodes_objects_and_fields() {
         Feature::Advertise,
         Feature::NodeLabels,
         Feature::RefusedPods,
+        Feature::DraSlices,
     ] {
         in_force(&probe, feature).await;
     }
@@ -428,4 +429,28 @@ async fn each_token_writes_only_its_own_nodes_objects_and_fields() {
     assert!(missing.contains("accepted"), "{missing}");
     // The others are still in force.
     assert_eq!(probe.check(Feature::NodeLabels).await, PolicyState::InForce);
+    assert_eq!(probe.check(Feature::DraSlices).await, PolicyState::InForce);
+    // And the DRA slices' policy, its binding deleted: the probe's slice of another node is
+    // accepted (a dry run: nothing is created).
+    bindings
+        .delete("devplug-dra-slices", &DeleteParams::default())
+        .await
+        .unwrap();
+    let missing = until("the DRA slices policy missing", WAIT, || async {
+        match probe.check(Feature::DraSlices).await {
+            PolicyState::Missing(why) => Some(why),
+            _ => None,
+        }
+    })
+    .await;
+    assert!(missing.contains("ResourceSlice"), "{missing}");
+    let slices: Api<k8s_openapi::api::resource::v1::ResourceSlice> = Api::all(admin.clone());
+    assert!(
+        slices
+            .get_opt("devplug-policy-probe")
+            .await
+            .unwrap()
+            .is_none(),
+        "the probe created a slice"
+    );
 }

@@ -5,7 +5,7 @@ use super::checkpoint::{CheckpointError, PreparedClaim};
 use super::claims::KubeClaims;
 use super::kubelet::{KubeletDirs, KubeletSide, Registered};
 use super::prepare::{PrepareFiles, Preparer};
-use super::slices::{SliceError, SliceOptions, SlicePublisher};
+use super::slices::{SliceError, SliceOptions, SlicePublisher, WriteGate};
 use devplug::dra::ClaimBackend;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -67,9 +67,22 @@ impl DraDriver {
         backend: Arc<dyn ClaimBackend>,
         client: kube::Client,
     ) -> Result<DraDriver, DraStartError> {
+        Self::start_gated(settings, backend, client, None).await
+    }
+
+    /// [`DraDriver::start`], its ResourceSlices published only once `slices_gate` returns
+    /// ([`WriteGate`]: the proof that the admission policy keeping them to this node is in
+    /// force). The kubelet is served meanwhile: claims already allocated on this node are
+    /// prepared; no new ones come while the node publishes no slices.
+    pub async fn start_gated(
+        settings: DraDriverSettings,
+        backend: Arc<dyn ClaimBackend>,
+        client: kube::Client,
+        slices_gate: Option<WriteGate>,
+    ) -> Result<DraDriver, DraStartError> {
         let driver = settings.driver.clone();
         let stop = CancellationToken::new();
-        let slices = SlicePublisher::spawn_with(
+        let slices = SlicePublisher::spawn_gated(
             client.clone(),
             &driver,
             &settings.node,
@@ -78,6 +91,7 @@ impl DraDriver {
             SliceOptions {
                 no_execute_after: settings.no_execute_after,
             },
+            slices_gate,
         )?;
         let files = PrepareFiles {
             cdi_dir: settings.cdi_dir.clone(),

@@ -189,7 +189,14 @@ impl Run {
         client: kube::Client,
         mut devices: watch::Receiver<DeviceList>,
         stop: CancellationToken,
+        gate: Option<super::publisher::WriteGate>,
     ) {
+        if let Some(gate) = gate {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = gate() => {}
+            }
+        }
         let mut watches = Watches::start(client, self.api.clone(), &self.driver, &self.node);
         let first = devices.borrow_and_update().clone();
         self.set_list(first);

@@ -77,7 +77,7 @@ mod validate;
 pub(crate) use api_device::published_attributes;
 pub use api_device::{NUMA_ATTRIBUTE, NUMA_NODE_ATTRIBUTE};
 pub use compare::normalized as normalized_spec;
-pub use publisher::{delete_slices, SliceOptions, SlicePublisher};
+pub use publisher::{delete_slices, SliceOptions, SlicePublisher, WriteGate};
 pub use shared::{read_node_uid, Published, SliceCounters, SliceError};
 pub use spec::{
     slice_specs, unhealthy_taint_key, Skipped, SliceSpecs, MAX_DEVICES_PER_SLICE,

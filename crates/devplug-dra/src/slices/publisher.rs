@@ -13,6 +13,13 @@ use std::sync::Arc;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+/// What the publisher awaits before its first request to the API server: the proof that the
+/// admission policy keeping a node's token to its own node's slices is in force (devplug's
+/// command wires `devplug_cluster::policy_check`'s gate here). Until it returns, nothing is
+/// read or written; the driver still serves the kubelet.
+pub type WriteGate =
+    Arc<dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync>;
+
 /// How a publisher publishes, beyond its driver and node.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SliceOptions {
@@ -98,6 +105,19 @@ impl SlicePublisher {
         stop: &CancellationToken,
         options: SliceOptions,
     ) -> Result<SlicePublisher, SliceError> {
+        Self::spawn_gated(client, driver, node, devices, stop, options, None)
+    }
+
+    /// [`SlicePublisher::spawn_with`], the task first awaiting `gate` ([`WriteGate`]).
+    pub fn spawn_gated(
+        client: kube::Client,
+        driver: &str,
+        node: &str,
+        devices: watch::Receiver<DeviceList>,
+        stop: &CancellationToken,
+        options: SliceOptions,
+        gate: Option<WriteGate>,
+    ) -> Result<SlicePublisher, SliceError> {
         check_driver_name(driver)?;
         let stop = stop.child_token();
         let counters = Arc::new(SliceCounters::default());
@@ -110,7 +130,7 @@ impl SlicePublisher {
             published_tx,
             options.no_execute_after,
         );
-        let task = tokio::spawn(run.run(client.clone(), devices, stop.clone()));
+        let task = tokio::spawn(run.run(client.clone(), devices, stop.clone(), gate));
         Ok(SlicePublisher {
             api: Api::all(client),
             driver: driver.to_owned(),
