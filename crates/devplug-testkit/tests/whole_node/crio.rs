@@ -315,28 +315,11 @@ async fn on_crio(node: &'static Node) -> Result<(), String> {
         rebooted.elapsed().as_secs_f64()
     ));
 
-    // The claim's pod gone, the kubelet unprepares the claim and devplug removes its device
-    // status (the claim itself stays: it was made on its own, not from a template).
-    node.kubectl(&["delete", "pod", "claim", "-n", NS, "--wait=true"], None)?;
-    let unprepared = Instant::now();
-    let deadline = unprepared + Duration::from_secs(30);
-    loop {
-        let devices = claim_field(node, "{.status.devices}")?;
-        if devices.trim().is_empty() || devices.trim() == "[]" {
-            break;
-        }
-        if Instant::now() > deadline {
-            return Err(format!(
-                "the claim's device status stayed 30 s after its pod was deleted: {devices}\n{}",
-                support::devplug_log(node)
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let unprepared = support::device_status_gone_with_pod(node, NS, "claim", "npu").await?;
     figure(&format!(
         "CRI-O: the claim's pod deleted → its device status gone from the claim (unprepared): \
          {:.1} s",
-        unprepared.elapsed().as_secs_f64()
+        unprepared.as_secs_f64()
     ));
 
     ns.delete(node)?;

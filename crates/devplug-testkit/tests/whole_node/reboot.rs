@@ -449,6 +449,13 @@ pub fn node_reboot(node: &'static Node) -> Outcome {
                 "{name} reported again by the restarted devplug"
             );
         }
+        // The claim's pod gone: its claim unprepared, its device status removed.
+        let unprepared = support::device_status_gone_with_pod(node, NS, "claim", "npu").await?;
+        figure(&format!(
+            "the claim's pod deleted → its device status gone from the claim (unprepared): \
+             {:.1} s",
+            unprepared.as_secs_f64()
+        ));
         ns.delete(node)?;
         let _ = node.kubectl(
             &["delete", "deviceclass", CLASS, "--ignore-not-found"],

@@ -779,6 +779,47 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     Some((status, body.to_owned()))
 }
 
+/// Deletes pod `pod` and waits (30 s at most) until the ResourceClaim `claim` it used (made on
+/// its own, so it stays) has no `status.devices` left: the kubelet unprepared it and the driver
+/// removed its device status. How long that took.
+pub async fn device_status_gone_with_pod(
+    node: &Node,
+    namespace: &str,
+    pod: &str,
+    claim: &str,
+) -> Result<Duration, String> {
+    node.kubectl(
+        &["delete", "pod", pod, "-n", namespace, "--wait=true"],
+        None,
+    )?;
+    let deleted = Instant::now();
+    loop {
+        let devices = node.kubectl(
+            &[
+                "get",
+                "resourceclaim",
+                claim,
+                "-n",
+                namespace,
+                "-o",
+                "jsonpath={.status.devices}",
+            ],
+            None,
+        )?;
+        if devices.trim().is_empty() || devices.trim() == "[]" {
+            return Ok(deleted.elapsed());
+        }
+        if deleted.elapsed() > Duration::from_secs(30) {
+            return Err(format!(
+                "the device status of claim {namespace}/{claim} stayed 30 s after its pod was \
+                 deleted: {devices}\n{}",
+                devplug_log(node)
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Waits (90 s at most) until some ResourceSlice, as a line `<driver> <node> <counter sets>`,
 /// is what `want` looks for; the error names `what` and has devplug's log.
 pub async fn wait_for_slices(
