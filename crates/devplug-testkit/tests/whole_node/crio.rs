@@ -5,9 +5,10 @@
 //! driver), a device-plugin pod and a claim's pod checked by what their containers get, the
 //! claim's device status, then a reboot (CRI-O stopped as its service unit stops it, every
 //! container killed, /var/run emptied) after which both run again with their devices, and the
-//! device status gone once the claim's pod is; then the DRA scenario of `dra.rs` as it runs on
-//! containerd (the chart named with devplug's full image name, as `support::helm_release` does
-//! on CRI-O). The node goes back to its own containerd whatever happened.
+//! device status gone once the claim's pod is; then the DRA scenarios of `dra.rs` and
+//! `dra_rollout.rs` as they run on containerd (the chart named with devplug's full image name,
+//! as `support::helm_release` does on CRI-O). The node goes back to its own containerd
+//! whatever happened.
 
 use crate::device_plugins::{self, NPU, VFIO, VFIO_CDI_SPEC};
 use crate::reboot::{remove_claim_specs, running_since};
@@ -43,6 +44,14 @@ pub fn devplug_on_crio(node: &'static Node) -> Outcome {
             figure(&format!(
                 "CRI-O: the DRA scenario (dra_claim_reaches_the_container) passed: {:.1} s",
                 dra.elapsed().as_secs_f64()
+            ));
+            // And the DRA driver's surge rollout, as on containerd.
+            let rollout = Instant::now();
+            crate::dra_rollout::surge_rollout(node).await?;
+            figure(&format!(
+                "CRI-O: the DRA surge rollout scenario (dra_surge_rollout_refuses_no_prepare) \
+                 passed: {:.1} s",
+                rollout.elapsed().as_secs_f64()
             ));
             Ok::<(), String>(())
         }

@@ -42,8 +42,13 @@ pub fn claim_reaches_the_container(node: &'static Node) -> Outcome {
                 && data["requests"] == serde_json::json!(["npu"]),
             "the device's data names its CDI devices and request: {data}"
         );
+        let claim_uid = pod_claim(&client, "dra-npu-demo")
+            .await?
+            .metadata
+            .uid
+            .unwrap_or_default();
         remove_example(node, "basic")?;
-        device_metadata_removed().await?;
+        device_metadata_removed(&claim_uid).await?;
         shared_by_capacity(node, &client).await?;
         partitioned(node, &client).await?;
         taints_and_health(node, &client).await?;
@@ -127,34 +132,33 @@ async fn device_metadata_in_container(
     Ok(())
 }
 
-/// Once the basic example's pod is gone, the kubelet has unprepared its claim and devplug has
-/// removed the claim's device metadata folder (waiting up to 30 s for the unprepare).
-async fn device_metadata_removed() -> Result<(), String> {
+/// Once the basic example's pod is gone, the kubelet unprepares its claim and devplug removes
+/// the claim's device metadata folder. The example is deleted with `--force`: the kubelet then
+/// unprepares from its DRA manager's reconcile loop, which runs every 60 s (a pod deleted
+/// gracefully is unprepared as it terminates), so this waits up to 90 s. Only this claim's
+/// folder counts: a claim an earlier scenario left prepared (its driver deleted before the
+/// kubelet unprepared it) is no business of this one.
+async fn device_metadata_removed(claim_uid: &str) -> Result<(), String> {
     let dir = std::path::Path::new(devplug_testkit::node::KUBELET_ROOT)
         .join("plugins")
         .join(DRIVER)
-        .join("dra-device-metadata");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let left: Vec<String> = std::fs::read_dir(&dir)
-            .map(|entries| {
-                entries
-                    .flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        if left.is_empty() {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
+        .join("dra-device-metadata")
+        .join(claim_uid);
+    let removed = Instant::now();
+    while dir.exists() {
+        if removed.elapsed() > Duration::from_secs(90) {
             return Err(format!(
-                "the device metadata of unprepared claims is still in {}: {left:?}",
+                "the device metadata of the unprepared claim is still in {} after 90 s",
                 dir.display()
             ));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    figure(&format!(
+        "DRA example deleted (--force) → its claim unprepared, its device metadata removed: {:.1} s",
+        removed.elapsed().as_secs_f64()
+    ));
+    Ok(())
 }
 
 /// The kubelet shows the health devplug streams (`DRAResourceHealth`) in the pod's status: the

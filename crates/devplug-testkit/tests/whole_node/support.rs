@@ -779,9 +779,10 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     Some((status, body.to_owned()))
 }
 
-/// Deletes pod `pod` and waits (30 s at most) until the ResourceClaim `claim` it used (made on
-/// its own, so it stays) has no `status.devices` left: the kubelet unprepared it and the driver
-/// removed its device status. How long that took.
+/// Deletes pod `pod` (gracefully: the kubelet unprepares its claims as it terminates) and waits
+/// (90 s at most: the kubelet's DRA reconcile loop, every 60 s, catches what that misses) until
+/// the ResourceClaim `claim` it used (made on its own, so it stays) has no `status.devices`
+/// left: the kubelet unprepared it and the driver removed its device status. How long that took.
 pub async fn device_status_gone_with_pod(
     node: &Node,
     namespace: &str,
@@ -809,9 +810,9 @@ pub async fn device_status_gone_with_pod(
         if devices.trim().is_empty() || devices.trim() == "[]" {
             return Ok(deleted.elapsed());
         }
-        if deleted.elapsed() > Duration::from_secs(30) {
+        if deleted.elapsed() > Duration::from_secs(90) {
             return Err(format!(
-                "the device status of claim {namespace}/{claim} stayed 30 s after its pod was \
+                "the device status of claim {namespace}/{claim} stayed 90 s after its pod was \
                  deleted: {devices}\n{}",
                 devplug_log(node)
             ));
