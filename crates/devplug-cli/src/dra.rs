@@ -5,7 +5,7 @@
 
 use crate::config::{BuiltBackend, ResourceConfig};
 use devplug_cluster::policy_check::Feature;
-use devplug_dra::kubelet::KubeletDirs;
+use devplug_dra::kubelet::{KubeletDirs, Registered};
 use devplug_dra::runtime::{node_cdi_support, CdiSupport};
 use devplug_dra::{DraDriver, DraDriverSettings, DraStartError};
 use std::collections::BTreeMap;
@@ -203,15 +203,38 @@ impl DraDrivers {
             device_metadata: dra.device_metadata,
         };
         // Its slices wait for the proof that the policy keeping them to this node is in
-        // force (with --require-policies; without, a missing one is said once and they go).
+        // force (with --require-policies; without, a missing one is said once and they go),
+        // then for the kubelet to have registered the driver: a slice published before that
+        // lets the scheduler bind a pod the kubelet cannot prepare yet ("DRA driver ... is not
+        // registered"), which it retries only after its pod sync backoff (13-16 s on the
+        // whole node, docs/benchmarks.md). Slices kept from an earlier instance stay published
+        // meanwhile.
         let gate = self.setup.features.gate(&client, &settings.node);
+        let (registration_tx, registration) =
+            tokio::sync::watch::channel(None::<tokio::sync::watch::Receiver<Registered>>);
         let slices_gate: devplug_dra::slices::WriteGate = std::sync::Arc::new(move || {
             let gate = gate.clone();
-            Box::pin(async move { gate.pass(Feature::DraSlices).await })
+            let mut registration = registration.clone();
+            Box::pin(async move {
+                gate.pass(Feature::DraSlices).await;
+                // The driver's registration status, once its start has returned.
+                let Ok(status) = registration
+                    .wait_for(Option::is_some)
+                    .await
+                    .map(|r| r.clone())
+                else {
+                    return;
+                };
+                if let Some(mut status) = status {
+                    let _ = status.wait_for(|r| *r == Registered::Yes).await;
+                }
+            })
         });
-        let driver = match DraDriver::start_gated(settings, backend, client, Some(slices_gate))
-            .await
-        {
+        let started = DraDriver::start_gated(settings, backend, client, Some(slices_gate)).await;
+        if let Ok(driver) = &started {
+            let _ = registration_tx.send(Some(driver.registered()));
+        }
+        let driver = match started {
             Ok(driver) => driver,
             Err(DraStartError::Checkpoint(err)) => {
                 tracing::error!(resource = %resource.name, driver = %dra.driver, error = %err, "this DRA driver cannot start; the other resources run");

@@ -532,6 +532,63 @@ async fn a_dra_driver_publishes_no_slice_without_its_policy_where_policies_are_r
     assert!(log.contains("dra_slices"), "{log}");
 }
 
+/// A new DRA driver publishes its slice only once the kubelet has registered it: before, the
+/// scheduler could bind a pod the kubelet cannot prepare yet ("DRA driver ... is not
+/// registered"), retried only after the pod's sync backoff. No kubelet watches the registry at
+/// first: devplug serves (`/readyz` answers) and no slice appears; a kubelet that registers the
+/// driver brings it.
+#[cfg_attr(
+    no_api_server,
+    ignore = "needs an API server: set KUBEBUILDER_ASSETS (docs/testing.md)"
+)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dra_driver_publishes_its_slice_once_the_kubelet_registered_it() {
+    use k8s_openapi::api::resource::v1::ResourceSlice;
+    use kube::api::ListParams;
+    let Some((server, client, _)) = cluster_with_node(
+        "a_dra_driver_publishes_its_slice_once_the_kubelet_registered_it",
+        "cli-unregistered",
+    )
+    .await
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = dir.path().join("device-plugins");
+    std::fs::create_dir_all(&plugins).unwrap();
+    let (devplug, port) = run_on_node(
+        server,
+        dir.path(),
+        &plugins,
+        "cli-unregistered",
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.unreg.example.com }\n",
+    );
+    let slices: Api<ResourceSlice> = Api::all(client);
+    let mine = ListParams::default().fields("spec.driver=npu.unreg.example.com");
+    readyz_until(port, |(code, _)| *code != 0).await;
+    // Up and serving, unregistered: whatever the wait, no slice.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        slices.list(&mine).await.unwrap().items.is_empty(),
+        "a slice published before the kubelet registered the driver"
+    );
+    let (_kubelet, _) = watcher_kubelet(dir.path()).await;
+    let mut published = false;
+    for _ in 0..200 {
+        if !slices.list(&mine).await.unwrap().items.is_empty() {
+            published = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, log) = devplug.terminate(Duration::from_secs(10)).await;
+    assert!(
+        published,
+        "no slice 10 s after the kubelet registered the driver\n{log}"
+    );
+    assert!(status.success(), "{log}");
+}
+
 /// A DRA driver whose checkpoint cannot be used (corrupt, or another driver's) is refused
 /// alone: `/readyz` names it and says what to do, while the config's other resource registers
 /// with the kubelet and serves.
