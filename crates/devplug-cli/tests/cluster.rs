@@ -28,24 +28,35 @@ fn run_on_node(
     node: &str,
     config: &str,
 ) -> (Devplug, u16) {
+    run_on_node_with(server, dir, plugins, node, config, &[])
+}
+
+/// [`run_on_node`] with `extra` arguments.
+fn run_on_node_with(
+    server: &ApiServer,
+    dir: &std::path::Path,
+    plugins: &std::path::Path,
+    node: &str,
+    config: &str,
+    extra: &[&str],
+) -> (Devplug, u16) {
     let path = dir.join("config.yaml");
     std::fs::write(&path, config).unwrap();
     let port = support::free_port();
     let cdi = dir.join("cdi");
-    let devplug = Devplug::run_with(
-        &path,
-        plugins,
-        &[
-            "--node-name",
-            node,
-            "--kubeconfig",
-            server.kubeconfig.to_str().unwrap(),
-            "--cdi-dir",
-            cdi.to_str().unwrap(),
-            "--metrics-addr",
-            &format!("127.0.0.1:{port}"),
-        ],
-    );
+    let metrics = format!("127.0.0.1:{port}");
+    let mut args = vec![
+        "--node-name",
+        node,
+        "--kubeconfig",
+        server.kubeconfig.to_str().unwrap(),
+        "--cdi-dir",
+        cdi.to_str().unwrap(),
+        "--metrics-addr",
+        &metrics,
+    ];
+    args.extend_from_slice(extra);
+    let devplug = Devplug::run_with(&path, plugins, &args);
     (devplug, port)
 }
 
@@ -486,28 +497,13 @@ async fn a_dra_driver_publishes_no_slice_without_its_policy_where_policies_are_r
     let dir = tempfile::tempdir().unwrap();
     let plugins = dir.path().join("device-plugins");
     std::fs::create_dir_all(&plugins).unwrap();
-    let path = dir.path().join("config.yaml");
-    std::fs::write(
-        &path,
-        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.nopolicy.example.com }\n",
-    )
-    .unwrap();
-    let port = support::free_port();
-    let cdi = dir.path().join("cdi");
-    let devplug = Devplug::run_with(
-        &path,
+    let (devplug, port) = run_on_node_with(
+        server,
+        dir.path(),
         &plugins,
-        &[
-            "--node-name",
-            "cli-no-policy",
-            "--kubeconfig",
-            server.kubeconfig.to_str().unwrap(),
-            "--cdi-dir",
-            cdi.to_str().unwrap(),
-            "--metrics-addr",
-            &format!("127.0.0.1:{port}"),
-            "--require-policies",
-        ],
+        "cli-no-policy",
+        "resources:\n  - name: example.com/npu\n    virtual: { count: 2 }\n    dra: { driver: npu.nopolicy.example.com }\n",
+        &["--require-policies"],
     );
     let want =
         "cluster feature dra_slices: does not run: no admission policy keeps it to this node";
