@@ -67,23 +67,41 @@ enum Group {
     Fleet(FleetArgs),
 }
 
-/// `devplug-bench fleet`: clusterloader2's DRA shape (docs/benchmarks.md, "A fleet of DRA
-/// nodes").
+/// `devplug-bench fleet`: N simulated DRA nodes against a real control plane, in the shape of
+/// the upstream test `--mode` names (docs/benchmarks.md, "A fleet of DRA nodes").
 #[derive(Debug, clap::Args)]
 struct FleetArgs {
+    /// What the run is compared with: scheduler-perf (every pod at once, the scheduler at
+    /// 5,000 QPS: pods bound a second), clusterloader2 (default client rates, a paced fill of
+    /// Jobs, then short-lived Jobs: pod startup against 5 s) or driver (no scheduler: the
+    /// bench allocates and binds, bursts of pods on one node).
+    #[arg(long, default_value = "clusterloader2")]
+    mode: devplug_bench::fleet::Mode,
     /// Simulated nodes.
     #[arg(long, default_value_t = 100)]
     nodes: usize,
     /// How devices are handed out: whole, share (by capacity) or partitions.
     #[arg(long, default_value = "whole")]
     variant: devplug_bench::fleet::Variant,
-    /// How long the churn lasts, in seconds (0: none; default 120).
+    /// Pods (Jobs) created a second during the fill (clusterloader2 mode: 10; otherwise as fast
+    /// as 20 or 50 creations in flight go).
+    #[arg(long, value_name = "R")]
+    fill_rate: Option<f64>,
+    /// How long the churn lasts, in seconds (0: none; clusterloader2 mode: 120).
     #[arg(long, value_name = "S")]
     churn_secs: Option<u64>,
-    /// Pods created (and as many deleted) per second during the churn (default 5).
+    /// Pods (Jobs) created per second during the churn (default 5).
     #[arg(long, value_name = "R")]
     churn_rate: Option<f64>,
-    /// The client rate of kube-scheduler and kube-controller-manager, requests a second.
+    /// How long each churn Job's pod runs before it succeeds, in seconds (clusterloader2
+    /// mode; default 30).
+    #[arg(long, value_name = "S")]
+    job_secs: Option<f64>,
+    /// Bursts of pods on one node each (driver mode; default: one a node, 100 at most).
+    #[arg(long, value_name = "B")]
+    bursts: Option<usize>,
+    /// The client rate of kube-scheduler and kube-controller-manager, requests a second (the
+    /// burst twice that); default: the mode's (scheduler-perf 5,000; otherwise their own).
     #[arg(long, value_name = "Q")]
     control_plane_qps: Option<u32>,
     /// Run the storms: every driver restarted, the API server away, etcd compacted.
@@ -163,24 +181,38 @@ async fn main() -> anyhow::Result<()> {
 /// `devplug-bench fleet`.
 async fn fleet(args: FleetArgs, cpu_before: Option<measure::MachineCpu>) -> anyhow::Result<()> {
     use devplug_bench::fleet::{self, FleetOptions};
-    let mut options = FleetOptions::new(args.nodes);
+    let mut options = FleetOptions::new(args.mode, args.nodes);
     options.variant = args.variant;
     options.storms = args.storms;
     options.rolling_restart = args.rolling_restart;
+    if let Some(rate) = args.fill_rate {
+        anyhow::ensure!(
+            rate.is_finite() && rate > 0.0,
+            "--fill-rate must be above 0 (pods a second)"
+        );
+        options.fill_rate = Some(rate);
+    }
     if let Some(secs) = args.churn_secs {
         options.churn = Duration::from_secs(secs);
     }
     if let Some(rate) = args.churn_rate {
         options.churn_rate = rate;
     }
+    if let Some(secs) = args.job_secs {
+        options.job_running = Duration::try_from_secs_f64(secs)
+            .map_err(|_| anyhow::anyhow!("--job-secs must be 0 or more seconds"))?;
+    }
+    if let Some(bursts) = args.bursts {
+        options.bursts = bursts;
+    }
     if let Some(secs) = args.api_down_secs {
         options.api_down = Duration::from_secs(secs);
     }
     if let Some(qps) = args.control_plane_qps {
-        options.control_plane_qps = qps;
+        options.control_plane_rate = Some((qps, qps.saturating_mul(2)));
     }
     anyhow::ensure!(
-        options.churn_rate > 0.0,
+        options.churn_rate.is_finite() && options.churn_rate > 0.0,
         "--churn-rate must be above 0 (pods a second)"
     );
     fleet::run(options).await?;

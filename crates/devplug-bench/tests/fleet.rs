@@ -1,13 +1,34 @@
-//! The fleet simulator at CI size: 20 simulated nodes, each with devplug's real DRA driver and
-//! a kubelet stand-in, against a real etcd, kube-apiserver, kube-controller-manager and
-//! kube-scheduler; filled to 90% and churned for 30 s, every driver restarted in turn during
-//! the churn (a rolling update). Asserts correctness only (every pod Running, every claim
-//! prepared and unprepared exactly once, no ResourceSlice left after the drivers stop): `run`
-//! returns an error when one of them does not hold. Timing goes to docs/benchmarks.md through
-//! `devplug-bench fleet`, never into an assertion.
+//! The fleet simulator at CI size, once in each mode: 20 simulated nodes, each with devplug's
+//! real DRA driver and a kubelet stand-in, against a real etcd, kube-apiserver,
+//! kube-controller-manager and (but in the driver mode) kube-scheduler.
+//!
+//! - scheduler-perf: 200 pods (10 a node) created at once, the scheduler at 5,000 QPS;
+//! - clusterloader2: the control plane's default client rates, the fleet filled to 90% with
+//!   Jobs at 10 a second, then 30 s of short-lived Jobs (5 a second, each pod running 2 s, so
+//!   that they fit the 10% left free), every driver restarted in turn during it (a rolling
+//!   update);
+//! - driver: no scheduler, 20 bursts of 8 pods, each on its own node, allocated and bound by
+//!   the bench.
+//!
+//! Asserts correctness only (every pod Running, every claim prepared and unprepared exactly
+//! once, no ResourceSlice left after the drivers stop): `run` returns an error when one of
+//! them does not hold. Timing goes to docs/benchmarks.md through `devplug-bench fleet`, never
+//! into an assertion. The three runs take turns: each starts a control plane of its own, and
+//! two at once would share this machine's cores.
 
-use devplug_bench::fleet::{self, FleetOptions};
+use devplug_bench::fleet::{self, FleetOptions, Mode};
 use std::time::Duration;
+
+/// One run at a time.
+static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn run(options: FleetOptions) {
+    let _turn = TURN.lock().await;
+    let mode = options.mode.name();
+    if let Err(err) = fleet::run(options).await {
+        panic!("the fleet run in the {mode} mode failed: {err:#}");
+    }
+}
 
 #[cfg_attr(
     no_controller_manager,
@@ -16,14 +37,43 @@ use std::time::Duration;
               the last two; docs/testing.md says where they come from)"
 )]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn twenty_nodes_fill_and_churn_correctly() {
-    let options = FleetOptions {
+async fn scheduler_perf_mode_binds_and_runs_every_pod() {
+    run(FleetOptions {
+        idle: Duration::from_secs(2),
+        ..FleetOptions::new(Mode::SchedulerPerf, 20)
+    })
+    .await;
+}
+
+#[cfg_attr(
+    no_controller_manager,
+    ignore = "needs the whole control plane: KUBEBUILDER_ASSETS naming a folder with etcd, \
+              kube-apiserver, kube-scheduler and kube-controller-manager (envtest's assets lack \
+              the last two; docs/testing.md says where they come from)"
+)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clusterloader2_mode_fills_and_churns_jobs_through_a_rolling_restart() {
+    run(FleetOptions {
         churn: Duration::from_secs(30),
+        job_running: Duration::from_secs(2),
         idle: Duration::from_secs(2),
         rolling_restart: true,
-        ..FleetOptions::new(20)
-    };
-    if let Err(err) = fleet::run(options).await {
-        panic!("the fleet run failed: {err:#}");
-    }
+        ..FleetOptions::new(Mode::Clusterloader2, 20)
+    })
+    .await;
+}
+
+#[cfg_attr(
+    no_controller_manager,
+    ignore = "needs the whole control plane: KUBEBUILDER_ASSETS naming a folder with etcd, \
+              kube-apiserver, kube-scheduler and kube-controller-manager (envtest's assets lack \
+              the last two; docs/testing.md says where they come from)"
+)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driver_mode_prepares_every_burst() {
+    run(FleetOptions {
+        idle: Duration::from_secs(2),
+        ..FleetOptions::new(Mode::Driver, 20)
+    })
+    .await;
 }

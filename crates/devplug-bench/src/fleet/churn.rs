@@ -1,11 +1,13 @@
-//! The churn: for `options.churn`, one pod created and the oldest deleted, `options.churn_rate`
-//! times a second; every new pod Running.
+//! The churn: for `options.churn`, `options.churn_rate` times a second, one pod created and
+//! the oldest deleted, or in the clusterloader2 mode one short-lived Job created (its pod ends
+//! after `options.job_running`, its claim then freed); every new pod Running.
 
-use super::figures::{cpu_now, percentiles, rate, report, report_cpu, Sampler};
+use super::figures::{cpu_now, percentiles, rate, report, report_cpu, thresholds, Sampler};
 use super::fill::Filled;
 use super::kubelet::Kubelets;
 use super::setup::Cluster;
-use super::{workload, FleetOptions};
+use super::workload::Kind;
+use super::{mode, workload, FleetOptions, Mode};
 use std::time::{Duration, Instant};
 
 /// Churns the filled fleet (nothing when `options.churn` is zero); fails when a new pod is not
@@ -31,19 +33,28 @@ pub(super) async fn run(
         let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / options.churn_rate));
         let mut tasks = Vec::new();
         let mut i = 0usize;
+        let kind = match options.mode {
+            Mode::Clusterloader2 => Kind::Job(Some(options.job_running)),
+            Mode::SchedulerPerf | Mode::Driver => Kind::Pod,
+        };
         while started.elapsed() < options.churn {
             tick.tick().await;
             let name = format!("churn-{i:05}");
             i += 1;
             churn_names.push(name.clone());
-            live.push_back(name.clone());
-            let old = live.pop_front();
+            // A short-lived Job ends by itself; a pod is deleted when it is the oldest.
+            let old = if kind == Kind::Pod {
+                live.push_back(name.clone());
+                live.pop_front()
+            } else {
+                None
+            };
             let (client, created) = (admin.clone(), created.clone());
             tasks.push(tokio::spawn(async move {
                 if let Some(old) = old {
                     workload::delete(&client, &old).await?;
                 }
-                workload::create(&client, &created, &name).await
+                workload::create_kind(&client, &created, &name, kind).await
             }));
         }
         for task in tasks {
@@ -65,12 +76,26 @@ pub(super) async fn run(
         anyhow::ensure!(missing == 0, "{missing} churn pods never Running");
         report(
             &format!(
-                "churn at {}/s for {:.0} s: pod startup (created → Running)",
+                "churn at {}/s for {:.0} s: pod startup ({} created → Running)",
                 options.churn_rate,
-                churn_took.as_secs_f64()
+                churn_took.as_secs_f64(),
+                if kind == Kind::Pod {
+                    "pod".to_owned()
+                } else {
+                    format!(
+                        "Job of a pod that runs {:.0} s",
+                        options.job_running.as_secs_f64()
+                    )
+                }
             ),
             percentiles(&mut lat),
         );
+        if options.mode == Mode::Clusterloader2 {
+            report(
+                "churn: against clusterloader2's pod startup thresholds",
+                thresholds(&mut lat, mode::CL2_STARTUP_THRESHOLD),
+            );
+        }
         report(
             "churn: driver API requests",
             rate(churn_requests, churn_took),

@@ -77,16 +77,19 @@ impl Sampler {
     }
 }
 
+/// The `q` quantile of `sorted` (not empty), nearest rank.
+fn quantile(sorted: &[Duration], q: f64) -> Duration {
+    let i = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted.get(i).copied().unwrap_or_default()
+}
+
 /// p50/p90/p99/max of `samples`, formatted.
 pub fn percentiles(samples: &mut [Duration]) -> String {
     if samples.is_empty() {
         return "no samples".to_owned();
     }
     samples.sort();
-    let at = |q: f64| {
-        let i = ((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1;
-        samples[i]
-    };
+    let at = |q: f64| quantile(samples, q);
     format!(
         "n={} p50={} p90={} p99={} max={}",
         samples.len(),
@@ -95,6 +98,24 @@ pub fn percentiles(samples: &mut [Duration]) -> String {
         fmt(at(0.99)),
         fmt(at(1.0))
     )
+}
+
+/// p50, p90 and p99 of `samples`, each said within or over `threshold` (clusterloader2's pod
+/// startup thresholds are one figure for all three).
+pub(super) fn thresholds(samples: &mut [Duration], threshold: Duration) -> String {
+    if samples.is_empty() {
+        return "no samples".to_owned();
+    }
+    samples.sort();
+    let parts: Vec<String> = [("p50", 0.5), ("p90", 0.9), ("p99", 0.99)]
+        .into_iter()
+        .map(|(name, q)| {
+            let at = quantile(samples, q);
+            let verdict = if at <= threshold { "within" } else { "OVER" };
+            format!("{name} {} {verdict} {}", fmt(at), fmt(threshold))
+        })
+        .collect();
+    parts.join(", ")
 }
 
 pub(super) fn fmt(d: Duration) -> String {
@@ -172,5 +193,16 @@ mod tests {
         task.abort();
         assert_eq!(sampler.now(), 24);
         assert_eq!(sampler.peak_per_second(from, to), 24);
+    }
+
+    #[test]
+    fn thresholds_say_which_percentile_is_over() {
+        let mut samples: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        samples[99] = Duration::from_secs(9);
+        assert_eq!(
+            thresholds(&mut samples, Duration::from_millis(90)),
+            "p50 50.0 ms within 90.0 ms, p90 90.0 ms within 90.0 ms, p99 99.0 ms OVER 90.0 ms"
+        );
+        assert_eq!(thresholds(&mut [], Duration::from_secs(5)), "no samples");
     }
 }

@@ -1,11 +1,14 @@
-//! The fill: pods of one claim each created until the fleet's capacity is taken to
-//! `options.fill`, every one Running, every claim prepared once on its pod's node.
+//! The fill: pods of one claim each (Jobs of one such pod in the clusterloader2 mode, which
+//! run until the teardown) created until the fleet's capacity is taken to `options.fill`,
+//! every one Running, every claim prepared once on its pod's node. In the scheduler-perf
+//! mode the pods bound a second are reported apart, beside upstream's threshold.
 
-use super::figures::{cpu_now, percentiles, rate, report, report_cpu, Sampler};
+use super::figures::{cpu_now, percentiles, rate, report, report_cpu, thresholds, Sampler};
 use super::kubelet::{self, Kubelets};
 use super::node::SimNode;
 use super::setup::Cluster;
-use super::{workload, FleetOptions};
+use super::workload::{Kind, Pace};
+use super::{mode, workload, FleetOptions, Mode};
 use std::time::{Duration, Instant};
 
 /// What the fill left for the churn.
@@ -37,8 +40,20 @@ pub(super) async fn run(
     let requests_before = sampler.now();
     let started = Instant::now();
     let mut running = kubelets.running.clone();
-    workload::create_all(admin, created, &fill_names, options.in_flight).await?;
-    let limit = Duration::from_secs(60).max(Duration::from_millis(200 * target as u64));
+    let kind = match options.mode {
+        Mode::Clusterloader2 => Kind::Job(None),
+        Mode::SchedulerPerf | Mode::Driver => Kind::Pod,
+    };
+    let pace = options
+        .fill_rate
+        .map_or(Pace::InFlight(options.in_flight), Pace::PerSecond);
+    workload::create_all(admin, created, &fill_names, kind, pace).await?;
+    let paced = options.fill_rate.map_or(Duration::ZERO, |r| {
+        Duration::from_secs_f64(target as f64 / r)
+    });
+    let limit = Duration::from_secs(60)
+        .max(Duration::from_millis(200 * target as u64))
+        .saturating_add(paced);
     let filled = tokio::time::timeout(limit, running.wait_for(|r| *r >= target))
         .await
         .is_ok_and(|r| r.is_ok());
@@ -51,22 +66,42 @@ pub(super) async fn run(
             &failures[..failures.len().min(10)]
         );
     }
+    let what = match kind {
+        Kind::Pod => "pods",
+        Kind::Job(_) => "Jobs of one pod",
+    };
     report(
         "fill",
         format!(
-            "{target} pods ({:.0}% of {capacity}) in {:.1} s: {:.1} pods/s",
+            "{target} {what} ({:.0}% of {capacity}) in {:.1} s: {:.1} Running a second{}",
             options.fill * 100.0,
             fill_took.as_secs_f64(),
-            target as f64 / fill_took.as_secs_f64()
+            target as f64 / fill_took.as_secs_f64(),
+            match pace {
+                Pace::InFlight(n) => format!(" ({n} creations in flight)"),
+                Pace::PerSecond(r) => format!(" (created at {r}/s)"),
+            }
         ),
     );
+    if options.mode == Mode::SchedulerPerf {
+        report_bound(kubelets, created, &fill_names, started);
+    }
     let (mut fill_lat, missing) =
         workload::latencies(created, &kubelets.observed.running, &fill_names);
     anyhow::ensure!(missing == 0, "{missing} fill pods never Running");
     report(
-        "fill: pod startup (created → Running)",
+        &format!(
+            "fill: pod startup ({} created → Running)",
+            if kind == Kind::Pod { "pod" } else { "Job" }
+        ),
         percentiles(&mut fill_lat),
     );
+    if options.mode == Mode::Clusterloader2 {
+        report(
+            "fill: against clusterloader2's pod startup thresholds",
+            thresholds(&mut fill_lat, mode::CL2_STARTUP_THRESHOLD),
+        );
+    }
     report(
         "fill: driver API requests",
         rate(sampler.now() - requests_before, fill_took),
@@ -101,6 +136,36 @@ pub(super) async fn run(
         names: fill_names,
         prepares: fill_prepares,
     })
+}
+
+/// The scheduler-perf mode's figure: pods bound a second, from the first creation to the last
+/// binding the kubelet stand-ins saw, beside upstream's threshold for the same shape.
+fn report_bound(
+    kubelets: &Kubelets,
+    created: &workload::Created,
+    names: &[String],
+    started: Instant,
+) {
+    let (mut bound, missing) = workload::latencies(created, &kubelets.observed.bound, names);
+    let last = kubelets
+        .observed
+        .bound
+        .lock()
+        .ok()
+        .and_then(|b| names.iter().filter_map(|n| b.get(n)).max().copied());
+    let Some(last) = last else { return };
+    let took = last.saturating_duration_since(started);
+    let (for_136, for_137) = mode::SCHEDULER_PERF_THRESHOLD;
+    report(
+        "fill: pods bound a second (first creation → last binding seen), scheduler_perf's measure",
+        format!(
+            "{:.1} ({} pods in {:.1} s; {missing} not seen bound); upstream's threshold for SchedulingWithResourceClaimTemplate/5000pods_500nodes: {for_136} with the 1.36 scheduler, {for_137} with 1.37's",
+            names.len().saturating_sub(missing) as f64 / took.as_secs_f64().max(1e-3),
+            names.len().saturating_sub(missing),
+            took.as_secs_f64()
+        ),
+    );
+    report("fill: pod created → bound", percentiles(&mut bound));
 }
 
 /// Every Running pod's claim is in its node's checkpoint, and the stand-ins prepared each

@@ -3,8 +3,14 @@
 //! per-node work is per node, as on a real node: for a pod bound there, read its claims
 //! (the kubelet reads each claim to learn its UID), call that node's `NodePrepareResources`
 //! over the driver's real socket, and mark the pod Running (a status patch, as kwok does);
-//! for a pod being deleted, `NodeUnprepareResources`, then the final delete a kubelet makes.
+//! for a pod being deleted, `NodeUnprepareResources`, then the final delete a kubelet makes;
+//! for a pod that runs for a while only (a short-lived Job's, [`workload::RUN_FOR`]), at its
+//! end `NodeUnprepareResources` and the phase `Succeeded`, as the kubelet when its container
+//! exits 0.
+//!
+//! Times are kept by the pod's workload name: its Job's ([`workload::JOB_LABEL`]) or its own.
 
+use super::workload;
 use devplug_proto::dra_v1::{self, dra_plugin_client::DraPluginClient};
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -26,8 +32,12 @@ const RETRY: Duration = Duration::from_millis(500);
 /// What the stand-ins saw, shared with the workload.
 #[derive(Default)]
 pub struct Observed {
-    /// When each pod (by name) was marked Running.
+    /// When each pod (by workload name) was marked Running.
     pub running: Mutex<HashMap<String, Instant>>,
+    /// When each pod (by workload name) was first seen bound to its node.
+    pub bound: Mutex<HashMap<String, Instant>>,
+    /// Pods (by workload name) that ran their time and succeeded.
+    pub succeeded: Mutex<HashMap<String, Instant>>,
     /// Successful `NodePrepareResources` calls per claim UID, and the node that answered.
     pub prepared: Mutex<HashMap<String, (u32, String)>>,
     /// Successful `NodeUnprepareResources` calls per claim UID.
@@ -170,6 +180,26 @@ impl Kubelets {
 /// Marks a pod event as the pod's deletion from the API server.
 const GONE: &str = "devplug-bench/gone";
 
+/// Marks a pod event as the end of the pod's running time ([`workload::RUN_FOR`]).
+const ENDS: &str = "devplug-bench/ends";
+
+/// The name a pod's times are kept by: its Job's, or its own.
+fn workload_name(pod: &Pod) -> Option<String> {
+    pod.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(workload::JOB_LABEL).cloned())
+        .or_else(|| pod.metadata.name.clone())
+}
+
+/// Whether the pod event carries the mark `mark`.
+fn marked(pod: &Pod, mark: &str) -> bool {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(mark))
+}
+
 impl Worker {
     async fn run(mut self, mut pods: mpsc::UnboundedReceiver<Pod>) {
         while let Some(pod) = pods.recv().await {
@@ -184,11 +214,16 @@ impl Worker {
         if self.finished.contains(&uid) {
             return;
         }
-        let gone = pod
-            .metadata
-            .annotations
-            .as_ref()
-            .is_some_and(|a| a.contains_key(GONE));
+        if let Some(name) = workload_name(&pod) {
+            if let Ok(mut bound) = self.observed.bound.lock() {
+                bound.entry(name).or_insert_with(Instant::now);
+            }
+        }
+        if marked(&pod, ENDS) {
+            self.end(pod, uid).await;
+            return;
+        }
+        let gone = marked(&pod, GONE);
         if gone || pod.metadata.deletion_timestamp.is_some() {
             let claims = self
                 .prepared
@@ -211,18 +246,89 @@ impl Worker {
             return;
         }
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-        if self.prepared.contains_key(&uid) || phase == Some("Running") {
+        if self.prepared.contains_key(&uid)
+            || matches!(phase, Some("Running" | "Succeeded" | "Failed"))
+        {
             return;
         }
         match self.prepare(&pod, &uid).await {
             Ok(Some(claims)) => {
                 self.prepared.insert(uid, claims);
-                self.mark_running(&pod).await;
+                if self.mark_running(&pod).await {
+                    self.end_later(pod);
+                }
             }
             // Claims not allocated or reserved yet: try again shortly.
             Ok(None) => self.again(pod),
             Err(err) => {
                 self.fail(err.to_string());
+                self.again(pod);
+            }
+        }
+    }
+
+    /// For a pod that runs for a while only ([`workload::RUN_FOR`]): its end handled after that
+    /// time.
+    fn end_later(&self, mut pod: Pod) {
+        let run_for = pod
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(workload::RUN_FOR))
+            .and_then(|ms| ms.parse::<u64>().ok());
+        let Some(ms) = run_for else { return };
+        pod.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(ENDS.into(), "1".into());
+        let retry = self.retry.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            let _ = retry.send(pod);
+        });
+    }
+
+    /// The end of a pod's running time: its claims unprepared, then its phase `Succeeded`, as
+    /// the kubelet when its only container exits 0 (nothing when it was deleted meanwhile).
+    async fn end(&mut self, pod: Pod, uid: String) {
+        let Some(claims) = self.prepared.remove(&uid) else {
+            return;
+        };
+        if let Err(claims) = self.unprepare(claims).await {
+            self.prepared.insert(uid, claims);
+            self.again(pod);
+            return;
+        }
+        let (Some(name), Some(namespace)) = (&pod.metadata.name, &pod.metadata.namespace) else {
+            return;
+        };
+        let at = k8s_openapi::jiff::Timestamp::now().to_string();
+        let status = json!({ "status": {
+            "phase": "Succeeded",
+            "conditions": [{ "type": "Ready", "status": "False", "reason": "PodCompleted", "lastTransitionTime": at },
+                { "type": "ContainersReady", "status": "False", "reason": "PodCompleted", "lastTransitionTime": at }],
+        } });
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        match api
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+        {
+            Ok(_) => {
+                if let (Some(key), Ok(mut done)) =
+                    (workload_name(&pod), self.observed.succeeded.lock())
+                {
+                    done.insert(key, Instant::now());
+                }
+                self.finished.insert(uid);
+            }
+            Err(kube::Error::Api(s)) if s.is_not_found() => {
+                self.finished.insert(uid);
+            }
+            Err(err) => {
+                // Unprepared already (so no claims are kept); the phase is written again
+                // shortly.
+                self.fail(format!("pod {name} not marked Succeeded: {err}"));
+                self.prepared.insert(uid, Vec::new());
                 self.again(pod);
             }
         }
@@ -245,25 +351,30 @@ impl Worker {
         uid: &str,
     ) -> anyhow::Result<Option<Vec<dra_v1::Claim>>> {
         let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let spec_claims = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.resource_claims.clone())
+            .unwrap_or_default();
+        // A claim named in the pod's spec, or one the ResourceClaim controller made from a
+        // template, named in the pod's status once made.
+        let mut names: Vec<String> = spec_claims
+            .iter()
+            .filter_map(|c| c.resource_claim_name.clone())
+            .collect();
+        let from_templates = spec_claims.len().saturating_sub(names.len());
         let statuses = pod
             .status
             .as_ref()
             .and_then(|s| s.resource_claim_statuses.clone())
             .unwrap_or_default();
-        let wanted = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.resource_claims.as_ref())
-            .map_or(0, Vec::len);
-        if statuses.len() < wanted {
+        if statuses.len() < from_templates {
             return Ok(None);
         }
+        names.extend(statuses.into_iter().filter_map(|s| s.resource_claim_name));
         let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &namespace);
-        let mut claims = Vec::with_capacity(statuses.len());
-        for status in statuses {
-            let Some(name) = status.resource_claim_name else {
-                continue;
-            };
+        let mut claims = Vec::with_capacity(names.len());
+        for name in names {
             let claim = api.get(&name).await?;
             let reserved = claim
                 .status
@@ -325,6 +436,9 @@ impl Worker {
     /// `NodeUnprepareResources` for `claims`; on any failure the claims come back, to be tried
     /// again.
     async fn unprepare(&mut self, claims: Vec<dra_v1::Claim>) -> Result<(), Vec<dra_v1::Claim>> {
+        if claims.is_empty() {
+            return Ok(());
+        }
         let result = async {
             let channel = self.channel().await?;
             let answer = DraPluginClient::new(channel)
@@ -387,9 +501,14 @@ impl Worker {
         }
     }
 
-    async fn mark_running(&mut self, pod: &Pod) {
-        let (Some(name), Some(namespace)) = (&pod.metadata.name, &pod.metadata.namespace) else {
-            return;
+    /// Marks the pod Running; false when the status patch failed.
+    async fn mark_running(&mut self, pod: &Pod) -> bool {
+        let (Some(name), Some(namespace), Some(key)) = (
+            &pod.metadata.name,
+            &pod.metadata.namespace,
+            workload_name(pod),
+        ) else {
+            return false;
         };
         let at = k8s_openapi::jiff::Timestamp::now().to_string();
         let condition =
@@ -406,11 +525,15 @@ impl Worker {
         {
             Ok(_) => {
                 if let Ok(mut running) = self.observed.running.lock() {
-                    running.insert(name.clone(), Instant::now());
+                    running.insert(key, Instant::now());
                 }
                 self.running.send_modify(|n| *n = n.saturating_add(1));
+                true
             }
-            Err(err) => self.fail(format!("pod {name} not marked Running: {err}")),
+            Err(err) => {
+                self.fail(format!("pod {name} not marked Running: {err}"));
+                false
+            }
         }
     }
 

@@ -76,6 +76,45 @@ pub fn metric_sum(text: &str, metric: &str) -> f64 {
         .fold(0.0, |a, b| a + b)
 }
 
+/// The value of label `label` in a sample line's label set, if any.
+fn label_value<'a>(line: &'a str, label: &str) -> Option<&'a str> {
+    let set = line.split_once('{')?.1.split_once('}')?.0;
+    set.split(',').find_map(|pair| {
+        let (key, value) = pair.split_once('=')?;
+        (key.trim() == label).then(|| value.trim().trim_matches('"'))
+    })
+}
+
+/// The API server's priority-and-fairness queue waits since its start, by priority level: the
+/// seconds waited in all and the requests, of every level that queued a request.
+pub fn wait_by_priority_level(text: &str) -> BTreeMap<String, (f64, f64)> {
+    let mut out: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    let base = "apiserver_flowcontrol_request_wait_duration_seconds";
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let (is_sum, rest) = if let Some(rest) = line.strip_prefix(&format!("{base}_sum")) {
+            (true, rest)
+        } else if let Some(rest) = line.strip_prefix(&format!("{base}_count")) {
+            (false, rest)
+        } else {
+            continue;
+        };
+        let (Some(level), Some(value)) = (
+            label_value(rest, "priority_level"),
+            line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()),
+        ) else {
+            continue;
+        };
+        let entry = out.entry(level.to_owned()).or_default();
+        if is_sum {
+            entry.0 += value;
+        } else {
+            entry.1 += value;
+        }
+    }
+    out.retain(|_, (_, count)| *count > 0.0);
+    out
+}
+
 /// The scheduler's `/metrics` (HTTPS with its self-signed certificate, read anonymously: the
 /// path is allowed without authorization on its command line).
 pub async fn scheduler_metrics(port: u16) -> String {
@@ -98,4 +137,26 @@ pub async fn apiserver_metrics(client: &kube::Client) -> String {
         return String::new();
     };
     client.request_text(request).await.unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn queue_waits_are_summed_by_priority_level_and_idle_levels_left_out() {
+        let text = r#"# HELP apiserver_flowcontrol_request_wait_duration_seconds [BETA] Length of time a request spent waiting in its queue
+apiserver_flowcontrol_request_wait_duration_seconds_bucket{execute="true",flow_schema="service-accounts",priority_level="workload-low",le="0.005"} 3
+apiserver_flowcontrol_request_wait_duration_seconds_sum{execute="true",flow_schema="service-accounts",priority_level="workload-low"} 0.5
+apiserver_flowcontrol_request_wait_duration_seconds_count{execute="true",flow_schema="service-accounts",priority_level="workload-low"} 4
+apiserver_flowcontrol_request_wait_duration_seconds_sum{execute="false",flow_schema="service-accounts",priority_level="workload-low"} 1.5
+apiserver_flowcontrol_request_wait_duration_seconds_count{execute="false",flow_schema="service-accounts",priority_level="workload-low"} 1
+apiserver_flowcontrol_request_wait_duration_seconds_sum{execute="true",flow_schema="system-nodes",priority_level="system"} 0
+apiserver_flowcontrol_request_wait_duration_seconds_count{execute="true",flow_schema="system-nodes",priority_level="system"} 0
+"#;
+        let waits = wait_by_priority_level(text);
+        assert_eq!(waits.len(), 1);
+        assert_eq!(waits.get("workload-low"), Some(&(2.0, 5.0)));
+    }
 }

@@ -1,8 +1,11 @@
 //! `devplug-bench fleet`: N simulated nodes in this process against a real control plane
-//! (etcd, kube-apiserver, kube-controller-manager for claims from templates and the node
+//! (etcd, kube-apiserver, kube-controller-manager for claims from templates, Jobs and the node
 //! lifecycle, kube-scheduler), each node running devplug's real DRA driver ([`node`]) and a
-//! kubelet stand-in ([`kubelet`]); clusterloader2's DRA workload ([`workload`]): fill to 90%
-//! with pods of one claim each, then churn; then the storms a fleet has ([`storms`]).
+//! kubelet stand-in ([`kubelet`]), in one of three [`mode`]s, each the shape of the upstream
+//! test it is compared with: scheduler_perf's (every pod at once, the scheduler at 5,000
+//! QPS), clusterloader2's (a paced fill of Jobs, then short-lived Jobs; [`workload`]), or the
+//! driver alone (claims allocated and pods bound by the bench, in bursts on one node:
+//! `bursts`); then the storms a fleet has ([`storms`]).
 //!
 //! Every figure is printed as it is measured; correctness (every pod Running, every claim
 //! prepared once and unprepared once, no slice left after the drivers stop) is checked and
@@ -10,11 +13,12 @@
 //!
 //! [`run`] is the sequence of phases, one a file: `limits` (what the machine must allow),
 //! `setup` (the control plane, the workload's objects, the Node objects and their leases),
-//! `cold_start` (every driver at once, then the quiet window), `fill`, `churn`,
-//! `control_plane` (what the control plane did meanwhile), `storms` and `teardown`;
-//! `figures` measures and prints, `slices` waits for and counts the fleet's slices.
+//! `cold_start` (every driver at once, then the quiet window), `fill` and `churn` (or
+//! `bursts`), `control_plane` (what the control plane did meanwhile), `storms` and
+//! `teardown`; `figures` measures and prints, `slices` waits for and counts the fleet's slices.
 
 mod api_count;
+mod bursts;
 mod churn;
 mod cold_start;
 mod control_plane;
@@ -23,6 +27,7 @@ mod fill;
 pub mod kubelet;
 mod limits;
 pub mod metrics;
+pub mod mode;
 pub mod node;
 mod rollout;
 mod setup;
@@ -32,6 +37,7 @@ mod teardown;
 pub mod workload;
 
 pub use figures::{percentiles, report, Sampler};
+pub use mode::Mode;
 pub use setup::{start_plane, Plane};
 
 use std::time::Duration;
@@ -68,50 +74,81 @@ impl std::str::FromStr for Variant {
 /// What a run does.
 #[derive(Debug, Clone)]
 pub struct FleetOptions {
+    /// What the run is compared with ([`Mode`]).
+    pub mode: Mode,
     /// Simulated nodes.
     pub nodes: usize,
     /// Devices a node has.
     pub devices: usize,
     /// How devices are handed out.
     pub variant: Variant,
-    /// The share of the fleet's capacity the fill takes (0.9).
+    /// The share of the fleet's capacity the fill takes (0.9; zero: no fill).
     pub fill: f64,
+    /// How the fill's pods come: `None`, `in_flight` creations at once, as fast as they go;
+    /// `Some(r)`, `r` a second.
+    pub fill_rate: Option<f64>,
     /// How long the churn lasts (zero: none).
     pub churn: Duration,
-    /// Pods created (and as many deleted) per second during the churn.
+    /// Pods (Jobs in the clusterloader2 mode) created per second during the churn.
     pub churn_rate: f64,
+    /// How long a churn Job's pod runs before it succeeds (the clusterloader2 mode).
+    pub job_running: Duration,
     /// Whether to run the storms (driver restart, API server away, etcd compaction).
     pub storms: bool,
     /// Whether to restart every driver in turn during the churn (from a third of it).
     pub rolling_restart: bool,
     /// How long the API server stays away in its storm.
     pub api_down: Duration,
-    /// Pod creations in flight at once during the fill.
+    /// Pod creations in flight at once during an unpaced fill.
     pub in_flight: usize,
     /// How long the quiet window after the cold start lasts.
     pub idle: Duration,
-    /// The client rate (requests a second; the burst is twice that) of kube-scheduler and
-    /// kube-controller-manager.
-    pub control_plane_qps: u32,
+    /// The client rate and burst (requests a second) of kube-scheduler and
+    /// kube-controller-manager; `None`: their own defaults (50/100 and 20/30).
+    pub control_plane_rate: Option<(u32, u32)>,
+    /// Bursts of pods on one node each, one node after the other (the driver mode).
+    pub bursts: usize,
 }
 
 impl FleetOptions {
-    /// clusterloader2's DRA shape at `nodes` nodes: 8 devices each, fill to 90%, churn at
-    /// 5 pods/s for 2 minutes.
-    pub fn new(nodes: usize) -> FleetOptions {
-        FleetOptions {
+    /// The shape of `mode` at `nodes` nodes (see [`mode`]).
+    pub fn new(mode: Mode, nodes: usize) -> FleetOptions {
+        let base = FleetOptions {
+            mode,
             nodes,
             devices: 8,
             variant: Variant::Whole,
-            fill: 0.9,
-            churn: Duration::from_secs(120),
-            churn_rate: 5.0,
+            fill: 0.0,
+            fill_rate: None,
+            churn: Duration::ZERO,
+            churn_rate: mode::CL2_CHURN_RATE,
+            job_running: mode::CL2_JOB_RUNNING,
             storms: false,
             rolling_restart: false,
             api_down: Duration::from_secs(30),
             in_flight: 20,
             idle: Duration::from_secs(10),
-            control_plane_qps: 100,
+            control_plane_rate: None,
+            bursts: 0,
+        };
+        match mode {
+            Mode::SchedulerPerf => FleetOptions {
+                devices: mode::SCHEDULER_PERF_DEVICES,
+                fill: 1.0,
+                in_flight: 50,
+                control_plane_rate: Some((mode::SCHEDULER_PERF_QPS, mode::SCHEDULER_PERF_QPS)),
+                ..base
+            },
+            Mode::Clusterloader2 => FleetOptions {
+                fill: 0.9,
+                fill_rate: Some(mode::CL2_FILL_RATE),
+                churn: Duration::from_secs(120),
+                ..base
+            },
+            Mode::Driver => FleetOptions {
+                bursts: nodes.min(100),
+                ..base
+            },
         }
     }
 }
@@ -119,6 +156,10 @@ impl FleetOptions {
 /// Runs the benchmark; returns an error when a correctness check fails.
 pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
     anyhow::ensure!(options.nodes > 0, "--nodes must be at least 1");
+    anyhow::ensure!(
+        options.mode != Mode::Driver || options.variant == Variant::Whole,
+        "--mode driver allocates whole devices itself: leave --variant at whole"
+    );
     limits::check(options.nodes)?;
     let mut cluster = setup::start(&options).await?;
     let mut fleet = cold_start::start(&cluster, &options).await?;
@@ -134,32 +175,40 @@ pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
             .collect::<Vec<_>>(),
     );
     let created: workload::Created = Default::default();
-    let sched_before = metrics::scheduler_metrics(cluster.plane.scheduler_port).await;
-    let filled = fill::run(
-        &options,
-        &cluster,
-        &fleet.nodes,
-        &fleet.sampler,
-        &kubelets,
-        &created,
-    )
-    .await?;
-    let churn = churn::run(
-        &options,
-        &cluster,
-        &fleet.sampler,
-        &kubelets,
-        &created,
-        &filled,
-    );
-    if options.rolling_restart && !options.churn.is_zero() {
-        let rollout = rollout::run(&mut fleet.nodes, &fleet.drivers, options.churn / 3);
-        let (churned, rolled) = tokio::join!(churn, rollout);
-        rollout::report_window(&rolled?, &churned?, &created, &kubelets);
+    let sched_before = match cluster.plane.scheduler_port {
+        Some(port) => metrics::scheduler_metrics(port).await,
+        None => String::new(),
+    };
+    if options.mode == Mode::Driver {
+        bursts::run(&options, &cluster, &fleet, &kubelets, &created).await?;
     } else {
-        churn.await?;
+        let filled = fill::run(
+            &options,
+            &cluster,
+            &fleet.nodes,
+            &fleet.sampler,
+            &kubelets,
+            &created,
+        )
+        .await?;
+        let churn = churn::run(
+            &options,
+            &cluster,
+            &fleet.sampler,
+            &kubelets,
+            &created,
+            &filled,
+        );
+        if options.rolling_restart && !options.churn.is_zero() {
+            let rollout = rollout::run(&mut fleet.nodes, &fleet.drivers, options.churn / 3);
+            let (churned, rolled) = tokio::join!(churn, rollout);
+            rollout::report_window(&rolled?, &churned?, &created, &kubelets);
+        } else {
+            churn.await?;
+        }
     }
     control_plane::report_workload(&cluster.plane, &cluster.admin, &sched_before).await;
+    bursts::report_driver_calls(&fleet.nodes, &kubelets);
 
     if options.storms {
         storms::run(

@@ -4,7 +4,7 @@
 
 use super::api_count::ClientFactory;
 use super::figures::report;
-use super::{node, workload, FleetOptions, DRIVER};
+use super::{node, workload, FleetOptions, Mode, DRIVER};
 use anyhow::Context;
 use devplug_testkit::api_server::{self, ControlPlane};
 use futures_util::StreamExt;
@@ -17,17 +17,21 @@ pub struct Plane {
     pub plane: ControlPlane,
     /// Its folder.
     pub dir: tempfile::TempDir,
-    /// The scheduler's metrics port.
-    pub scheduler_port: u16,
+    /// The scheduler's metrics port (`None`: no scheduler runs).
+    pub scheduler_port: Option<u16>,
 }
 
-/// Starts the control plane: the API server's in-flight limits raised for hundreds of nodes,
-/// the controller manager and scheduler with the client rates scalability tests give them.
-pub async fn start_plane(qps: u32) -> anyhow::Result<Plane> {
-    let rate = [
-        format!("--kube-api-qps={qps}"),
-        format!("--kube-api-burst={}", qps.saturating_mul(2)),
-    ];
+/// Starts the control plane: the API server's in-flight limits raised for hundreds of nodes;
+/// the controller manager (claims from templates, Jobs, the node lifecycle, garbage
+/// collection) and, when `scheduler`, the scheduler, both at the client rate and burst `rate`
+/// (`None`: their own defaults).
+pub async fn start_plane(rate: Option<(u32, u32)>, scheduler: bool) -> anyhow::Result<Plane> {
+    let rate: Vec<String> = rate.map_or_else(Vec::new, |(qps, burst)| {
+        vec![
+            format!("--kube-api-qps={qps}"),
+            format!("--kube-api-burst={burst}"),
+        ]
+    });
     let assets = api_server::assets_or_skip("devplug-bench fleet")
         .context("devplug-bench fleet needs KUBEBUILDER_ASSETS (docs/testing.md, \"Tests against a real API server\")")?;
     let dir = tempfile::Builder::new()
@@ -43,29 +47,33 @@ pub async fn start_plane(qps: u32) -> anyhow::Result<Plane> {
     )
     .await
     .map_err(anyhow::Error::msg)?;
+    let mut controllers = vec![
+        "--controllers=resourceclaim-controller,job-controller,node-lifecycle-controller,garbage-collector-controller,pod-garbage-collector-controller".to_owned(),
+    ];
+    controllers.extend(rate.iter().cloned());
     plane
-        .start_controller_manager(&[
-            "--controllers=resourceclaim-controller,node-lifecycle-controller,garbage-collector-controller,pod-garbage-collector-controller".into(),
-            rate[0].clone(),
-            rate[1].clone(),
-        ])
+        .start_controller_manager(&controllers)
         .map_err(anyhow::Error::msg)?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    plane
-        .start_scheduler_with(&[
+    let mut scheduler_port = None;
+    if scheduler {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let mut args = vec![
             format!("--secure-port={port}"),
             "--bind-address=127.0.0.1".into(),
             "--authorization-always-allow-paths=/metrics,/healthz,/readyz,/livez".into(),
-            rate[0].clone(),
-            rate[1].clone(),
-        ])
-        .map_err(anyhow::Error::msg)?;
+        ];
+        args.extend(rate.iter().cloned());
+        plane
+            .start_scheduler_with(&args)
+            .map_err(anyhow::Error::msg)?;
+        scheduler_port = Some(port);
+    }
     Ok(Plane {
         plane,
         dir,
-        scheduler_port: port,
+        scheduler_port,
     })
 }
 
@@ -90,16 +98,33 @@ pub(super) struct Cluster {
 /// objects, a Node object for each, their leases renewed from now on.
 pub(super) async fn start(options: &FleetOptions) -> anyhow::Result<Cluster> {
     let n = options.nodes;
-    let plane = start_plane(options.control_plane_qps).await?;
+    let plane = start_plane(options.control_plane_rate, options.mode != Mode::Driver).await?;
     let kubeconfig = plane.plane.server().kubeconfig.clone();
     let admin = api_server::client(&kubeconfig)
         .await
         .map_err(anyhow::Error::msg)?;
+    let (scheduler, manager) = match options.control_plane_rate {
+        Some((qps, burst)) => {
+            let rate = format!("{qps} requests/s, burst {burst}");
+            (rate.clone(), rate)
+        }
+        None => (
+            "its default client rate (50 requests/s, burst 100)".to_owned(),
+            "its default client rate (20 requests/s, burst 30)".to_owned(),
+        ),
+    };
     report(
-        "nodes",
+        "mode",
         format!(
-            "{n}, {} devices each, variant {:?}; kube-scheduler and kube-controller-manager at {} requests/s",
-            options.devices, options.variant, options.control_plane_qps
+            "{}: {n} nodes, {} devices each, variant {:?}; {}; kube-controller-manager at {manager}",
+            options.mode.name(),
+            options.devices,
+            options.variant,
+            if options.mode == Mode::Driver {
+                "no kube-scheduler (the bench allocates and binds)".to_owned()
+            } else {
+                format!("kube-scheduler at {scheduler}")
+            }
         ),
     );
 

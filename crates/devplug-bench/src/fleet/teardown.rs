@@ -27,7 +27,8 @@ pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> a
         sampler_task,
         ..
     } = fleet;
-    // Teardown: every pod deleted, every claim unprepared once, no slice left.
+    // Teardown: every Job and pod deleted, every claim unprepared once, no slice left.
+    workload::delete_jobs(&admin).await?;
     let pods_api: Api<k8s_openapi::api::core::v1::Pod> =
         Api::namespaced(admin.clone(), workload::NAMESPACE);
     pods_api

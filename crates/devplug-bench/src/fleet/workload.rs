@@ -1,9 +1,12 @@
-//! clusterloader2's DRA workload: a DeviceClass of the fleet's driver, a ResourceClaimTemplate
-//! of one device (or one share, or one partition), pods of one claim each; fill, then churn.
+//! The fleet's workload: a DeviceClass of the fleet's driver, a ResourceClaimTemplate of one
+//! device (or one share, or one partition), and what asks for it: pods of one claim each, or
+//! Jobs of one such pod, as clusterloader2's DRA test makes (long-running ones for the fill,
+//! short-lived ones, whose pod the kubelet stand-in ends after [`RUN_FOR`], for the churn).
 
 use super::Variant;
 use anyhow::Context;
 use futures_util::StreamExt;
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimTemplate};
 use kube::api::{DeleteParams, PostParams};
@@ -18,8 +21,33 @@ pub const NAMESPACE: &str = "fleet";
 /// The claim template every pod uses.
 const TEMPLATE: &str = "one-device";
 
-/// When each pod (by name) was sent to the API server.
+/// When each pod or Job (by name) was sent to the API server.
 pub type Created = Arc<Mutex<HashMap<String, Instant>>>;
+
+/// The label the Job controller puts on a Job's pods: the Job's name.
+pub const JOB_LABEL: &str = "batch.kubernetes.io/job-name";
+
+/// The annotation of a pod the kubelet stand-in ends (phase `Succeeded`) this many
+/// milliseconds after it marked it Running: a short-lived Job's pod.
+pub const RUN_FOR: &str = "devplug-bench/run-for-ms";
+
+/// What the workload creates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A pod of one claim.
+    Pod,
+    /// A Job of one such pod, which runs for the time given (`None`: until deleted).
+    Job(Option<Duration>),
+}
+
+/// How fast the workload's objects are created.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Pace {
+    /// This many creations in flight at once, as fast as they go.
+    InFlight(usize),
+    /// This many a second.
+    PerSecond(f64),
+}
 
 /// Claims a pod can get on one node of `devices` devices.
 pub fn per_node(variant: Variant, devices: usize) -> usize {
@@ -70,22 +98,22 @@ pub async fn prepare(client: &kube::Client, driver: &str, variant: Variant) -> a
     Ok(())
 }
 
-/// A pod of one claim from the template.
-fn pod(name: &str) -> anyhow::Result<Pod> {
-    Ok(serde_json::from_value(json!({
-        "metadata": { "name": name, "labels": { "app": "fleet" } },
-        "spec": {
-            "containers": [{ "name": "c", "image": "registry.k8s.io/pause:3.10",
-                "resources": { "requests": { "cpu": "10m", "memory": "16Mi" }, "claims": [{ "name": "dev" }] } }],
-            "resourceClaims": [{ "name": "dev", "resourceClaimTemplateName": TEMPLATE }],
-        },
-    }))?)
+/// The pod of one claim from the template, as a pod (`name`) or a Job's template.
+fn pod_spec() -> serde_json::Value {
+    json!({
+        "containers": [{ "name": "c", "image": "registry.k8s.io/pause:3.10",
+            "resources": { "requests": { "cpu": "10m", "memory": "16Mi" }, "claims": [{ "name": "dev" }] } }],
+        "resourceClaims": [{ "name": "dev", "resourceClaimTemplateName": TEMPLATE }],
+    })
 }
 
 /// Creates pod `name`, noting when it was sent.
 pub async fn create(client: &kube::Client, created: &Created, name: &str) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
-    let pod = pod(name)?;
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": { "name": name, "labels": { "app": "fleet" } },
+        "spec": pod_spec(),
+    }))?;
     if let Ok(mut c) = created.lock() {
         c.insert(name.to_owned(), Instant::now());
     }
@@ -95,19 +123,103 @@ pub async fn create(client: &kube::Client, created: &Created, name: &str) -> any
     Ok(())
 }
 
-/// Creates `names` with at most `in_flight` requests at once.
+/// Creates Job `name` of one pod that runs for `run_for` (`None`: until deleted), noting when
+/// it was sent.
+pub async fn create_job(
+    client: &kube::Client,
+    created: &Created,
+    name: &str,
+    run_for: Option<Duration>,
+) -> anyhow::Result<()> {
+    let jobs: Api<Job> = Api::namespaced(client.clone(), NAMESPACE);
+    let mut spec = pod_spec();
+    spec["restartPolicy"] = json!("Never");
+    let mut annotations = serde_json::Map::new();
+    if let Some(run_for) = run_for {
+        annotations.insert(RUN_FOR.into(), json!(run_for.as_millis().to_string()));
+    }
+    let job: Job = serde_json::from_value(json!({
+        "metadata": { "name": name, "labels": { "app": "fleet" } },
+        "spec": {
+            "completions": 1, "parallelism": 1, "backoffLimit": 0,
+            "template": {
+                "metadata": { "labels": { "app": "fleet" }, "annotations": annotations },
+                "spec": spec,
+            },
+        },
+    }))?;
+    if let Ok(mut c) = created.lock() {
+        c.insert(name.to_owned(), Instant::now());
+    }
+    jobs.create(&PostParams::default(), &job)
+        .await
+        .with_context(|| format!("create Job {name}"))?;
+    Ok(())
+}
+
+/// Creates one object of `kind` named `name`.
+pub async fn create_kind(
+    client: &kube::Client,
+    created: &Created,
+    name: &str,
+    kind: Kind,
+) -> anyhow::Result<()> {
+    match kind {
+        Kind::Pod => create(client, created, name).await,
+        Kind::Job(run_for) => create_job(client, created, name, run_for).await,
+    }
+}
+
+/// Creates `names` as `kind` at `pace`.
 pub async fn create_all(
     client: &kube::Client,
     created: &Created,
     names: &[String],
-    in_flight: usize,
+    kind: Kind,
+    pace: Pace,
 ) -> anyhow::Result<()> {
-    let mut results = futures_util::stream::iter(names)
-        .map(|name| create(client, created, name))
-        .buffer_unordered(in_flight.max(1));
-    while let Some(result) = results.next().await {
-        result?;
+    match pace {
+        Pace::InFlight(in_flight) => {
+            let mut results = futures_util::stream::iter(names)
+                .map(|name| create_kind(client, created, name, kind))
+                .buffer_unordered(in_flight.max(1));
+            while let Some(result) = results.next().await {
+                result?;
+            }
+        }
+        Pace::PerSecond(rate) => {
+            anyhow::ensure!(
+                rate.is_finite() && rate > 0.0,
+                "a creation rate must be above 0 a second"
+            );
+            let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+            let mut tasks = Vec::with_capacity(names.len());
+            for name in names {
+                tick.tick().await;
+                let (client, created, name) = (client.clone(), created.clone(), name.clone());
+                tasks.push(tokio::spawn(async move {
+                    create_kind(&client, &created, &name, kind).await
+                }));
+            }
+            for task in tasks {
+                task.await??;
+            }
+        }
     }
+    Ok(())
+}
+
+/// Deletes every Job of the namespace, their pods with them (graceful: the kubelet stand-ins
+/// finish the ones still running).
+pub async fn delete_jobs(client: &kube::Client) -> anyhow::Result<()> {
+    let jobs: Api<Job> = Api::namespaced(client.clone(), NAMESPACE);
+    let params = DeleteParams {
+        propagation_policy: Some(kube::api::PropagationPolicy::Background),
+        ..DeleteParams::default()
+    };
+    jobs.delete_collection(&params, &Default::default())
+        .await
+        .context("delete the Jobs")?;
     Ok(())
 }
 
@@ -143,7 +255,8 @@ pub fn latencies(
 }
 
 /// Waits (polling the API server every 500 ms, `limit` at most) until `namespace` has no pods
-/// and no claims left.
+/// and no claims left; the claims no pod owns (the bench made them: the driver mode) are
+/// deleted once every pod is gone, as their user would.
 pub async fn wait_empty(client: &kube::Client, limit: Duration) -> anyhow::Result<Duration> {
     use k8s_openapi::api::resource::v1::ResourceClaim;
     let started = Instant::now();
@@ -151,13 +264,30 @@ pub async fn wait_empty(client: &kube::Client, limit: Duration) -> anyhow::Resul
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NAMESPACE);
     loop {
         let p = pods.list_metadata(&Default::default()).await?.items.len();
-        let c = claims.list_metadata(&Default::default()).await?.items.len();
-        if p == 0 && c == 0 {
+        let left = claims.list_metadata(&Default::default()).await?.items;
+        if p == 0 && left.is_empty() {
             return Ok(started.elapsed());
+        }
+        if p == 0 {
+            for claim in left
+                .iter()
+                .filter(|c| c.metadata.owner_references.is_none())
+            {
+                if let Some(name) = &claim.metadata.name {
+                    match claims.delete(name, &DeleteParams::default()).await {
+                        Ok(_) => {}
+                        Err(kube::Error::Api(s)) if s.is_not_found() => {}
+                        Err(err) => {
+                            return Err(err).with_context(|| format!("delete claim {name}"))
+                        }
+                    }
+                }
+            }
         }
         anyhow::ensure!(
             started.elapsed() < limit,
-            "after {limit:?}: {p} pods and {c} claims left"
+            "after {limit:?}: {p} pods and {} claims left",
+            left.len()
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
