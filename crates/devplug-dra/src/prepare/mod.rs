@@ -24,6 +24,7 @@ mod claim_spec;
 mod conflicts;
 mod device_metadata;
 mod error;
+mod group_commit;
 mod handover;
 mod node_lock;
 mod plan;
@@ -79,9 +80,11 @@ impl PrepareFiles {
 
 /// The driver's state held for a change (see [`Preparer::lock_for_change`]).
 struct ChangeGuard<'a> {
+    preparer: &'a Preparer,
     state: MutexGuard<'a, Checkpoint>,
-    /// The node-wide lock, released when dropped.
-    _file: Option<std::fs::File>,
+    /// The node-wide lock (released when dropped) and the changes of other calls waiting for
+    /// their write (`group_commit`).
+    carry: Option<group_commit::Carry>,
 }
 
 impl std::ops::Deref for ChangeGuard<'_> {
@@ -114,6 +117,15 @@ pub struct Preparer {
     metrics: Arc<ClaimMetrics>,
     /// The prepared claims as last saved, for the device status writer.
     saved: tokio::sync::watch::Sender<crate::device_status::PreparedClaims>,
+    /// Calls waiting for the state to make a change (`group_commit`).
+    waiting: std::sync::atomic::AtomicUsize,
+    /// The lock and the changes waiting for their write, between two holders of the state.
+    carried: std::sync::Mutex<Option<group_commit::Carry>>,
+    /// Wakes the calls waiting for a group's write when the carry was left with nobody to
+    /// take it.
+    abandoned: tokio::sync::Notify,
+    /// Checkpoint writes made (each one fsync).
+    writes: std::sync::atomic::AtomicU64,
 }
 
 impl Preparer {
@@ -166,6 +178,10 @@ impl Preparer {
             read_deadline: CLAIM_READ_DEADLINE,
             device_metadata: false,
             metrics: Arc::default(),
+            waiting: Default::default(),
+            carried: Default::default(),
+            abandoned: Default::default(),
+            writes: Default::default(),
         })
     }
 
@@ -231,6 +247,12 @@ impl Preparer {
             .collect()
     }
 
+    /// Checkpoint writes made so far (each one fsync): calls queued on the driver's lock share
+    /// one.
+    pub fn checkpoint_writes(&self) -> u64 {
+        self.writes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Prepares every claim; one result per distinct claim UID. Counted in [`Self::metrics`].
     pub async fn prepare(&self, claims: &[ClaimRef]) -> ClaimResults<Vec<PreparedDevice>> {
         let start = std::time::Instant::now();
@@ -293,27 +315,20 @@ impl Preparer {
             }
             results.insert(claim.uid.clone(), result);
         }
-        if new.is_empty() {
-            return results;
-        }
-        if let Err(err) = self.save(&state).await {
+        let devices: Vec<usize> = new
+            .iter()
+            .map(|c| state.claims.get(&c.uid).map_or(0, |c| c.devices.len()))
+            .collect();
+        let own = group_commit::Undo::Prepared(new.iter().map(|c| c.uid.clone()).collect());
+        // One durable write for this call and those queued behind it.
+        if let Err(err) = self.commit(state, own).await {
             for claim in new {
-                if let Some(undone) = state.claims.remove(&claim.uid) {
-                    let _ = std::fs::remove_file(&undone.cdi_spec);
-                    handover::release_after_failure(
-                        &self.driver,
-                        &self.backend,
-                        whole_ids(&undone.devices),
-                    )
-                    .await;
-                }
                 tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot prepare the claim");
                 results.insert(claim.uid.clone(), Err(err.clone()));
             }
             return results;
         }
-        for claim in new {
-            let devices = state.claims.get(&claim.uid).map_or(0, |c| c.devices.len());
+        for (claim, devices) in new.into_iter().zip(devices) {
             tracing::info!(driver = %self.driver, claim = %claim, devices, "claim prepared");
         }
         results
@@ -490,20 +505,9 @@ impl Preparer {
                 }
             }
         }
-        if removed.is_empty() {
-            return results;
-        }
-        if let Err(err) = self.save(&state).await {
-            for (claim, gone) in removed {
-                state.claims.insert(claim.uid.clone(), gone);
-                tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot unprepare the claim");
-                results.insert(claim.uid.clone(), Err(err.clone()));
-            }
-            return results;
-        }
         // Shared devices whose last share went with these claims.
         let mut unshared: Vec<String> = Vec::new();
-        for (claim, gone) in &removed {
+        for (_, gone) in &removed {
             for released in &gone.devices {
                 let still_shared = state.claims.values().any(|other| {
                     other
@@ -515,6 +519,23 @@ impl Preparer {
                     unshared.push(released.id.clone());
                 }
             }
+        }
+        let names: Vec<&ClaimRef> = removed.iter().map(|(claim, _)| *claim).collect();
+        let own = group_commit::Undo::Unprepared(
+            removed
+                .into_iter()
+                .map(|(claim, gone)| (claim.uid.clone(), gone))
+                .collect(),
+        );
+        // One durable write for this call and those queued behind it.
+        if let Err(err) = self.commit(state, own).await {
+            for claim in names {
+                tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot unprepare the claim");
+                results.insert(claim.uid.clone(), Err(err.clone()));
+            }
+            return results;
+        }
+        for claim in names {
             tracing::info!(driver = %self.driver, claim = %claim, "claim unprepared");
         }
         handover::shares_released(&self.backend, unshared).await;
@@ -559,6 +580,8 @@ impl Preparer {
         })?;
         self.set_stamp(FileStamp::of(&path));
         self.saved.send_replace(claims);
+        self.writes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
@@ -566,47 +589,6 @@ impl Preparer {
         if let Ok(mut kept) = self.stamp.lock() {
             *kept = stamp;
         }
-    }
-
-    /// The state for a change: the driver's mutex, then the node-wide lock on the checkpoint,
-    /// then the checkpoint read again if another instance wrote it since this one did (the
-    /// shares it prepared told to the backend, as at a start).
-    async fn lock_for_change(&self) -> ChangeGuard<'_> {
-        let mut state = self.state.lock().await;
-        let file = match node_lock::lock(&self.files.checkpoint).await {
-            Ok(file) => Some(file),
-            Err(err) => {
-                tracing::warn!(driver = %self.driver, path = %node_lock::lock_path(&self.files.checkpoint).display(), %err, "cannot take the checkpoint's lock: another instance of the driver may change it meanwhile");
-                None
-            }
-        };
-        let now = FileStamp::of(&self.files.checkpoint);
-        let known = self.stamp.lock().map(|s| *s).unwrap_or(None);
-        if now != known {
-            match Checkpoint::load(&self.files.checkpoint, &self.driver) {
-                Ok(fresh) => {
-                    let new_shares: Vec<String> = fresh
-                        .claims
-                        .iter()
-                        .filter(|(uid, _)| !state.claims.contains_key(*uid))
-                        .flat_map(|(_, claim)| &claim.devices)
-                        .filter(|d| d.hold.share_id().is_some())
-                        .map(|d| d.id.clone())
-                        .collect::<BTreeSet<_>>()
-                        .into_iter()
-                        .collect();
-                    tracing::info!(driver = %self.driver, claims = fresh.claims.len(), was = state.claims.len(), "the checkpoint was written by another instance of the driver: read again");
-                    *state = fresh;
-                    self.set_stamp(now);
-                    self.saved.send_replace(Arc::new(state.claims.clone()));
-                    handover::restore_shares(self.backend.clone(), new_shares).await;
-                }
-                Err(err) => {
-                    tracing::error!(driver = %self.driver, %err, "the checkpoint another instance wrote cannot be read; this instance's claims are kept");
-                }
-            }
-        }
-        ChangeGuard { state, _file: file }
     }
 
     /// The CDI kind of this driver's claim specs: `<driver>/claim`.

@@ -104,6 +104,105 @@ async fn a_checkpoint_that_cannot_be_written_undoes_the_whole_call() {
     assert!(preparer.prepared().await.is_empty());
 }
 
+/// A preparer of eight NPUs and claims `c0`..`c7`, one NPU each.
+fn eight_npus(files: &PrepareFiles) -> Preparer {
+    let list = DeviceList::new((0..8).map(|i| Device::new(format!("npu-{i}"))));
+    let (tx, _) = watch::channel(list);
+    let claims = Fixed(
+        (0..8)
+            .map(|i| (format!("c{i}"), vec![allocated("x", &format!("npu-{i}"))]))
+            .collect(),
+    );
+    npu_preparer(tx, claims, files)
+}
+
+#[tokio::test]
+async fn calls_queued_on_the_lock_share_one_checkpoint_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = PrepareFiles {
+        cdi_dir: dir.path().join("cdi"),
+        checkpoint: dir.path().join("driver/checkpoint.json"),
+    };
+    let preparer = eight_npus(&files);
+    let claims: Vec<ClaimRef> = (0..8).map(|i| claim(&format!("c{i}"))).collect();
+    // Eight calls at once, as the kubelet makes for eight pods landing on the node together.
+    let results = futures_util::future::join_all(
+        claims
+            .iter()
+            .map(|c| preparer.prepare(std::slice::from_ref(c))),
+    )
+    .await;
+    assert!(results.iter().all(|r| r.values().all(Result::is_ok)));
+    let writes = preparer.checkpoint_writes();
+    assert!(
+        writes <= 2,
+        "{writes} checkpoint writes for 8 calls queued together"
+    );
+    // Every claim is on disk: a new instance reads them all.
+    let again = eight_npus(&files);
+    assert_eq!(again.prepared().await.len(), 8);
+    // The same for unprepares.
+    let results = futures_util::future::join_all(
+        claims
+            .iter()
+            .map(|c| again.unprepare(std::slice::from_ref(c))),
+    )
+    .await;
+    assert!(results.iter().all(|r| r.values().all(Result::is_ok)));
+    assert!(again.checkpoint_writes() <= 2);
+    assert!(eight_npus(&files).prepared().await.is_empty());
+}
+
+#[tokio::test]
+async fn a_shared_write_that_fails_undoes_every_call_of_the_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = PrepareFiles {
+        cdi_dir: dir.path().join("cdi"),
+        checkpoint: dir.path().join("driver/checkpoint.json"),
+    };
+    let preparer = eight_npus(&files);
+    assert!(preparer.prepare(&[claim("c0")]).await["c0"].is_ok());
+    // The checkpoint's folder turns into a file: no write can succeed.
+    let folder = dir.path().join("driver");
+    std::fs::rename(&folder, dir.path().join("driver-moved")).unwrap();
+    std::fs::write(&folder, "not a folder").unwrap();
+    let uids: Vec<String> = (1..8).map(|i| format!("c{i}")).collect();
+    let claims: Vec<ClaimRef> = uids.iter().map(|uid| claim(uid)).collect();
+    let first = [claim("c0")];
+    let (prepared, unprepared) = tokio::join!(
+        preparer.unprepare(&first),
+        futures_util::future::join_all(
+            claims
+                .iter()
+                .map(|c| preparer.prepare(std::slice::from_ref(c))),
+        ),
+    );
+    let (prepared, unprepared) = (unprepared, prepared);
+    for (uid, result) in uids.iter().zip(&prepared) {
+        let err = result[uid].as_ref().unwrap_err().to_string();
+        assert!(err.contains("cannot write the checkpoint"), "{uid}: {err}");
+        assert!(!spec_path(&files.cdi_dir, "npu.example.com", uid).exists());
+    }
+    assert!(unprepared["c0"].is_err(), "its write failed too");
+    let left: Vec<String> = preparer.prepared().await.into_keys().collect();
+    assert_eq!(
+        left,
+        ["c0"],
+        "every member undone, the unprepare's claim put back"
+    );
+    // Once the folder is back, the devices the failed calls held are free again.
+    std::fs::remove_file(&folder).unwrap();
+    std::fs::rename(dir.path().join("driver-moved"), &folder).unwrap();
+    let results = futures_util::future::join_all(
+        claims
+            .iter()
+            .map(|c| preparer.prepare(std::slice::from_ref(c))),
+    )
+    .await;
+    assert!(results.iter().all(|r| r.values().all(Result::is_ok)));
+    assert_eq!(preparer.prepared().await.len(), 8);
+}
+
 #[tokio::test]
 async fn an_unhealthy_device_is_prepared_only_for_a_claim_that_tolerates_its_taint() {
     let dir = tempfile::tempdir().unwrap();
