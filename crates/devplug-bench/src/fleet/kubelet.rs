@@ -1,6 +1,8 @@
 //! The kubelet stand-in of every simulated node. One watch of the benchmark's pods serves all
 //! nodes (as one informer would); each event goes to the worker of the pod's node, and the
-//! per-node work is per node, as on a real node: for a pod bound there, read its claims
+//! per-node work is per node, as on a real node: for a pod bound there, in a task of its own
+//! (the kubelet's pod workers run side by side, so pods landing on a node together reach its
+//! driver together), read its claims
 //! (the kubelet reads each claim to learn its UID), call that node's `NodePrepareResources`
 //! over the driver's real socket, and mark the pod Running (a status patch, as kwok does);
 //! for a pod being deleted, `NodeUnprepareResources`, then the final delete a kubelet makes;
@@ -75,7 +77,6 @@ pub type RunningCount = watch::Receiver<usize>;
 
 /// One node's worker: its pods and the driver's socket.
 struct Worker {
-    node: String,
     /// The driver's socket as last registered.
     endpoint: watch::Receiver<PathBuf>,
     /// The connection, and the socket it was made to.
@@ -89,10 +90,39 @@ struct Worker {
     /// Pods (by UID) whose claims were unprepared for their deletion: a retry of an older
     /// event of theirs, still queued, must not prepare them again.
     finished: HashSet<String>,
+    /// Pods (by UID) whose prepare runs in a task of its own now.
+    in_flight: HashSet<String>,
+    /// What the pods' own tasks send back.
+    outcomes: mpsc::UnboundedSender<Outcome>,
+    /// What the node's pods' own tasks need.
+    ctx: Arc<Ctx>,
+    retry: mpsc::UnboundedSender<Pod>,
+}
+
+/// What a pod's own task needs: the API client, the shared observations, the Running count and
+/// the node's name.
+struct Ctx {
+    node: String,
     client: kube::Client,
     observed: Arc<Observed>,
     running: watch::Sender<usize>,
-    retry: mpsc::UnboundedSender<Pod>,
+}
+
+/// A pod's prepare, done in a task of its own (as the kubelet's pod workers run side by side),
+/// back to the node's worker.
+struct Outcome {
+    pod: Pod,
+    uid: String,
+    result: Result<Option<Vec<dra_v1::Claim>>, Failure>,
+    /// Whether the pod was marked Running.
+    running: bool,
+}
+
+/// A prepare that failed.
+struct Failure {
+    why: String,
+    /// The claims of a call that got no answer (the driver may have prepared them).
+    attempted: Option<Vec<dra_v1::Claim>>,
 }
 
 /// The stand-ins of all nodes: the shared watch and a worker per node.
@@ -118,20 +148,25 @@ impl Kubelets {
         let mut routes: HashMap<String, mpsc::UnboundedSender<Pod>> = HashMap::new();
         for (node, endpoint) in nodes {
             let (tx, rx) = mpsc::unbounded_channel();
+            let (outcomes_tx, outcomes_rx) = mpsc::unbounded_channel();
             routes.insert(node.clone(), tx.clone());
             let worker = Worker {
-                node: node.clone(),
                 endpoint: endpoint.clone(),
                 channel: None,
                 prepared: HashMap::new(),
                 attempted: HashMap::new(),
                 finished: HashSet::new(),
-                client: client.clone(),
-                observed: observed.clone(),
-                running: running_tx.clone(),
+                in_flight: HashSet::new(),
+                outcomes: outcomes_tx,
+                ctx: Arc::new(Ctx {
+                    node: node.clone(),
+                    client: client.clone(),
+                    observed: observed.clone(),
+                    running: running_tx.clone(),
+                }),
                 retry: tx,
             };
-            tasks.push(tokio::spawn(worker.run(rx)));
+            tasks.push(tokio::spawn(worker.run(rx, outcomes_rx)));
         }
         let pods: Api<Pod> = Api::namespaced(client, namespace);
         tasks.push(tokio::spawn(async move {
@@ -201,9 +236,19 @@ fn marked(pod: &Pod, mark: &str) -> bool {
 }
 
 impl Worker {
-    async fn run(mut self, mut pods: mpsc::UnboundedReceiver<Pod>) {
-        while let Some(pod) = pods.recv().await {
-            self.handle(pod).await;
+    async fn run(
+        mut self,
+        mut pods: mpsc::UnboundedReceiver<Pod>,
+        mut outcomes: mpsc::UnboundedReceiver<Outcome>,
+    ) {
+        loop {
+            tokio::select! {
+                pod = pods.recv() => match pod {
+                    Some(pod) => self.handle(pod).await,
+                    None => return,
+                },
+                Some(outcome) = outcomes.recv() => self.settle(outcome),
+            }
         }
     }
 
@@ -215,7 +260,7 @@ impl Worker {
             return;
         }
         if let Some(name) = workload_name(&pod) {
-            if let Ok(mut bound) = self.observed.bound.lock() {
+            if let Ok(mut bound) = self.ctx.observed.bound.lock() {
                 bound.entry(name).or_insert_with(Instant::now);
             }
         }
@@ -225,6 +270,11 @@ impl Worker {
         }
         let gone = marked(&pod, GONE);
         if gone || pod.metadata.deletion_timestamp.is_some() {
+            if self.in_flight.contains(&uid) {
+                // Its prepare is still running: unprepared once that ends.
+                self.again(pod);
+                return;
+            }
             let claims = self
                 .prepared
                 .remove(&uid)
@@ -247,21 +297,65 @@ impl Worker {
         }
         let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
         if self.prepared.contains_key(&uid)
+            || self.in_flight.contains(&uid)
             || matches!(phase, Some("Running" | "Succeeded" | "Failed"))
         {
             return;
         }
-        match self.prepare(&pod, &uid).await {
+        // Each pod's prepare in a task of its own, as the kubelet's pod workers run side by
+        // side: pods landing on the node together reach the driver together.
+        let channel = match self.channel().await {
+            Ok(channel) => channel,
+            Err(err) => {
+                self.fail(format!("connect: {err}"));
+                self.again(pod);
+                return;
+            }
+        };
+        self.in_flight.insert(uid.clone());
+        let (ctx, outcomes) = (self.ctx.clone(), self.outcomes.clone());
+        tokio::spawn(async move {
+            let result = prepare(&ctx, channel, &pod, &uid).await;
+            // Prepared but not marked (the failure is recorded): the claims stay prepared
+            // until the pod's deletion.
+            let running = matches!(result, Ok(Some(_))) && mark_running(&ctx, &pod).await;
+            let _ = outcomes.send(Outcome {
+                pod,
+                uid,
+                result,
+                running,
+            });
+        });
+    }
+
+    /// A pod's prepare ended: recorded, its end scheduled, or tried again.
+    fn settle(&mut self, outcome: Outcome) {
+        let Outcome {
+            pod,
+            uid,
+            result,
+            running,
+        } = outcome;
+        self.in_flight.remove(&uid);
+        match result {
             Ok(Some(claims)) => {
+                self.attempted.remove(&uid);
                 self.prepared.insert(uid, claims);
-                if self.mark_running(&pod).await {
+                if running {
                     self.end_later(pod);
                 }
             }
             // Claims not allocated or reserved yet: try again shortly.
             Ok(None) => self.again(pod),
-            Err(err) => {
-                self.fail(err.to_string());
+            Err(failure) => {
+                if let Some(claims) = failure.attempted {
+                    // The connection may be broken: made again at the next call.
+                    self.channel = None;
+                    self.attempted.insert(uid, claims);
+                }
+                if let Ok(mut f) = self.ctx.observed.failures.lock() {
+                    f.push(failure.why);
+                }
                 self.again(pod);
             }
         }
@@ -308,14 +402,14 @@ impl Worker {
             "conditions": [{ "type": "Ready", "status": "False", "reason": "PodCompleted", "lastTransitionTime": at },
                 { "type": "ContainersReady", "status": "False", "reason": "PodCompleted", "lastTransitionTime": at }],
         } });
-        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let api: Api<Pod> = Api::namespaced(self.ctx.client.clone(), namespace);
         match api
             .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
             .await
         {
             Ok(_) => {
                 if let (Some(key), Ok(mut done)) =
-                    (workload_name(&pod), self.observed.succeeded.lock())
+                    (workload_name(&pod), self.ctx.observed.succeeded.lock())
                 {
                     done.insert(key, Instant::now());
                 }
@@ -343,96 +437,6 @@ impl Worker {
         });
     }
 
-    /// The pod's claims read and prepared; `None` when one is not allocated and reserved for
-    /// the pod yet.
-    async fn prepare(
-        &mut self,
-        pod: &Pod,
-        uid: &str,
-    ) -> anyhow::Result<Option<Vec<dra_v1::Claim>>> {
-        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
-        let spec_claims = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.resource_claims.clone())
-            .unwrap_or_default();
-        // A claim named in the pod's spec, or one the ResourceClaim controller made from a
-        // template, named in the pod's status once made.
-        let mut names: Vec<String> = spec_claims
-            .iter()
-            .filter_map(|c| c.resource_claim_name.clone())
-            .collect();
-        let from_templates = spec_claims.len().saturating_sub(names.len());
-        let statuses = pod
-            .status
-            .as_ref()
-            .and_then(|s| s.resource_claim_statuses.clone())
-            .unwrap_or_default();
-        if statuses.len() < from_templates {
-            return Ok(None);
-        }
-        names.extend(statuses.into_iter().filter_map(|s| s.resource_claim_name));
-        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &namespace);
-        let mut claims = Vec::with_capacity(names.len());
-        for name in names {
-            let claim = api.get(&name).await?;
-            let reserved = claim
-                .status
-                .as_ref()
-                .and_then(|s| s.reserved_for.as_ref())
-                .is_some_and(|r| r.iter().any(|c| c.uid == uid));
-            let allocated = claim
-                .status
-                .as_ref()
-                .is_some_and(|s| s.allocation.is_some());
-            if !reserved || !allocated {
-                return Ok(None);
-            }
-            claims.push(dra_v1::Claim {
-                namespace: namespace.clone(),
-                name,
-                uid: claim.metadata.uid.unwrap_or_default(),
-            });
-        }
-        let channel = self.channel().await?;
-        let started = Instant::now();
-        let answer = DraPluginClient::new(channel)
-            .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
-                claims: claims.clone(),
-            })
-            .await;
-        let took = started.elapsed();
-        let answer = match answer {
-            Ok(answer) => answer.into_inner(),
-            Err(status) => {
-                self.channel = None;
-                self.attempted.insert(uid.to_owned(), claims);
-                anyhow::bail!("NodePrepareResources: {status}");
-            }
-        };
-        self.attempted.remove(uid);
-        if let Ok(mut times) = self.observed.prepare_times.lock() {
-            times.push(took);
-        }
-        for claim in &claims {
-            match answer.claims.get(&claim.uid) {
-                Some(r) if r.error.is_empty() && !r.devices.is_empty() => {}
-                Some(r) => anyhow::bail!("claim {}: {}", claim.name, r.error),
-                None => anyhow::bail!("claim {}: no answer", claim.name),
-            }
-        }
-        if let Ok(mut prepared) = self.observed.prepared.lock() {
-            for claim in &claims {
-                let entry = prepared
-                    .entry(claim.uid.clone())
-                    .or_insert((0, self.node.clone()));
-                entry.0 = entry.0.saturating_add(1);
-                entry.1 = self.node.clone();
-            }
-        }
-        Ok(Some(claims))
-    }
-
     /// `NodeUnprepareResources` for `claims`; on any failure the claims come back, to be tried
     /// again.
     async fn unprepare(&mut self, claims: Vec<dra_v1::Claim>) -> Result<(), Vec<dra_v1::Claim>> {
@@ -456,7 +460,7 @@ impl Worker {
                 for claim in claims {
                     match answer.claims.get(&claim.uid) {
                         Some(r) if r.error.is_empty() => {
-                            if let Ok(mut un) = self.observed.unprepared.lock() {
+                            if let Ok(mut un) = self.ctx.observed.unprepared.lock() {
                                 let n = un.entry(claim.uid.clone()).or_default();
                                 *n = n.saturating_add(1);
                             }
@@ -496,44 +500,8 @@ impl Worker {
     }
 
     fn fail(&self, what: String) {
-        if let Ok(mut f) = self.observed.failures.lock() {
-            f.push(format!("{}: {what}", self.node));
-        }
-    }
-
-    /// Marks the pod Running; false when the status patch failed.
-    async fn mark_running(&mut self, pod: &Pod) -> bool {
-        let (Some(name), Some(namespace), Some(key)) = (
-            &pod.metadata.name,
-            &pod.metadata.namespace,
-            workload_name(pod),
-        ) else {
-            return false;
-        };
-        let at = k8s_openapi::jiff::Timestamp::now().to_string();
-        let condition =
-            |kind: &str| json!({ "type": kind, "status": "True", "lastTransitionTime": at });
-        let status = json!({ "status": {
-            "phase": "Running", "startTime": at,
-            "conditions": [condition("PodScheduled"), condition("Initialized"),
-                condition("ContainersReady"), condition("Ready")],
-        } });
-        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        match api
-            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
-            .await
-        {
-            Ok(_) => {
-                if let Ok(mut running) = self.observed.running.lock() {
-                    running.insert(key, Instant::now());
-                }
-                self.running.send_modify(|n| *n = n.saturating_add(1));
-                true
-            }
-            Err(err) => {
-                self.fail(format!("pod {name} not marked Running: {err}"));
-                false
-            }
+        if let Ok(mut f) = self.ctx.observed.failures.lock() {
+            f.push(format!("{}: {what}", self.ctx.node));
         }
     }
 
@@ -543,7 +511,7 @@ impl Worker {
         let (Some(name), Some(namespace)) = (&pod.metadata.name, &pod.metadata.namespace) else {
             return true;
         };
-        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let api: Api<Pod> = Api::namespaced(self.ctx.client.clone(), namespace);
         let params = DeleteParams {
             grace_period_seconds: Some(0),
             preconditions: Some(Preconditions {
@@ -559,6 +527,144 @@ impl Worker {
                 self.fail(format!("pod {name} not deleted: {err}"));
                 false
             }
+        }
+    }
+}
+
+/// The pod's claims read and prepared; `None` when one is not allocated and reserved for
+/// the pod yet.
+async fn prepare(
+    ctx: &Ctx,
+    channel: Channel,
+    pod: &Pod,
+    uid: &str,
+) -> Result<Option<Vec<dra_v1::Claim>>, Failure> {
+    let failed = |why: String| Failure {
+        why: format!("{}: {why}", ctx.node),
+        attempted: None,
+    };
+    let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+    let spec_claims = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.resource_claims.clone())
+        .unwrap_or_default();
+    // A claim named in the pod's spec, or one the ResourceClaim controller made from a
+    // template, named in the pod's status once made.
+    let mut names: Vec<String> = spec_claims
+        .iter()
+        .filter_map(|c| c.resource_claim_name.clone())
+        .collect();
+    let from_templates = spec_claims.len().saturating_sub(names.len());
+    let statuses = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.clone())
+        .unwrap_or_default();
+    if statuses.len() < from_templates {
+        return Ok(None);
+    }
+    names.extend(statuses.into_iter().filter_map(|s| s.resource_claim_name));
+    let api: Api<ResourceClaim> = Api::namespaced(ctx.client.clone(), &namespace);
+    let mut claims = Vec::with_capacity(names.len());
+    for name in names {
+        let claim = api
+            .get(&name)
+            .await
+            .map_err(|e| failed(format!("claim {name}: {e}")))?;
+        let reserved = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.reserved_for.as_ref())
+            .is_some_and(|r| r.iter().any(|c| c.uid == uid));
+        let allocated = claim
+            .status
+            .as_ref()
+            .is_some_and(|s| s.allocation.is_some());
+        if !reserved || !allocated {
+            return Ok(None);
+        }
+        claims.push(dra_v1::Claim {
+            namespace: namespace.clone(),
+            name,
+            uid: claim.metadata.uid.unwrap_or_default(),
+        });
+    }
+    let started = Instant::now();
+    let answer = DraPluginClient::new(channel)
+        .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
+            claims: claims.clone(),
+        })
+        .await;
+    let took = started.elapsed();
+    let answer = match answer {
+        Ok(answer) => answer.into_inner(),
+        Err(status) => {
+            return Err(Failure {
+                why: format!("{}: NodePrepareResources: {status}", ctx.node),
+                attempted: Some(claims),
+            });
+        }
+    };
+    if let Ok(mut times) = ctx.observed.prepare_times.lock() {
+        times.push(took);
+    }
+    for claim in &claims {
+        match answer.claims.get(&claim.uid) {
+            Some(r) if r.error.is_empty() && !r.devices.is_empty() => {}
+            Some(r) => return Err(failed(format!("claim {}: {}", claim.name, r.error))),
+            None => return Err(failed(format!("claim {}: no answer", claim.name))),
+        }
+    }
+    if let Ok(mut prepared) = ctx.observed.prepared.lock() {
+        for claim in &claims {
+            let entry = prepared
+                .entry(claim.uid.clone())
+                .or_insert((0, ctx.node.clone()));
+            entry.0 = entry.0.saturating_add(1);
+            entry.1 = ctx.node.clone();
+        }
+    }
+    Ok(Some(claims))
+}
+
+/// Marks the pod Running; false when the status patch failed.
+async fn mark_running(ctx: &Ctx, pod: &Pod) -> bool {
+    let (Some(name), Some(namespace), Some(key)) = (
+        &pod.metadata.name,
+        &pod.metadata.namespace,
+        workload_name(pod),
+    ) else {
+        return false;
+    };
+    let at = k8s_openapi::jiff::Timestamp::now().to_string();
+    let condition =
+        |kind: &str| json!({ "type": kind, "status": "True", "lastTransitionTime": at });
+    let status = json!({ "status": {
+        "phase": "Running", "startTime": at,
+        "conditions": [condition("PodScheduled"), condition("Initialized"),
+            condition("ContainersReady"), condition("Ready")],
+    } });
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
+    match api
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+    {
+        Ok(_) => {
+            if let Ok(mut running) = ctx.observed.running.lock() {
+                running.insert(key, Instant::now());
+            }
+            ctx.running.send_modify(|n| *n = n.saturating_add(1));
+            true
+        }
+        Err(err) => {
+            if let Ok(mut f) = ctx.observed.failures.lock() {
+                f.push(format!(
+                    "{}: pod {name} not marked Running: {err}",
+                    ctx.node
+                ));
+            }
+            false
         }
     }
 }
