@@ -2,15 +2,17 @@
 //! first holder is gone from the API server (the kubelet has yet to unprepare it).
 
 use super::error::PrepareError;
-use crate::checkpoint::{Checkpoint, PreparedDevice};
+use crate::checkpoint::{Checkpoint, PreparedClaim, PreparedDevice};
 use crate::claims::{AllocatedDevice, ClaimRef};
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 
 /// The prepared claims that exclusively hold a device one of `wanted` wants exclusively: the
 /// claims to ask the API server about before refusing.
-pub(super) fn holders_of(state: &Checkpoint, wanted: &[&AllocatedDevice]) -> Vec<ClaimRef> {
-    state
-        .claims
+pub(super) fn holders_of(
+    claims: &BTreeMap<String, PreparedClaim>,
+    wanted: &[&AllocatedDevice],
+) -> Vec<ClaimRef> {
+    claims
         .iter()
         .filter(|(_, prepared)| {
             prepared.devices.iter().any(|held| {

@@ -271,12 +271,15 @@ impl Preparer {
                 distinct.push(claim);
             }
         }
-        // The allocations of the claims not prepared yet, read with nothing locked.
+        // The allocations of the claims not prepared yet, read with nothing locked: the claims
+        // known are those of the last checkpoint write (the state itself is locked by every
+        // change, so calls landing together would read one after the other). A claim whose
+        // write is still pending is read once more and answered from the state below.
         let known: Vec<bool> = {
-            let state = self.state.lock().await;
+            let saved = self.saved.borrow();
             distinct
                 .iter()
-                .map(|c| state.claims.contains_key(&c.uid))
+                .map(|c| saved.contains_key(&c.uid))
                 .collect()
         };
         // One deadline for the call: each read ends by it, and a read that ends keeps its result.
@@ -369,7 +372,10 @@ impl Preparer {
         if wanted.is_empty() {
             return HashSet::new();
         }
-        let holders = holders_of(&*self.state.lock().await, &wanted);
+        // From the last checkpoint write, as `known` above: a holder whose write is pending
+        // is not asked about, and the change below refuses the device as taken (the kubelet
+        // tries again).
+        let holders = holders_of(&self.saved.borrow().clone(), &wanted);
         let checks = holders.iter().map(|holder| async move {
             let exists = tokio::time::timeout_at(deadline, self.claims.exists(holder)).await;
             matches!(exists, Ok(Ok(false))).then(|| holder.uid.clone())
