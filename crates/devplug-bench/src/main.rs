@@ -87,6 +87,10 @@ struct FleetArgs {
     /// as 20 or 50 creations in flight go).
     #[arg(long, value_name = "R")]
     fill_rate: Option<f64>,
+    /// Creations in flight at once during a fill not paced by --fill-rate (scheduler-perf
+    /// mode: 50; otherwise 20).
+    #[arg(long, value_name = "N")]
+    in_flight: Option<usize>,
     /// How long the churn lasts, in seconds (0: none; clusterloader2 mode: 120).
     #[arg(long, value_name = "S")]
     churn_secs: Option<u64>,
@@ -114,6 +118,16 @@ struct FleetArgs {
     /// How long the API server stays away in its storm, in seconds (default 30).
     #[arg(long, value_name = "S")]
     api_down_secs: Option<u64>,
+    /// Run the simulated nodes against the cluster of this kubeconfig (kind, or a real one)
+    /// instead of a control plane of the bench's own: their Nodes labelled and tainted so that
+    /// nothing else lands there, and removed at the end; its control plane is not measured.
+    #[arg(long, value_name = "PATH")]
+    kubeconfig: Option<std::path::PathBuf>,
+    /// Run part i (from 0) of n of the fleet of --nodes: the nodes whose number is i modulo n,
+    /// with a workload of their own (namespace fleet-<i>); one process per part, on one
+    /// machine or several, against the cluster of --kubeconfig.
+    #[arg(long, value_name = "i/n")]
+    shard: Option<devplug_bench::fleet::Shard>,
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -185,6 +199,8 @@ async fn fleet(args: FleetArgs, cpu_before: Option<measure::MachineCpu>) -> anyh
     options.variant = args.variant;
     options.storms = args.storms;
     options.rolling_restart = args.rolling_restart;
+    options.kubeconfig = args.kubeconfig;
+    options.shard = args.shard;
     if let Some(rate) = args.fill_rate {
         anyhow::ensure!(
             rate.is_finite() && rate > 0.0,
@@ -201,6 +217,10 @@ async fn fleet(args: FleetArgs, cpu_before: Option<measure::MachineCpu>) -> anyh
     if let Some(secs) = args.job_secs {
         options.job_running = Duration::try_from_secs_f64(secs)
             .map_err(|_| anyhow::anyhow!("--job-secs must be 0 or more seconds"))?;
+    }
+    if let Some(n) = args.in_flight {
+        anyhow::ensure!(n > 0, "--in-flight must be at least 1");
+        options.in_flight = n;
     }
     if let Some(bursts) = args.bursts {
         options.bursts = bursts;

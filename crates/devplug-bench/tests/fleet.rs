@@ -77,3 +77,47 @@ async fn driver_mode_prepares_every_burst() {
     })
     .await;
 }
+
+#[cfg_attr(
+    no_controller_manager,
+    ignore = "needs the whole control plane: KUBEBUILDER_ASSETS naming a folder with etcd, \
+              kube-apiserver, kube-scheduler and kube-controller-manager (envtest's assets lack \
+              the last two; docs/testing.md says where they come from)"
+)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_shards_share_an_existing_cluster_and_leave_nothing_behind() {
+    let _turn = TURN.lock().await;
+    // The cluster the shards find: started here, as a user's would be running already.
+    let plane = fleet::start_plane(None, true).await.expect("control plane");
+    let kubeconfig = plane
+        .plane
+        .as_ref()
+        .expect("the plane's API server")
+        .server()
+        .kubeconfig
+        .clone();
+    let shard = |index: usize| FleetOptions {
+        kubeconfig: Some(kubeconfig.clone()),
+        shard: Some(fleet::Shard { index, count: 2 }),
+        churn: Duration::from_secs(10),
+        job_running: Duration::from_secs(1),
+        idle: Duration::from_secs(1),
+        ..FleetOptions::new(Mode::Clusterloader2, 8)
+    };
+    let (first, second) = tokio::join!(fleet::run(shard(0)), fleet::run(shard(1)));
+    if let Err(err) = first.and(second) {
+        panic!("a shard failed: {err:#}");
+    }
+    // Each shard removed its own Nodes; nothing of the run is left.
+    let admin = devplug_testkit::api_server::client(&kubeconfig)
+        .await
+        .expect("client");
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(admin);
+    let left = nodes
+        .list_metadata(&Default::default())
+        .await
+        .expect("list Nodes")
+        .items
+        .len();
+    assert_eq!(left, 0, "simulated Nodes left in the cluster");
+}

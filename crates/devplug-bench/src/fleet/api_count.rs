@@ -78,7 +78,8 @@ impl ClientFactory {
 /// The drivers' clients, all counting into one total: each node's driver on a token of its own
 /// node under the chart's DRA role (as a DaemonSet's pod has it; not exempt from the API
 /// server's priority and fairness), where the rendered chart is at hand
-/// (`DEVPLUG_HELM_RENDERED`); else every driver on the admin's token.
+/// (`DEVPLUG_HELM_RENDERED`) and the control plane is the run's own; else every driver on the
+/// admin's token (or, on an existing cluster, its kubeconfig's credentials).
 pub struct DriverClients {
     /// One factory per node, in the nodes' order; or one for all.
     factories: Vec<ClientFactory>,
@@ -91,12 +92,26 @@ impl DriverClients {
     /// The drivers' clients for the nodes `names` of the cluster whose admin is `admin`
     /// (`kubeconfig`, on `server`).
     pub async fn new(
-        server: &devplug_testkit::api_server::ApiServer,
+        server: Option<&devplug_testkit::api_server::ApiServer>,
         admin: &kube::Client,
         kubeconfig: &Path,
         names: &[String],
     ) -> anyhow::Result<DriverClients> {
         let count = Arc::new(ApiCount::default());
+        let Some(server) = server else {
+            // An existing cluster: its kubeconfig's credentials for every driver.
+            return Ok(DriverClients {
+                factories: vec![
+                    ClientFactory::counting_into(kubeconfig, DRIVER_USER_AGENT, count.clone())
+                        .await?,
+                ],
+                count,
+                identity: format!(
+                    "the credentials of {} for every driver",
+                    kubeconfig.display()
+                ),
+            });
+        };
         if std::env::var_os("DEVPLUG_HELM_RENDERED").is_none() {
             return Ok(DriverClients {
                 factories: vec![

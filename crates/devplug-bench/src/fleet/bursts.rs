@@ -50,7 +50,7 @@ pub(super) async fn run(
             burst
                 .iter()
                 .enumerate()
-                .map(|(k, name)| make_pod(admin, node, name, k)),
+                .map(|(k, name)| make_pod(admin, &cluster.target, node, name, k)),
         )
         .await?;
         anyhow::ensure!(
@@ -60,7 +60,7 @@ pub(super) async fn run(
         let bound = futures_util::future::try_join_all(
             burst
                 .iter()
-                .map(|name| bind(admin, created, name, &node.name)),
+                .map(|name| bind(admin, &cluster.target, created, name, &node.name)),
         );
         bound.await?;
         names.extend(burst);
@@ -110,12 +110,13 @@ pub(super) async fn run(
 /// leaves it before binding. Returns the pod's UID.
 async fn make_pod(
     admin: &kube::Client,
+    target: &workload::Target,
     node: &SimNode,
     name: &str,
     device: usize,
 ) -> anyhow::Result<String> {
     let device = format!("dev-{device}");
-    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), workload::NAMESPACE);
+    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), &target.namespace);
     let claim: ResourceClaim = serde_json::from_value(json!({
         "metadata": { "name": name },
         "spec": { "devices": { "requests": [{ "name": "dev", "exactly": { "deviceClassName": "fleet" } }] } },
@@ -124,7 +125,7 @@ async fn make_pod(
         .create(&PostParams::default(), &claim)
         .await
         .with_context(|| format!("create claim {name}"))?;
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), workload::NAMESPACE);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &target.namespace);
     let pod: Pod = serde_json::from_value(json!({
         "metadata": { "name": name, "labels": { "app": "fleet" } },
         "spec": {
@@ -157,11 +158,12 @@ async fn make_pod(
 /// Binds pod `name` to `node` as the scheduler does, noting when.
 async fn bind(
     admin: &kube::Client,
+    target: &workload::Target,
     created: &workload::Created,
     name: &str,
     node: &str,
 ) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), workload::NAMESPACE);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &target.namespace);
     let binding = json!({
         "apiVersion": "v1", "kind": "Binding",
         "metadata": { "name": name },

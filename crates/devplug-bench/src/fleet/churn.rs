@@ -27,7 +27,7 @@ pub(super) async fn run(
     let mut live: std::collections::VecDeque<String> = fill_names.iter().cloned().collect();
     let mut churn_names = Vec::new();
     if !options.churn.is_zero() {
-        let cpu_before = cpu_now(plane.dir.path());
+        let cpu_before = cpu_now(plane.dir());
         let requests_before = sampler.now();
         let started = Instant::now();
         let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / options.churn_rate));
@@ -50,11 +50,12 @@ pub(super) async fn run(
                 None
             };
             let (client, created) = (admin.clone(), created.clone());
+            let target = cluster.target.clone();
             tasks.push(tokio::spawn(async move {
                 if let Some(old) = old {
-                    workload::delete(&client, &old).await?;
+                    workload::delete(&client, &target, &old).await?;
                 }
-                workload::create_kind(&client, &created, &name, kind).await
+                workload::create_kind(&client, &target, &created, &name, kind).await
             }));
         }
         for task in tasks {
@@ -63,12 +64,35 @@ pub(super) async fn run(
         let churn_requests = sampler.now() - requests_before;
         let churn_took = started.elapsed();
         let want = target + churn_names.len();
-        let done = tokio::time::timeout(Duration::from_secs(120), running.wait_for(|r| *r >= want))
+        // Short-lived Jobs need free devices while they run: more at once than the fill left
+        // free, and they queue for each other (clusterloader2's shape, 5 a second of 30 s each,
+        // needs 150 free: a fleet of 188 nodes or more at 8 devices and 90%).
+        let mut limit = Duration::from_secs(120);
+        if let Kind::Job(Some(running_for)) = kind {
+            let capacity =
+                workload::per_node(options.variant, options.devices).saturating_mul(options.nodes);
+            let free = capacity.saturating_sub(target).max(1);
+            let needed = options.churn_rate * running_for.as_secs_f64();
+            report(
+                "churn: Jobs running at once in the steady state (rate × running time), devices the fill left free",
+                format!(
+                    "{needed:.0}, {free}{}",
+                    if needed > free as f64 {
+                        ": the churn's pods queue for devices at this size"
+                    } else {
+                        ""
+                    }
+                ),
+            );
+            limit =
+                limit.saturating_add(running_for.mul_f64(churn_names.len() as f64 / free as f64));
+        }
+        let done = tokio::time::timeout(limit, running.wait_for(|r| *r >= want))
             .await
             .is_ok_and(|r| r.is_ok());
         anyhow::ensure!(
             done,
-            "after the churn: {} of {want} pods ever Running",
+            "{limit:?} after the churn: {} of {want} pods ever Running",
             *running.borrow()
         );
         let (mut lat, missing) =
@@ -100,12 +124,7 @@ pub(super) async fn run(
             "churn: driver API requests",
             rate(churn_requests, churn_took),
         );
-        report_cpu(
-            "the churn",
-            &cpu_before,
-            &cpu_now(plane.dir.path()),
-            churn_took,
-        );
+        report_cpu("the churn", &cpu_before, &cpu_now(plane.dir()), churn_took);
         let mut times = kubelets
             .observed
             .prepare_times

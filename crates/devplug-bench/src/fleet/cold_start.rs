@@ -37,7 +37,8 @@ pub(super) async fn start(cluster: &Cluster, options: &FleetOptions) -> anyhow::
         ..
     } = cluster;
     // Cold start: every node's driver at once.
-    let drivers = DriverClients::new(plane.plane.server(), admin, kubeconfig, names).await?;
+    let server = plane.plane.as_ref().map(|p| p.server());
+    let drivers = DriverClients::new(server, admin, kubeconfig, names).await?;
     report("the drivers' credentials", &drivers.identity);
     let (sampler, sampler_task) = Sampler::start(drivers.count());
     let mut nodes: Vec<SimNode> = names
@@ -54,7 +55,7 @@ pub(super) async fn start(cluster: &Cluster, options: &FleetOptions) -> anyhow::
     );
     let rss_before = metrics::process_usage("self").map_or(0, |(_, rss)| rss);
     let fds_before = open_files();
-    let cpu_before = cpu_now(plane.dir.path());
+    let cpu_before = cpu_now(plane.dir());
     let started = sampler.mark();
     for (i, node) in nodes.iter_mut().enumerate() {
         node.start_driver(drivers.client(i)?).await?;
@@ -74,10 +75,10 @@ pub(super) async fn start(cluster: &Cluster, options: &FleetOptions) -> anyhow::
     report_cpu(
         "the cold start",
         &cpu_before,
-        &cpu_now(plane.dir.path()),
+        &cpu_now(plane.dir()),
         started.elapsed(),
     );
-    let slices = slice_count(admin).await?;
+    let slices = slice_count(admin, names).await?;
     anyhow::ensure!(slices >= n, "{slices} ResourceSlices for {n} nodes");
     let rss_after = metrics::process_usage("self").map_or(0, |(_, rss)| rss);
     report(

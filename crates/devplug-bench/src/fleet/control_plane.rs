@@ -6,13 +6,50 @@ use super::figures::report;
 use super::metrics;
 use super::setup::Plane;
 
-/// Prints the control plane's figures; `sched_before` is the scheduler's metrics text from
-/// before the workload.
-pub(super) async fn report_workload(plane: &Plane, admin: &kube::Client, sched_before: &str) {
+/// The scheduler's and controller manager's metrics before the workload.
+pub(super) struct Before {
+    scheduler: String,
+    controller_manager: String,
+}
+
+impl Before {
+    pub(super) async fn read(plane: &Plane) -> Before {
+        Before {
+            scheduler: read(plane.scheduler_port).await,
+            controller_manager: read(plane.controller_manager_port).await,
+        }
+    }
+}
+
+async fn read(port: Option<u16>) -> String {
+    match port {
+        Some(port) => metrics::component_metrics(port).await,
+        None => String::new(),
+    }
+}
+
+/// How long a component's requests waited in its own client-side rate limiter since `before`.
+fn report_throttle(component: &str, before: &str, after: &str) {
+    let delta =
+        |metric: &str| metrics::metric_sum(after, metric) - metrics::metric_sum(before, metric);
+    let waited = delta("rest_client_rate_limiter_duration_seconds_sum");
+    let requests = delta("rest_client_rate_limiter_duration_seconds_count");
+    report(
+        &format!("{component}: its requests' wait in its own client-side rate limiter (rest_client_rate_limiter_duration_seconds)"),
+        format!(
+            "{requests:.0} requests, {waited:.1} s waited in all, {:.1} ms each on average",
+            waited / requests.max(1.0) * 1e3
+        ),
+    );
+}
+
+/// Prints the control plane's figures; `before` is what its components said before the
+/// workload.
+pub(super) async fn report_workload(plane: &Plane, admin: &kube::Client, before: &Before) {
     if let Some(port) = plane.scheduler_port {
-        let sched_after = metrics::scheduler_metrics(port).await;
+        let after = metrics::component_metrics(port).await;
         let delta = |metric: &str| {
-            metrics::metric_sum(&sched_after, metric) - metrics::metric_sum(sched_before, metric)
+            metrics::metric_sum(&after, metric) - metrics::metric_sum(&before.scheduler, metric)
         };
         let attempts = delta("scheduler_pod_scheduling_attempts_sum");
         let pods = delta("scheduler_pod_scheduling_attempts_count");
@@ -23,15 +60,14 @@ pub(super) async fn report_workload(plane: &Plane, admin: &kube::Client, sched_b
                 attempts / pods.max(1.0)
             ),
         );
-        // The scheduler's own client-side limiter: how long its requests waited for a token.
-        let waited = delta("rest_client_rate_limiter_duration_seconds_sum");
-        let requests = delta("rest_client_rate_limiter_duration_seconds_count");
-        report(
-            "kube-scheduler: its requests' wait in its own client-side rate limiter (rest_client_rate_limiter_duration_seconds)",
-            format!(
-                "{requests:.0} requests, {waited:.1} s waited in all, {:.1} ms each on average",
-                waited / requests.max(1.0) * 1e3
-            ),
+        report_throttle("kube-scheduler", &before.scheduler, &after);
+    }
+    if let Some(port) = plane.controller_manager_port {
+        let after = metrics::component_metrics(port).await;
+        report_throttle(
+            "kube-controller-manager",
+            &before.controller_manager,
+            &after,
         );
     }
     let apiserver = metrics::apiserver_metrics(admin).await;
@@ -52,7 +88,11 @@ pub(super) async fn report_workload(plane: &Plane, admin: &kube::Client, sched_b
             ),
         );
     }
-    for (name, (cpu, rss)) in metrics::control_plane_processes(plane.dir.path()) {
+    let processes = plane
+        .dir()
+        .map(metrics::control_plane_processes)
+        .unwrap_or_default();
+    for (name, (cpu, rss)) in processes {
         report(
             &format!("{name}: CPU time so far, resident memory"),
             format!("{cpu:.1} s, {} MiB", rss >> 20),

@@ -140,9 +140,12 @@ pub(super) fn rate(requests: u64, took: Duration) -> String {
     )
 }
 
-/// CPU seconds of each control-plane process and of this one, for a phase's CPU use.
-pub(super) fn cpu_now(dir: &std::path::Path) -> Vec<(String, f64)> {
-    let mut out: Vec<(String, f64)> = metrics::control_plane_processes(dir)
+/// CPU seconds of each process of the run's own control plane (in `dir`; none on an existing
+/// cluster) and of this one, for a phase's CPU use.
+pub(super) fn cpu_now(dir: Option<&std::path::Path>) -> Vec<(String, f64)> {
+    let mut out: Vec<(String, f64)> = dir
+        .map(metrics::control_plane_processes)
+        .unwrap_or_default()
         .into_iter()
         .map(|(name, (cpu, _))| (name, cpu))
         .collect();

@@ -36,7 +36,7 @@ pub(super) async fn run(
     let capacity = workload::per_node(options.variant, options.devices).saturating_mul(n);
     let target = ((capacity as f64) * options.fill).floor() as usize;
     let fill_names: Vec<String> = (0..target).map(|i| format!("fill-{i:05}")).collect();
-    let cpu_before = cpu_now(plane.dir.path());
+    let cpu_before = cpu_now(plane.dir());
     let requests_before = sampler.now();
     let started = Instant::now();
     let mut running = kubelets.running.clone();
@@ -47,7 +47,7 @@ pub(super) async fn run(
     let pace = options
         .fill_rate
         .map_or(Pace::InFlight(options.in_flight), Pace::PerSecond);
-    workload::create_all(admin, created, &fill_names, kind, pace).await?;
+    workload::create_all(admin, &cluster.target, created, &fill_names, kind, pace).await?;
     let paced = options.fill_rate.map_or(Duration::ZERO, |r| {
         Duration::from_secs_f64(target as f64 / r)
     });
@@ -60,10 +60,22 @@ pub(super) async fn run(
     let fill_took = started.elapsed();
     let failures = kubelets.observed.failures();
     if !filled {
+        let doubled = doubly_claimed(admin, &cluster.target).await.unwrap_or(0);
         anyhow::bail!(
-            "the fill did not finish in {limit:?}: {} of {target} pods Running; failures: {:?}",
+            "the fill did not finish in {limit:?}: {} of {target} pods Running; failures: {:?}{}",
             *running.borrow(),
-            &failures[..failures.len().min(10)]
+            &failures[..failures.len().min(10)],
+            if doubled > 0 {
+                format!(
+                    "; {doubled} pods got a second claim from their template: kube-controller-manager's \
+                     ResourceClaim controller (1.36) keeps the claims it created last in a cache of \
+                     100 and, when its informer lags behind a burst of pods, makes a claim again; \
+                     the pod's status then names the one the scheduler did not allocate, and no \
+                     kubelet can prepare it (fewer creations in flight avoid it: --in-flight)"
+                )
+            } else {
+                String::new()
+            }
         );
     }
     let what = match kind {
@@ -106,12 +118,7 @@ pub(super) async fn run(
         "fill: driver API requests",
         rate(sampler.now() - requests_before, fill_took),
     );
-    report_cpu(
-        "the fill",
-        &cpu_before,
-        &cpu_now(plane.dir.path()),
-        fill_took,
-    );
+    report_cpu("the fill", &cpu_before, &cpu_now(plane.dir()), fill_took);
     let fill_prepares = kubelets
         .observed
         .prepare_times
@@ -166,6 +173,20 @@ fn report_bound(
         ),
     );
     report("fill: pod created → bound", percentiles(&mut bound));
+}
+
+/// Pods of the target with more than one claim made from their template (the ResourceClaim
+/// controller's double creation under load).
+async fn doubly_claimed(admin: &kube::Client, target: &workload::Target) -> anyhow::Result<usize> {
+    use k8s_openapi::api::resource::v1::ResourceClaim;
+    let claims: kube::Api<ResourceClaim> = kube::Api::namespaced(admin.clone(), &target.namespace);
+    let mut per_pod: std::collections::HashMap<String, usize> = Default::default();
+    for claim in claims.list_metadata(&Default::default()).await?.items {
+        for owner in claim.metadata.owner_references.unwrap_or_default() {
+            *per_pod.entry(owner.uid).or_default() += 1;
+        }
+    }
+    Ok(per_pod.values().filter(|n| **n > 1).count())
 }
 
 /// Every Running pod's claim is in its node's checkpoint, and the stand-ins prepared each

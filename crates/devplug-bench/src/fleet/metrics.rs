@@ -115,9 +115,10 @@ pub fn wait_by_priority_level(text: &str) -> BTreeMap<String, (f64, f64)> {
     out
 }
 
-/// The scheduler's `/metrics` (HTTPS with its self-signed certificate, read anonymously: the
-/// path is allowed without authorization on its command line).
-pub async fn scheduler_metrics(port: u16) -> String {
+/// The `/metrics` of kube-scheduler or kube-controller-manager on `port` (HTTPS with its
+/// self-signed certificate, read anonymously: the path is allowed without authorization on its
+/// command line).
+pub async fn component_metrics(port: u16) -> String {
     let out = tokio::process::Command::new("curl")
         .args([
             "-sk",

@@ -38,7 +38,8 @@ pub mod workload;
 
 pub use figures::{percentiles, report, Sampler};
 pub use mode::Mode;
-pub use setup::{start_plane, Plane};
+pub use setup::{node_names, start_plane, Plane};
+pub use workload::Target;
 
 use std::time::Duration;
 
@@ -108,6 +109,37 @@ pub struct FleetOptions {
     pub control_plane_rate: Option<(u32, u32)>,
     /// Bursts of pods on one node each, one node after the other (the driver mode).
     pub bursts: usize,
+    /// An existing cluster to run the simulated nodes against (its kubeconfig), instead of a
+    /// control plane of the run's own.
+    pub kubeconfig: Option<std::path::PathBuf>,
+    /// This process's part of a fleet split across processes or machines.
+    pub shard: Option<Shard>,
+}
+
+/// Part `index` (from 0) of a fleet split into `count`: the nodes whose number is `index`
+/// modulo `count`, with a workload of their own in namespace `fleet-<index>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    /// Which part.
+    pub index: usize,
+    /// Of how many.
+    pub count: usize,
+}
+
+impl std::str::FromStr for Shard {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("--shard {s:?}: give i/n, the part i (from 0) of n, as 0/4");
+        let (i, n) = s.split_once('/').ok_or_else(bad)?;
+        let (index, count) = (
+            i.trim().parse::<usize>().map_err(|_| bad())?,
+            n.trim().parse::<usize>().map_err(|_| bad())?,
+        );
+        if count == 0 || index >= count {
+            return Err(bad());
+        }
+        Ok(Shard { index, count })
+    }
 }
 
 impl FleetOptions {
@@ -130,6 +162,8 @@ impl FleetOptions {
             idle: Duration::from_secs(10),
             control_plane_rate: None,
             bursts: 0,
+            kubeconfig: None,
+            shard: None,
         };
         match mode {
             Mode::SchedulerPerf => FleetOptions {
@@ -160,6 +194,14 @@ pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
         options.mode != Mode::Driver || options.variant == Variant::Whole,
         "--mode driver allocates whole devices itself: leave --variant at whole"
     );
+    anyhow::ensure!(
+        options.shard.is_none() || options.kubeconfig.is_some(),
+        "--shard splits a fleet across processes that share one cluster: give its --kubeconfig too"
+    );
+    anyhow::ensure!(
+        !(options.storms && options.kubeconfig.is_some()),
+        "--storms stops and starts the run's own API server: leave it out with --kubeconfig"
+    );
     limits::check(options.nodes)?;
     let mut cluster = setup::start(&options).await?;
     let mut fleet = cold_start::start(&cluster, &options).await?;
@@ -167,7 +209,7 @@ pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
 
     let kubelets = kubelet::Kubelets::start(
         cluster.kubelet_clients.client()?,
-        workload::NAMESPACE,
+        &cluster.target.namespace,
         &fleet
             .nodes
             .iter()
@@ -175,10 +217,7 @@ pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
             .collect::<Vec<_>>(),
     );
     let created: workload::Created = Default::default();
-    let sched_before = match cluster.plane.scheduler_port {
-        Some(port) => metrics::scheduler_metrics(port).await,
-        None => String::new(),
-    };
+    let before = control_plane::Before::read(&cluster.plane).await;
     if options.mode == Mode::Driver {
         bursts::run(&options, &cluster, &fleet, &kubelets, &created).await?;
     } else {
@@ -207,7 +246,7 @@ pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
             churn.await?;
         }
     }
-    control_plane::report_workload(&cluster.plane, &cluster.admin, &sched_before).await;
+    control_plane::report_workload(&cluster.plane, &cluster.admin, &before).await;
     bursts::report_driver_calls(&fleet.nodes, &kubelets);
 
     if options.storms {

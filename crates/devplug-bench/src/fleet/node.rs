@@ -3,7 +3,7 @@
 //! publisher, preparer, checkpoint, CDI folder and kubelet-facing gRPC socket in a temp folder
 //! of its own, over a virtual backend.
 
-use super::Variant;
+use super::{workload, Variant};
 use anyhow::Context;
 use devplug_backends::virtual_devices::{
     VirtualBackend, VirtualPartitions, VirtualSettings, VirtualShare,
@@ -187,12 +187,23 @@ fn now() -> String {
     k8s_openapi::jiff::Timestamp::now().to_string()
 }
 
-/// Creates Node `name` (64 CPUs, 256 GiB, 110 pods, `Ready`) and its lease.
-pub async fn create_node(client: &kube::Client, name: &str) -> anyhow::Result<()> {
+/// Creates Node `name` (64 CPUs, 256 GiB, 110 pods, `Ready`) and its lease; in a shared
+/// cluster (`group`), labelled with its group and tainted so that only the run's pods land on
+/// it.
+pub async fn create_node(
+    client: &kube::Client,
+    name: &str,
+    group: Option<&str>,
+) -> anyhow::Result<()> {
     let nodes: Api<Node> = Api::all(client.clone());
-    let node: Node = serde_json::from_value(json!({
+    let mut node = json!({
         "metadata": { "name": name, "labels": { "kubernetes.io/hostname": name, "devplug-fleet": "node" } },
-    }))?;
+    });
+    if let Some(group) = group {
+        node["metadata"]["labels"][workload::GROUP_LABEL] = json!(group);
+        node["spec"] = json!({ "taints": [{ "key": workload::SIMULATED_TAINT, "value": "true", "effect": "NoSchedule" }] });
+    }
+    let node: Node = serde_json::from_value(node)?;
     nodes.create(&PostParams::default(), &node).await?;
     let resources = json!({ "cpu": "64", "memory": "256Gi", "pods": "110" });
     let at = now();
@@ -215,6 +226,19 @@ pub async fn create_node(client: &kube::Client, name: &str) -> anyhow::Result<()
     }))?;
     leases.create(&PostParams::default(), &lease).await?;
     Ok(())
+}
+
+/// Deletes Node `name` and its lease (a run's end on a shared cluster).
+pub async fn remove_node(client: &kube::Client, name: &str) -> anyhow::Result<()> {
+    let gone = |result: Result<_, kube::Error>| match result {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.is_not_found() => Ok(()),
+        Err(err) => Err(anyhow::Error::from(err).context(format!("delete Node {name}"))),
+    };
+    let nodes: Api<Node> = Api::all(client.clone());
+    gone(nodes.delete(name, &Default::default()).await.map(|_| ()))?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NAMESPACE);
+    gone(leases.delete(name, &Default::default()).await.map(|_| ()))
 }
 
 fn micro_now() -> String {

@@ -30,13 +30,17 @@ pub(super) async fn all_published(nodes: &[SimNode], limit: Duration) -> anyhow:
     Ok(started.elapsed())
 }
 
-/// The slices at the API server.
-pub(super) async fn slice_count(client: &kube::Client) -> anyhow::Result<usize> {
+/// The slices of the fleet's driver on the nodes `names` at the API server (a shared cluster
+/// may have others).
+pub(super) async fn slice_count(client: &kube::Client, names: &[String]) -> anyhow::Result<usize> {
+    let params = kube::api::ListParams::default().fields(&format!("spec.driver={}", super::DRIVER));
     Ok(Api::<ResourceSlice>::all(client.clone())
-        .list_metadata(&Default::default())
+        .list(&params)
         .await?
         .items
-        .len())
+        .iter()
+        .filter(|s| s.spec.node_name.as_ref().is_some_and(|n| names.contains(n)))
+        .count())
 }
 
 /// Waits, watching every ResourceSlice as the admin, until each node's slices of its driver

@@ -28,6 +28,7 @@ pub(super) async fn run(
     api_down: Duration,
 ) -> anyhow::Result<()> {
     let n = nodes.len();
+    let names: Vec<String> = nodes.iter().map(|n| n.name.clone()).collect();
 
     // (a) Every driver stops (slices kept, as devplug does at SIGTERM) and starts again
     // with a new client, reading its checkpoint.
@@ -62,7 +63,7 @@ pub(super) async fn run(
         sampler.peak_per_second(started, sampler.mark()),
     );
     anyhow::ensure!(
-        slice_count(admin).await? >= n,
+        slice_count(admin, &names).await? >= n,
         "slices missing after the restart"
     );
 
@@ -78,7 +79,10 @@ pub(super) async fn run(
             .collect()
     };
     let before = resyncs(nodes);
-    plane.plane.stop_api_server().map_err(anyhow::Error::msg)?;
+    let Some(control) = plane.plane.as_mut() else {
+        anyhow::bail!("the storms need the run's own control plane");
+    };
+    control.stop_api_server().map_err(anyhow::Error::msg)?;
     let broke = nodes
         .iter()
         .filter(|n| {
@@ -122,8 +126,7 @@ pub(super) async fn run(
         }
     };
     let ready_and_right = async {
-        plane
-            .plane
+        control
             .start_api_server()
             .await
             .map_err(anyhow::Error::msg)?;
@@ -163,12 +166,15 @@ pub(super) async fn run(
         sampler.peak_per_second(restart, sampler.mark()),
     );
     anyhow::ensure!(
-        slice_count(admin).await? >= n,
+        slice_count(admin, &names).await? >= n,
         "slices missing after the API server's return"
     );
 
     // (c) etcd compacts to its current revision while every driver watches.
-    let etcd = etcd_client_url(plane.dir.path()).context("etcd's client URL")?;
+    let etcd = plane
+        .dir()
+        .and_then(etcd_client_url)
+        .context("etcd's client URL")?;
     let revision = etcd_revision(&etcd).await?;
     let before = resyncs(nodes);
     let errors_before: u64 = nodes
@@ -215,7 +221,7 @@ pub(super) async fn run(
         ),
     );
     anyhow::ensure!(
-        slice_count(admin).await? >= n,
+        slice_count(admin, &names).await? >= n,
         "slices missing after the compaction"
     );
     Ok(())

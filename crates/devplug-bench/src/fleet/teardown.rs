@@ -4,11 +4,12 @@
 use super::cold_start::Fleet;
 use super::figures::{fmt, report};
 use super::kubelet::Kubelets;
-use super::node::SimNode;
+use super::node::{self, SimNode};
 use super::setup::Cluster;
 use super::slices::slice_count;
 use super::workload;
 use futures_util::future::join_all;
+use futures_util::StreamExt;
 use kube::Api;
 use std::time::Duration;
 
@@ -20,6 +21,9 @@ pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> a
         kubelet_clients,
         admin,
         plane,
+        names,
+        target,
+        shared,
         ..
     } = cluster;
     let Fleet {
@@ -28,13 +32,13 @@ pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> a
         ..
     } = fleet;
     // Teardown: every Job and pod deleted, every claim unprepared once, no slice left.
-    workload::delete_jobs(&admin).await?;
+    workload::delete_jobs(&admin, &target).await?;
     let pods_api: Api<k8s_openapi::api::core::v1::Pod> =
-        Api::namespaced(admin.clone(), workload::NAMESPACE);
+        Api::namespaced(admin.clone(), &target.namespace);
     pods_api
         .delete_collection(&Default::default(), &Default::default())
         .await?;
-    let emptied = workload::wait_empty(&admin, Duration::from_secs(300)).await?;
+    let emptied = workload::wait_empty(&admin, &target, Duration::from_secs(300)).await?;
     report("teardown: every pod and claim gone", fmt(emptied));
     let mut leftovers = 0;
     for node in &nodes {
@@ -83,7 +87,7 @@ pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> a
     let stops = join_all(nodes.iter_mut().map(SimNode::remove_driver)).await;
     let problems: Vec<String> = stops.into_iter().flatten().collect();
     anyhow::ensure!(problems.is_empty(), "driver shutdown: {problems:?}");
-    let left = slice_count(&admin).await?;
+    let left = slice_count(&admin, &names).await?;
     anyhow::ensure!(
         left == 0,
         "{left} ResourceSlices left after every driver stopped"
@@ -101,6 +105,24 @@ pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> a
     }
     report("kubelet stand-ins' API requests in all (leases, pod watch, claim reads, status patches, final deletes)", kubelet_clients.count().get());
     sampler_task.abort();
+    if shared {
+        // An existing cluster keeps no trace of the run: its Nodes, their leases and its
+        // namespace go (the DeviceClass stays for other shards).
+        let mut removals = futures_util::stream::iter(&names)
+            .map(|name| node::remove_node(&admin, name))
+            .buffer_unordered(16);
+        while let Some(result) = removals.next().await {
+            result?;
+        }
+        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(admin.clone());
+        namespaces
+            .delete(&target.namespace, &Default::default())
+            .await?;
+        report(
+            "teardown: simulated Nodes removed from the cluster",
+            names.len(),
+        );
+    }
     drop(plane);
     Ok(())
 }

@@ -16,8 +16,37 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// The namespace of the benchmark's pods.
+/// The namespace of the benchmark's pods (a shard's: `fleet-<i>`).
 pub const NAMESPACE: &str = "fleet";
+
+/// The label of the simulated Nodes that marks which run's they are, where the fleet shares
+/// its cluster (an existing one, or shards); the Nodes are tainted
+/// ([`SIMULATED_TAINT`]) so that no real workload lands on them, and the run's pods select
+/// and tolerate them.
+pub const GROUP_LABEL: &str = "devplug-fleet/group";
+
+/// The taint of the simulated Nodes of a shared cluster (`NoSchedule`).
+pub const SIMULATED_TAINT: &str = "devplug-fleet/simulated";
+
+/// Where a run's workload goes: its namespace, and the group of Nodes its pods select (`None`:
+/// every Node, the run's own control plane having no others).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// The namespace of its pods, Jobs and claims.
+    pub namespace: String,
+    /// The value of [`GROUP_LABEL`] on its Nodes.
+    pub group: Option<String>,
+}
+
+impl Target {
+    /// The whole fleet in its own control plane.
+    pub fn own() -> Target {
+        Target {
+            namespace: NAMESPACE.to_owned(),
+            group: None,
+        }
+    }
+}
 /// The claim template every pod uses.
 const TEMPLATE: &str = "one-device";
 
@@ -59,24 +88,34 @@ pub fn per_node(variant: Variant, devices: usize) -> usize {
 }
 
 /// The namespace, the DeviceClass of `driver` and the claim template of `variant`.
-pub async fn prepare(client: &kube::Client, driver: &str, variant: Variant) -> anyhow::Result<()> {
+pub async fn prepare(
+    client: &kube::Client,
+    target: &Target,
+    driver: &str,
+    variant: Variant,
+) -> anyhow::Result<()> {
     let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({ "metadata": { "name": NAMESPACE } }))?,
-        )
-        .await?;
+    created_or_there(
+        namespaces
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({ "metadata": { "name": target.namespace } }))?,
+            )
+            .await,
+    )?;
+    // One DeviceClass for every shard of a shared cluster: the first one makes it.
     let classes: Api<DeviceClass> = Api::all(client.clone());
-    classes
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": { "name": "fleet" },
-                "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == \"{driver}\"") } }] },
-            }))?,
-        )
-        .await?;
+    created_or_there(
+        classes
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "metadata": { "name": "fleet" },
+                    "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == \"{driver}\"") } }] },
+                }))?,
+            )
+            .await,
+    )?;
     let exactly = match variant {
         Variant::Whole => json!({ "deviceClassName": "fleet" }),
         Variant::Share => {
@@ -85,7 +124,7 @@ pub async fn prepare(client: &kube::Client, driver: &str, variant: Variant) -> a
         Variant::Partitions => json!({ "deviceClassName": "fleet", "selectors": [{ "cel": {
             "expression": format!("device.attributes[\"{driver}\"].slices == 1") } }] }),
     };
-    let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), NAMESPACE);
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), &target.namespace);
     templates
         .create(
             &PostParams::default(),
@@ -98,21 +137,42 @@ pub async fn prepare(client: &kube::Client, driver: &str, variant: Variant) -> a
     Ok(())
 }
 
-/// The pod of one claim from the template, as a pod (`name`) or a Job's template.
-fn pod_spec() -> serde_json::Value {
-    json!({
+/// An object made, or there already (made by another shard).
+fn created_or_there<T>(result: Result<T, kube::Error>) -> anyhow::Result<()> {
+    match result {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(err) => Err(err.into()),
+    }
+}
+
+/// The pod of one claim from the template, as a pod or a Job's template: on the target's
+/// Nodes where they are a group of a shared cluster.
+fn pod_spec(target: &Target) -> serde_json::Value {
+    let mut spec = json!({
         "containers": [{ "name": "c", "image": "registry.k8s.io/pause:3.10",
             "resources": { "requests": { "cpu": "10m", "memory": "16Mi" }, "claims": [{ "name": "dev" }] } }],
         "resourceClaims": [{ "name": "dev", "resourceClaimTemplateName": TEMPLATE }],
-    })
+    });
+    if let Some(group) = &target.group {
+        spec["nodeSelector"] = json!({ GROUP_LABEL: group });
+        spec["tolerations"] =
+            json!([{ "key": SIMULATED_TAINT, "operator": "Exists", "effect": "NoSchedule" }]);
+    }
+    spec
 }
 
 /// Creates pod `name`, noting when it was sent.
-pub async fn create(client: &kube::Client, created: &Created, name: &str) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+pub async fn create(
+    client: &kube::Client,
+    target: &Target,
+    created: &Created,
+    name: &str,
+) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &target.namespace);
     let pod: Pod = serde_json::from_value(json!({
         "metadata": { "name": name, "labels": { "app": "fleet" } },
-        "spec": pod_spec(),
+        "spec": pod_spec(target),
     }))?;
     if let Ok(mut c) = created.lock() {
         c.insert(name.to_owned(), Instant::now());
@@ -127,12 +187,13 @@ pub async fn create(client: &kube::Client, created: &Created, name: &str) -> any
 /// it was sent.
 pub async fn create_job(
     client: &kube::Client,
+    target: &Target,
     created: &Created,
     name: &str,
     run_for: Option<Duration>,
 ) -> anyhow::Result<()> {
-    let jobs: Api<Job> = Api::namespaced(client.clone(), NAMESPACE);
-    let mut spec = pod_spec();
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &target.namespace);
+    let mut spec = pod_spec(target);
     spec["restartPolicy"] = json!("Never");
     let mut annotations = serde_json::Map::new();
     if let Some(run_for) = run_for {
@@ -160,19 +221,21 @@ pub async fn create_job(
 /// Creates one object of `kind` named `name`.
 pub async fn create_kind(
     client: &kube::Client,
+    target: &Target,
     created: &Created,
     name: &str,
     kind: Kind,
 ) -> anyhow::Result<()> {
     match kind {
-        Kind::Pod => create(client, created, name).await,
-        Kind::Job(run_for) => create_job(client, created, name, run_for).await,
+        Kind::Pod => create(client, target, created, name).await,
+        Kind::Job(run_for) => create_job(client, target, created, name, run_for).await,
     }
 }
 
 /// Creates `names` as `kind` at `pace`.
 pub async fn create_all(
     client: &kube::Client,
+    target: &Target,
     created: &Created,
     names: &[String],
     kind: Kind,
@@ -181,7 +244,7 @@ pub async fn create_all(
     match pace {
         Pace::InFlight(in_flight) => {
             let mut results = futures_util::stream::iter(names)
-                .map(|name| create_kind(client, created, name, kind))
+                .map(|name| create_kind(client, target, created, name, kind))
                 .buffer_unordered(in_flight.max(1));
             while let Some(result) = results.next().await {
                 result?;
@@ -196,9 +259,10 @@ pub async fn create_all(
             let mut tasks = Vec::with_capacity(names.len());
             for name in names {
                 tick.tick().await;
-                let (client, created, name) = (client.clone(), created.clone(), name.clone());
+                let (client, target) = (client.clone(), target.clone());
+                let (created, name) = (created.clone(), name.clone());
                 tasks.push(tokio::spawn(async move {
-                    create_kind(&client, &created, &name, kind).await
+                    create_kind(&client, &target, &created, &name, kind).await
                 }));
             }
             for task in tasks {
@@ -211,8 +275,8 @@ pub async fn create_all(
 
 /// Deletes every Job of the namespace, their pods with them (graceful: the kubelet stand-ins
 /// finish the ones still running).
-pub async fn delete_jobs(client: &kube::Client) -> anyhow::Result<()> {
-    let jobs: Api<Job> = Api::namespaced(client.clone(), NAMESPACE);
+pub async fn delete_jobs(client: &kube::Client, target: &Target) -> anyhow::Result<()> {
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &target.namespace);
     let params = DeleteParams {
         propagation_policy: Some(kube::api::PropagationPolicy::Background),
         ..DeleteParams::default()
@@ -224,8 +288,8 @@ pub async fn delete_jobs(client: &kube::Client) -> anyhow::Result<()> {
 }
 
 /// Deletes pod `name` as a user does (graceful: the kubelet stand-in finishes it).
-pub async fn delete(client: &kube::Client, name: &str) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+pub async fn delete(client: &kube::Client, target: &Target, name: &str) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &target.namespace);
     match pods.delete(name, &DeleteParams::default()).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.is_not_found() => Ok(()),
@@ -257,11 +321,15 @@ pub fn latencies(
 /// Waits (polling the API server every 500 ms, `limit` at most) until `namespace` has no pods
 /// and no claims left; the claims no pod owns (the bench made them: the driver mode) are
 /// deleted once every pod is gone, as their user would.
-pub async fn wait_empty(client: &kube::Client, limit: Duration) -> anyhow::Result<Duration> {
+pub async fn wait_empty(
+    client: &kube::Client,
+    target: &Target,
+    limit: Duration,
+) -> anyhow::Result<Duration> {
     use k8s_openapi::api::resource::v1::ResourceClaim;
     let started = Instant::now();
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
-    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NAMESPACE);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &target.namespace);
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), &target.namespace);
     loop {
         let p = pods.list_metadata(&Default::default()).await?.items.len();
         let left = claims.list_metadata(&Default::default()).await?.items;
