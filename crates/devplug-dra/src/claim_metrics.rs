@@ -77,6 +77,33 @@ pub struct OperationSnapshot {
     pub buckets: Vec<u64>,
 }
 
+/// The stages of a `NodePrepareResources` call, in order: the claims read from the API server
+/// (with nothing locked), the wait for the driver's lock, the change (the backend, the CDI specs,
+/// the state), and the checkpoint write it waited for (its own, or its group's).
+pub const PREPARE_STAGES: [&str; 4] = ["read", "lock", "change", "write"];
+
+/// Time spent in each stage of [`PREPARE_STAGES`] over all prepare calls, in microseconds.
+#[derive(Debug, Default)]
+pub struct StageCounters([AtomicU64; PREPARE_STAGES.len()]);
+
+impl StageCounters {
+    /// Adds one call's time in each stage, in [`PREPARE_STAGES`]' order.
+    pub fn record(&self, stages: [Duration; PREPARE_STAGES.len()]) {
+        for (sum, took) in self.0.iter().zip(stages) {
+            sum.fetch_add(u64::try_from(took.as_micros()).unwrap_or(u64::MAX), Relaxed);
+        }
+    }
+
+    /// Seconds spent in each stage so far, in [`PREPARE_STAGES`]' order.
+    pub fn snapshot(&self) -> [f64; PREPARE_STAGES.len()] {
+        let mut out = [0.0; PREPARE_STAGES.len()];
+        for (o, sum) in out.iter_mut().zip(&self.0) {
+            *o = Duration::from_micros(sum.load(Relaxed)).as_secs_f64();
+        }
+        out
+    }
+}
+
 /// Live counters of a driver's claim calls.
 #[derive(Debug, Default)]
 pub struct ClaimMetrics {
@@ -84,6 +111,8 @@ pub struct ClaimMetrics {
     pub prepare: OperationCounters,
     /// `NodeUnprepareResources`.
     pub unprepare: OperationCounters,
+    /// Where `NodePrepareResources` calls spent their time.
+    pub prepare_stages: StageCounters,
 }
 
 /// A reading of a driver's claim calls.
@@ -93,6 +122,8 @@ pub struct ClaimMetricsSnapshot {
     pub prepare: OperationSnapshot,
     /// `NodeUnprepareResources`.
     pub unprepare: OperationSnapshot,
+    /// Seconds `NodePrepareResources` calls spent in each of [`PREPARE_STAGES`].
+    pub prepare_stages: [f64; PREPARE_STAGES.len()],
 }
 
 impl ClaimMetrics {
@@ -101,6 +132,7 @@ impl ClaimMetrics {
         ClaimMetricsSnapshot {
             prepare: self.prepare.snapshot(),
             unprepare: self.unprepare.snapshot(),
+            prepare_stages: self.prepare_stages.snapshot(),
         }
     }
 }
@@ -119,5 +151,17 @@ mod tests {
         let at = |le: f64| s.buckets[CLAIM_CALL_BUCKETS.iter().position(|&b| b == le).unwrap()];
         assert_eq!((at(0.01), at(0.025), at(30.0)), (0, 1, 1), "{s:?}");
         assert!((s.seconds - 60.02).abs() < 1e-6, "{s:?}");
+    }
+
+    #[test]
+    fn each_stage_sums_its_own_time() {
+        let stages = StageCounters::default();
+        let ms = Duration::from_millis;
+        stages.record([ms(3), ms(0), ms(1), ms(2)]);
+        stages.record([ms(1), ms(5), ms(1), ms(2)]);
+        let s = stages.snapshot();
+        for (got, want) in s.iter().zip([0.004, 0.005, 0.002, 0.004]) {
+            assert!((got - want).abs() < 1e-9, "{s:?}");
+        }
     }
 }

@@ -192,6 +192,23 @@ fn render_claim_calls(out: &mut String, drivers: &[(String, DriverCounters)]) {
             let _ = writeln!(out, "{duration}_count{{driver=\"{d}\"}} {}", s.calls);
         }
     }
+    let stages = "devplug_dra_prepare_stage_seconds_total";
+    let _ = writeln!(
+        out,
+        "# HELP {stages} Time NodePrepareResources calls spent in each stage: read (the claims from the API server), lock (waiting for the driver's lock), change (backend, CDI specs), write (the checkpoint write, its own or its group's).\n# TYPE {stages} counter"
+    );
+    for (name, c) in drivers {
+        let d = escape(name);
+        for (stage, seconds) in devplug_dra::claim_metrics::PREPARE_STAGES
+            .iter()
+            .zip(c.claims.prepare_stages)
+        {
+            let _ = writeln!(
+                out,
+                "{stages}{{driver=\"{d}\",stage=\"{stage}\"}} {seconds}"
+            );
+        }
+    }
 }
 
 /// The Prometheus text exposition of every resource's metrics.

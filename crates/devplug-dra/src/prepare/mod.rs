@@ -58,6 +58,30 @@ pub type ClaimResults<T> = BTreeMap<String, Result<T, PrepareError>>;
 /// already, so nothing was read.
 type Read = Option<Result<Vec<AllocatedDevice>, PrepareError>>;
 
+/// The time of each stage of a call ([`crate::claim_metrics::PREPARE_STAGES`]).
+struct StageClock {
+    last: std::time::Instant,
+    laps: [Duration; crate::claim_metrics::PREPARE_STAGES.len()],
+}
+
+impl StageClock {
+    fn start() -> StageClock {
+        StageClock {
+            last: std::time::Instant::now(),
+            laps: Default::default(),
+        }
+    }
+
+    /// Ends stage `i`: the time since the last lap is its.
+    fn lap(&mut self, i: usize) {
+        let now = std::time::Instant::now();
+        if let Some(lap) = self.laps.get_mut(i) {
+            *lap = now.saturating_duration_since(self.last);
+        }
+        self.last = now;
+    }
+}
+
 /// Where a driver keeps its files.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrepareFiles {
@@ -265,6 +289,7 @@ impl Preparer {
     }
 
     async fn prepare_claims(&self, claims: &[ClaimRef]) -> ClaimResults<Vec<PreparedDevice>> {
+        let mut clock = StageClock::start();
         let mut distinct: Vec<&ClaimRef> = Vec::new();
         for claim in claims {
             if !distinct.iter().any(|c| c.uid == claim.uid) {
@@ -298,9 +323,11 @@ impl Preparer {
             });
         let read: Vec<Read> = futures_util::future::join_all(reads).await;
         let released = self.released_holders(&read, deadline).await;
+        clock.lap(0);
 
         let mut results = BTreeMap::new();
         let mut state = self.lock_for_change().await;
+        clock.lap(1);
         // The claims prepared by this call, recorded in one checkpoint write at the end (a
         // write a claim would write the whole checkpoint n times for n claims).
         let mut new: Vec<&ClaimRef> = Vec::new();
@@ -323,8 +350,12 @@ impl Preparer {
             .map(|c| state.claims.get(&c.uid).map_or(0, |c| c.devices.len()))
             .collect();
         let own = group_commit::Undo::Prepared(new.iter().map(|c| c.uid.clone()).collect());
+        clock.lap(2);
         // One durable write for this call and those queued behind it.
-        if let Err(err) = self.commit(state, own).await {
+        let committed = self.commit(state, own).await;
+        clock.lap(3);
+        self.metrics.prepare_stages.record(clock.laps);
+        if let Err(err) = committed {
             for claim in new {
                 tracing::warn!(driver = %self.driver, claim = %claim, error = %err, "cannot prepare the claim");
                 results.insert(claim.uid.clone(), Err(err.clone()));
