@@ -2,7 +2,7 @@
 //! real DRA driver and a kubelet stand-in, against a real etcd, kube-apiserver,
 //! kube-controller-manager and (but in the driver mode) kube-scheduler.
 //!
-//! - scheduler-perf: 200 pods (10 a node) created at once, the scheduler at 5,000 QPS;
+//! - scheduler-perf: 80 pods (4 a node) created at once, the scheduler at 5,000 QPS;
 //! - clusterloader2: the control plane's default client rates, the fleet filled to 90% with
 //!   Jobs at 10 a second, then 30 s of short-lived Jobs (5 a second, each pod running 2 s, so
 //!   that they fit the 10% left free), every driver restarted in turn during it (a rolling
@@ -40,6 +40,11 @@ async fn run(options: FleetOptions) {
 async fn scheduler_perf_mode_binds_and_runs_every_pod() {
     run(FleetOptions {
         idle: Duration::from_secs(2),
+        // 80 pods: kube-controller-manager 1.36's ResourceClaim controller can make a second
+        // claim for a pod when over 100 claims it made are not yet in its informer (its cache
+        // of recent creations holds 100), which a burst of pods on this machine can reach; the
+        // pod then never runs. The bench's larger runs say so when it happens.
+        devices: 4,
         ..FleetOptions::new(Mode::SchedulerPerf, 20)
     })
     .await;

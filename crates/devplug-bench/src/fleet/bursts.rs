@@ -13,7 +13,7 @@ use super::node::SimNode;
 use super::setup::Cluster;
 use super::{mode, workload, FleetOptions, DRIVER};
 use anyhow::Context;
-use devplug_dra::claim_metrics::CLAIM_CALL_BUCKETS;
+use devplug_dra::claim_metrics::{CLAIM_CALL_BUCKETS, PREPARE_STAGES};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -191,12 +191,17 @@ pub(super) fn report_driver_calls(nodes: &[SimNode], kubelets: &Kubelets) {
     let mut calls = 0u64;
     let mut seconds = 0.0f64;
     let mut buckets = vec![0u64; CLAIM_CALL_BUCKETS.len()];
+    let mut stages = [0.0f64; PREPARE_STAGES.len()];
     for driver in nodes.iter().filter_map(|n| n.driver.as_ref()) {
-        let prepare = driver.health().claims.prepare.snapshot();
+        let claims = driver.health().claims.snapshot();
+        let prepare = claims.prepare;
         calls = calls.saturating_add(prepare.calls);
         seconds += prepare.seconds;
         for (sum, b) in buckets.iter_mut().zip(&prepare.buckets) {
             *sum = sum.saturating_add(*b);
+        }
+        for (sum, s) in stages.iter_mut().zip(claims.prepare_stages) {
+            *sum += s;
         }
     }
     if calls == 0 {
@@ -229,5 +234,14 @@ pub(super) fn report_driver_calls(nodes: &[SimNode], kubelets: &Kubelets) {
             under(0.99),
             stand_in * 1e3
         ),
+    );
+    let parts: Vec<String> = PREPARE_STAGES
+        .iter()
+        .zip(stages)
+        .map(|(stage, s)| format!("{stage} {:.2} ms", s / calls as f64 * 1e3))
+        .collect();
+    report(
+        "the drivers' own NodePrepareResources calls, mean time in each stage (devplug_dra_prepare_stage_seconds_total)",
+        parts.join(", "),
     );
 }

@@ -69,8 +69,8 @@ pub(super) async fn run(
         // needs 150 free: a fleet of 188 nodes or more at 8 devices and 90%).
         let mut limit = Duration::from_secs(120);
         if let Kind::Job(Some(running_for)) = kind {
-            let capacity =
-                workload::per_node(options.variant, options.devices).saturating_mul(options.nodes);
+            let capacity = workload::per_node(options.variant, options.devices)
+                .saturating_mul(cluster.names.len());
             let free = capacity.saturating_sub(target).max(1);
             let needed = options.churn_rate * running_for.as_secs_f64();
             report(

@@ -28,7 +28,7 @@ pub(super) struct Fleet {
 
 /// Starts every node's driver at once and waits until every node's slices are published.
 pub(super) async fn start(cluster: &Cluster, options: &FleetOptions) -> anyhow::Result<Fleet> {
-    let n = options.nodes;
+    let n = cluster.names.len();
     let Cluster {
         plane,
         admin,

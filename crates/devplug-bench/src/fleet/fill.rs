@@ -31,7 +31,7 @@ pub(super) async fn run(
     kubelets: &Kubelets,
     created: &workload::Created,
 ) -> anyhow::Result<Filled> {
-    let n = options.nodes;
+    let n = cluster.names.len();
     let (plane, admin) = (&cluster.plane, &cluster.admin);
     let capacity = workload::per_node(options.variant, options.devices).saturating_mul(n);
     let target = ((capacity as f64) * options.fill).floor() as usize;

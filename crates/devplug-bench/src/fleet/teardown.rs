@@ -32,14 +32,26 @@ pub(super) async fn run(cluster: Cluster, fleet: Fleet, kubelets: Kubelets) -> a
         ..
     } = fleet;
     // Teardown: every Job and pod deleted, every claim unprepared once, no slice left.
+    let deleting = std::time::Instant::now();
     workload::delete_jobs(&admin, &target).await?;
     let pods_api: Api<k8s_openapi::api::core::v1::Pod> =
         Api::namespaced(admin.clone(), &target.namespace);
     pods_api
         .delete_collection(&Default::default(), &Default::default())
         .await?;
-    let emptied = workload::wait_empty(&admin, &target, Duration::from_secs(300)).await?;
-    report("teardown: every pod and claim gone", fmt(emptied));
+    // The controllers delete what is left at their client rate (the claims made from templates
+    // go one request each, 20 a second at kube-controller-manager's default): allow for it.
+    let prepared = kubelets.observed.prepared().len();
+    let limit = Duration::from_secs(300).saturating_add(Duration::from_millis(
+        u64::try_from(prepared)
+            .unwrap_or(u64::MAX)
+            .saturating_mul(100),
+    ));
+    workload::wait_empty(&admin, &target, limit).await?;
+    report(
+        "teardown: every Job and pod deleted → every pod and claim gone",
+        fmt(deleting.elapsed()),
+    );
     let mut leftovers = 0;
     for node in &nodes {
         if let Some(driver) = &node.driver {
