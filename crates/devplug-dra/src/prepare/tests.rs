@@ -55,10 +55,7 @@ impl ClaimSource for Fixed {
 #[tokio::test]
 async fn a_checkpoint_that_cannot_be_written_undoes_the_whole_call() {
     let dir = tempfile::tempdir().unwrap();
-    let files = PrepareFiles {
-        cdi_dir: dir.path().join("cdi"),
-        checkpoint: dir.path().join("driver/checkpoint.json"),
-    };
+    let files = files_in_driver_folder(dir.path());
     let list = DeviceList::new((0..3).map(|i| Device::new(format!("npu-{i}"))));
     let (tx, _) = watch::channel(list);
     let claims = Fixed(HashMap::from([
@@ -104,6 +101,15 @@ async fn a_checkpoint_that_cannot_be_written_undoes_the_whole_call() {
     assert!(preparer.prepared().await.is_empty());
 }
 
+/// A driver's files in `dir`: CDI specs in `cdi`, the checkpoint in a folder of its own,
+/// `driver` (which the tests of failed writes turn into a file).
+fn files_in_driver_folder(dir: &Path) -> PrepareFiles {
+    PrepareFiles {
+        cdi_dir: dir.join("cdi"),
+        checkpoint: dir.join("driver/checkpoint.json"),
+    }
+}
+
 /// A preparer of eight NPUs and claims `c0`..`c7`, one NPU each.
 fn eight_npus(files: &PrepareFiles) -> Preparer {
     let list = DeviceList::new((0..8).map(|i| Device::new(format!("npu-{i}"))));
@@ -119,10 +125,7 @@ fn eight_npus(files: &PrepareFiles) -> Preparer {
 #[tokio::test]
 async fn calls_queued_on_the_lock_share_one_checkpoint_write() {
     let dir = tempfile::tempdir().unwrap();
-    let files = PrepareFiles {
-        cdi_dir: dir.path().join("cdi"),
-        checkpoint: dir.path().join("driver/checkpoint.json"),
-    };
+    let files = files_in_driver_folder(dir.path());
     let preparer = eight_npus(&files);
     let claims: Vec<ClaimRef> = (0..8).map(|i| claim(&format!("c{i}"))).collect();
     // Eight calls at once, as the kubelet makes for eight pods landing on the node together.
@@ -156,10 +159,7 @@ async fn calls_queued_on_the_lock_share_one_checkpoint_write() {
 #[tokio::test]
 async fn a_shared_write_that_fails_undoes_every_call_of_the_group() {
     let dir = tempfile::tempdir().unwrap();
-    let files = PrepareFiles {
-        cdi_dir: dir.path().join("cdi"),
-        checkpoint: dir.path().join("driver/checkpoint.json"),
-    };
+    let files = files_in_driver_folder(dir.path());
     let preparer = eight_npus(&files);
     assert!(preparer.prepare(&[claim("c0")]).await["c0"].is_ok());
     // The checkpoint's folder turns into a file: no write can succeed.
