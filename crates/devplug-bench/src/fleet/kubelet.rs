@@ -257,6 +257,15 @@ impl Worker {
             return;
         };
         if self.finished.contains(&uid) {
+            // A pod that ended (its phase `Succeeded`) and is deleted afterwards still needs
+            // the kubelet's last word: a deletion that came before its end was written left
+            // it terminating (deleting it again once gone is answered "not found").
+            if !marked(&pod, GONE)
+                && pod.metadata.deletion_timestamp.is_some()
+                && !self.final_delete(&pod, &uid).await
+            {
+                self.again(pod);
+            }
             return;
         }
         if let Some(name) = workload_name(&pod) {

@@ -274,11 +274,13 @@ pub async fn create_all(
 }
 
 /// Deletes every Job of the namespace, their pods with them (graceful: the kubelet stand-ins
-/// finish the ones still running).
+/// finish the ones still running). In the foreground: each Job stays, being deleted, until its
+/// pods are gone, so the Job controller still takes its tracking finalizer off a pod that ends
+/// meanwhile (a Job gone first can leave such a pod behind).
 pub async fn delete_jobs(client: &kube::Client, target: &Target) -> anyhow::Result<()> {
     let jobs: Api<Job> = Api::namespaced(client.clone(), &target.namespace);
     let params = DeleteParams {
-        propagation_policy: Some(kube::api::PropagationPolicy::Background),
+        propagation_policy: Some(kube::api::PropagationPolicy::Foreground),
         ..DeleteParams::default()
     };
     jobs.delete_collection(&params, &Default::default())
