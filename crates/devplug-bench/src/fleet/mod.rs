@@ -14,7 +14,7 @@
 //! [`run`] is the sequence of phases, one a file: `limits` (what the machine must allow),
 //! `setup` (the control plane, the workload's objects, the Node objects and their leases),
 //! `cold_start` (every driver at once, then the quiet window), `fill` and `churn` (or
-//! `bursts`), `control_plane` (what the control plane did meanwhile), `storms` and
+//! `bursts`), `control_plane` and `driver_calls` (what the control plane and the drivers did meanwhile), `storms` and
 //! `teardown`; `figures` measures and prints, `slices` waits for and counts the fleet's slices.
 
 mod api_count;
@@ -22,6 +22,7 @@ mod bursts;
 mod churn;
 mod cold_start;
 mod control_plane;
+mod driver_calls;
 mod figures;
 mod fill;
 pub mod kubelet;
@@ -247,7 +248,7 @@ pub async fn run(options: FleetOptions) -> anyhow::Result<()> {
         }
     }
     control_plane::report_workload(&cluster.plane, &cluster.admin, &before).await;
-    bursts::report_driver_calls(&fleet.nodes, &kubelets);
+    driver_calls::report_all(&fleet.nodes, &kubelets);
 
     if options.storms {
         storms::run(
